@@ -1,0 +1,126 @@
+"""The one batch object that flows through a step: generate -> score -> select -> advantages -> update.
+
+Rows are rollouts (R of them). Each row carries an explicit `group_index` into `problems` (one group per prompt),
+so groups may have unequal sizes from the start (AERO, DynaMO) and nothing assumes a [P, n] reshape.
+Stages add fields; they do not re-derive them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt of a task: what the model sees, and what the verifier needs."""
+
+    uid: str  # stable across the run: keys per-prompt statistics (AERO, DynaMO)
+    prompt: str  # text given to the tokenizer (already templated)
+    answer: str  # gold answer for the verifier
+    metadata: dict[str, Any] = field(default_factory=dict)  # extra dataset columns, passed to reward functions
+
+
+@dataclass
+class RolloutBatch:
+    problems: list[Problem]  # P prompts of this step
+    group_index: torch.Tensor  # [R] long, row -> index into problems
+    prompt_ids: torch.Tensor  # [R, Lp] long, left-padded
+    prompt_mask: torch.Tensor  # [R, Lp] long, 1 on real prompt tokens
+    completion_ids: torch.Tensor  # [R, Lc] long, right-padded
+    completion_mask: torch.Tensor  # [R, Lc] float, 1 on generated tokens (EOS included)
+    truncated: torch.Tensor  # [R] bool, stopped by max_new_tokens before EOS
+    old_logprobs: torch.Tensor | None = None  # [R, Lc] sampled-token log-probs under the sampling policy
+    completions: list[str] | None = None  # decoded completion texts
+    rewards: torch.Tensor | None = None  # [R] float, weighted sum of reward functions
+    reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [R] float (NaN = missing)
+    correct: torch.Tensor | None = None  # [R] bool, verifier correctness (used by AERO/DynaMO statistics)
+    advantages: torch.Tensor | None = None  # [R] float, sequence-level advantage broadcast to tokens
+
+    @property
+    def num_rollouts(self) -> int:
+        return int(self.group_index.numel())
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.problems)
+
+    def group_sizes(self) -> torch.Tensor:
+        """[P] long: rollouts per prompt (0 for a prompt whose rollouts were all dropped)."""
+        return torch.bincount(self.group_index, minlength=self.num_groups)
+
+    def completion_lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(dim=1).long()
+
+    def select_rows(self, rows: torch.Tensor) -> RolloutBatch:
+        """A batch holding only `rows` (long indices or bool mask); problems keep their indices."""
+        if rows.dtype == torch.bool:
+            rows = rows.nonzero(as_tuple=True)[0]
+        changes: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "problems" or value is None:
+                continue
+            if isinstance(value, torch.Tensor):
+                changes[f.name] = value[rows]
+            elif f.name == "completions":
+                changes[f.name] = [value[i] for i in rows.tolist()]
+            elif f.name == "reward_components":
+                changes[f.name] = {k: v[rows] for k, v in value.items()}
+        return replace(self, **changes)
+
+    def trim_padding(self) -> RolloutBatch:
+        """Drop columns that are padding in every row (after selection the longest rows may be gone)."""
+        prompt_keep = self.prompt_mask.any(dim=0)
+        first = int(prompt_keep.nonzero()[0]) if prompt_keep.any() else self.prompt_mask.shape[1]
+        length = int(self.completion_lengths().max()) if self.num_rollouts else 0
+        out = replace(
+            self,
+            prompt_ids=self.prompt_ids[:, first:],
+            prompt_mask=self.prompt_mask[:, first:],
+            completion_ids=self.completion_ids[:, :length],
+            completion_mask=self.completion_mask[:, :length],
+        )
+        if self.old_logprobs is not None:
+            out.old_logprobs = self.old_logprobs[:, :length]
+        return out
+
+
+def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
+    """Concatenate rollouts of the same problems (e.g. AERO rounds), re-padding prompts left and completions right."""
+    problems = batches[0].problems
+    for b in batches[1:]:
+        if b.problems is not problems and [p.uid for p in b.problems] != [p.uid for p in problems]:
+            raise ValueError("concat_batches needs batches over the same problems")
+    lp = max(b.prompt_ids.shape[1] for b in batches)
+    lc = max(b.completion_ids.shape[1] for b in batches)
+
+    def left(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (width - t.shape[1], 0), value=value)
+
+    def right(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+    out = RolloutBatch(
+        problems=problems,
+        group_index=torch.cat([b.group_index for b in batches]),
+        prompt_ids=torch.cat([left(b.prompt_ids, lp, pad_token_id) for b in batches]),
+        prompt_mask=torch.cat([left(b.prompt_mask, lp, 0) for b in batches]),
+        completion_ids=torch.cat([right(b.completion_ids, lc, pad_token_id) for b in batches]),
+        completion_mask=torch.cat([right(b.completion_mask, lc, 0) for b in batches]),
+        truncated=torch.cat([b.truncated for b in batches]),
+    )
+    if all(b.old_logprobs is not None for b in batches):
+        out.old_logprobs = torch.cat([right(b.old_logprobs, lc, 0.0) for b in batches])
+    if all(b.completions is not None for b in batches):
+        out.completions = [c for b in batches for c in b.completions]
+    if all(b.rewards is not None for b in batches):
+        out.rewards = torch.cat([b.rewards for b in batches])
+        out.reward_components = {
+            k: torch.cat([b.reward_components[k] for b in batches]) for k in batches[0].reward_components
+        }
+    if all(b.correct is not None for b in batches):
+        out.correct = torch.cat([b.correct for b in batches])
+    return out

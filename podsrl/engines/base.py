@@ -1,0 +1,101 @@
+"""The engine interface. The trainer only ever talks to this, so the in-process sampler, a Ray actor pool and vLLM
+are interchangeable.
+
+Contract of `generate`:
+- `prompts[i]` is a list of token ids (no padding); prompt i gets `counts[i]` rollouts; rows come out grouped by
+  prompt in order (prompt 0's rollouts first), and `group_index[r]` names the prompt of row r.
+- `seeds[r]` seeds row r's sampling. Engines that support per-row seeds (the fast sampler) make a row's completion
+  depend only on (weights, prompt, seed, params): independent of batch composition, sharding or compaction.
+- Completions are right-padded with `pad_token_id`; `completion_mask` is 1 on every generated token up to and
+  including the first stop token; generation of a row ends at a stop token or `max_new_tokens`.
+- `logprobs[r, t]` (when returned) is log_softmax(logits / temperature)[token] of the sampled token, i.e. the
+  log-prob under the temperature-scaled policy *before* top-p/top-k truncation: exactly what the trainer's forward
+  pass computes, so it can serve as the old log-probs of the PPO ratio.
+- `sync_weights(model)` is called after every optimiser update with the trainer's policy; engines that hold their
+  own copy (Ray actors, vLLM) must load the new weights before the next `generate`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    greedy: bool = False  # argmax decoding (evaluation); ignores temperature/top-p/top-k for the choice
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the tokenizer's EOS
+    return_logprobs: bool = True
+
+
+@dataclass
+class GenerationOutput:
+    group_index: torch.Tensor  # [R] long
+    prompt_ids: torch.Tensor  # [R, Lp] long, left-padded
+    prompt_mask: torch.Tensor  # [R, Lp] long
+    completion_ids: torch.Tensor  # [R, Lc] long, right-padded
+    completion_mask: torch.Tensor  # [R, Lc] float
+    truncated: torch.Tensor  # [R] bool
+    logprobs: torch.Tensor | None  # [R, Lc] float or None
+
+
+class RolloutEngine(ABC):
+    """Samples completions from the current policy."""
+
+    name: str = "base"
+
+    @abstractmethod
+    def generate(
+        self,
+        prompts: list[list[int]],
+        counts: list[int],
+        params: SamplingParams,
+        seeds: torch.Tensor,
+    ) -> GenerationOutput: ...
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Called after each update. In-process engines share the trainer's module, so nothing to do."""
+
+    def close(self) -> None:
+        """Release workers, processes, GPU memory."""
+
+
+def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, L] ids and mask for token lists, padded on the left (decoder-only generation convention)."""
+    width = max((len(p) for p in prompts), default=0)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if p:
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = 1
+    return ids, mask
+
+
+def build_engine(name: str, model: torch.nn.Module, tokenizer, **options) -> RolloutEngine:
+    """Engine registry; heavy engines are imported lazily so their extras stay optional."""
+    if name == "hf":
+        from podsrl.engines.hf import HFEngine
+
+        return HFEngine(model, tokenizer, **options)
+    if name == "fast":
+        from podsrl.engines.fast import FastEngine
+
+        return FastEngine(model, tokenizer, **options)
+    if name == "ray":
+        from podsrl.engines.ray import RayEngine
+
+        return RayEngine(model, tokenizer, **options)
+    if name == "vllm":
+        from podsrl.engines.vllm import VLLMEngine
+
+        return VLLMEngine(model, tokenizer, **options)
+    from podsrl.errors import ConfigError
+
+    raise ConfigError(f"rollout.engine: unknown engine {name!r} (choose from hf, fast, ray, vllm)")
