@@ -88,12 +88,22 @@ class RolloutBatch:
         return out
 
 
-def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
-    """Concatenate rollouts of the same problems (e.g. AERO rounds), re-padding prompts left and completions right."""
+def concat_batches(batches: list[RolloutBatch], pad_token_id: int, disjoint: bool = False) -> RolloutBatch:
+    """Concatenate rollouts, re-padding prompts left and completions right.
+
+    By default all batches are over the same problems (e.g. AERO's rounds). With `disjoint=True` each batch brings
+    its own problems (e.g. refills of dynamic sampling): problem lists are appended and group indices shifted.
+    """
     problems = batches[0].problems
-    for b in batches[1:]:
-        if b.problems is not problems and [p.uid for p in b.problems] != [p.uid for p in problems]:
-            raise ValueError("concat_batches needs batches over the same problems")
+    offsets = [0] * len(batches)
+    if disjoint:
+        problems = [p for b in batches for p in b.problems]
+        for i in range(1, len(batches)):
+            offsets[i] = offsets[i - 1] + batches[i - 1].num_groups
+    else:
+        for b in batches[1:]:
+            if b.problems is not problems and [p.uid for p in b.problems] != [p.uid for p in problems]:
+                raise ValueError("concat_batches needs batches over the same problems (or disjoint=True)")
     lp = max(b.prompt_ids.shape[1] for b in batches)
     lc = max(b.completion_ids.shape[1] for b in batches)
 
@@ -105,7 +115,7 @@ def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBat
 
     out = RolloutBatch(
         problems=problems,
-        group_index=torch.cat([b.group_index for b in batches]),
+        group_index=torch.cat([b.group_index + off for b, off in zip(batches, offsets)]),
         prompt_ids=torch.cat([left(b.prompt_ids, lp, pad_token_id) for b in batches]),
         prompt_mask=torch.cat([left(b.prompt_mask, lp, 0) for b in batches]),
         completion_ids=torch.cat([right(b.completion_ids, lc, pad_token_id) for b in batches]),
@@ -116,6 +126,8 @@ def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBat
         out.old_logprobs = torch.cat([right(b.old_logprobs, lc, 0.0) for b in batches])
     if all(b.completions is not None for b in batches):
         out.completions = [c for b in batches for c in b.completions]
+    if all(b.advantages is not None for b in batches):
+        out.advantages = torch.cat([b.advantages for b in batches])
     if all(b.rewards is not None for b in batches):
         out.rewards = torch.cat([b.rewards for b in batches])
         out.reward_components = {

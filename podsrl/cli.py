@@ -1,0 +1,121 @@
+"""`podsrl train | eval | warmup | compare | report | bench` (user errors: one line on stderr, exit code 2)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from podsrl.errors import UserError
+
+DEFAULT_CONFIG = "pods"  # `podsrl train` with no --config trains PODS on the built-in task
+
+
+def _preset(name: str) -> Path:
+    """A bundled preset by name (e.g. 'grpo'), or a path."""
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        return path
+    bundled = Path(__file__).parent / "configs" / f"{name}.yaml"
+    if bundled.is_file():
+        return bundled
+    raise UserError(f"--config: no file {name!r} and no bundled preset of that name")
+
+
+def _load(args) -> "object":
+    from podsrl.config import load_config
+
+    path = _preset(args.config) if args.config else _preset(DEFAULT_CONFIG)
+    return load_config(path, args.overrides)
+
+
+def cmd_train(args) -> int:
+    from podsrl.trainer import Trainer
+
+    if args.resume:
+        from podsrl.config import load_config
+
+        run_dir = Path(args.resume)
+        saved = run_dir / "config.yaml"
+        if not saved.is_file():
+            raise UserError(f"--resume: {run_dir} is not a run directory (no config.yaml)")
+        cfg = load_config(saved, args.overrides + [f"output_dir={run_dir}"])
+    else:
+        cfg = _load(args)
+    summary = Trainer(cfg, resume=bool(args.resume)).train()
+    print(json.dumps({k: v for k, v in summary.items() if k.startswith(("eval/", "step", "time/"))}))
+    return 0
+
+
+def cmd_warmup(args) -> int:
+    from podsrl.warmup import needs_warmup, run_warmup
+
+    cfg = _load(args)
+    if not needs_warmup(cfg):
+        print("nothing to do: warm-up applies to model.name_or_path=tiny with warmup.steps > 0")
+        return 0
+    print(run_warmup(cfg, progress=cfg.log.progress))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from podsrl.engines import build_engine
+    from podsrl.evaluation import evaluate
+    from podsrl.models import load_policy, resolve_device
+    from podsrl.tasks import build_task
+    from podsrl.warmup import needs_warmup, run_warmup
+
+    cfg = _load(args)
+    path = args.model or (str(run_warmup(cfg)) if needs_warmup(cfg) else None)
+    model, tokenizer = load_policy(cfg.model, path, seed=cfg.seed)
+    model.to(resolve_device(cfg.model.device))
+    task = build_task(cfg.task, tokenizer)
+    engine = build_engine(cfg.rollout.engine, model, tokenizer, **cfg.rollout.engine_options)
+    problems = task.eval_set()[: cfg.eval.size or None]
+    metrics = evaluate(engine, tokenizer, problems, task.is_correct, cfg.rollout.max_new_tokens, cfg.eval.samples,
+                       cfg.rollout.temperature, cfg.rollout.top_p, cfg.eval.batch_size)
+    print(json.dumps(metrics))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="podsrl", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_config(p):
+        p.add_argument("--config", help="YAML config or bundled preset name (grpo, pods, ...); default: pods")
+        p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=16 optim.lr=1e-4")
+        return p
+
+    p = with_config(sub.add_parser("train", help="RL training (warm-up first if the built-in model needs it)"))
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest good checkpoint")
+    p.set_defaults(func=cmd_train)
+    p = with_config(sub.add_parser("warmup", help="supervised warm-up of the built-in model (cached)"))
+    p.set_defaults(func=cmd_warmup)
+    p = with_config(sub.add_parser("eval", help="held-out accuracy of a model"))
+    p.add_argument("--model", help="model dir to evaluate (e.g. RUN/checkpoints/step-N/model); default: warm-up")
+    p.set_defaults(func=cmd_eval)
+    try:
+        from podsrl.experiments.cli import add_experiment_commands
+    except ImportError:
+        pass
+    else:
+        add_experiment_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"podsrl: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("podsrl: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,344 @@
+"""Typed run configuration: dataclasses with help text, loaded from YAML plus dotted CLI overrides.
+
+    podsrl train --config configs/grpo.yaml rollout.n=16 optim.lr=1e-4
+
+Unknown keys and bad values raise ConfigError naming the dotted key. Algorithm presets (configs/*.yaml) are bundles
+of vetted defaults; the trainer itself is algorithm-blind and reads only these fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from podsrl.errors import ConfigError
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class TinyModelConfig:
+    hidden_size: int = _f(128, "Width of the built-in Qwen2-style model.")
+    num_layers: int = _f(4, "Transformer layers of the built-in model.")
+    num_heads: int = _f(4, "Attention heads (key/value heads = half, grouped-query like Qwen2).")
+    intermediate_size: int = _f(384, "MLP width of the built-in model.")
+    max_position_embeddings: int = _f(64, "Longest sequence the built-in model handles.")
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = _f("tiny", "'tiny' (built-in char-level Qwen2), a local path, or a Hugging Face hub id.")
+    dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "Parameter dtype of the policy.")
+    device: str = _f("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...")
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    lora_rank: int = _f(0, "LoRA rank through peft; 0 trains all weights.")
+    lora_alpha: int = _f(32, "LoRA alpha.")
+    lora_dropout: float = _f(0.0, "LoRA dropout.")
+    lora_target_modules: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj"], "Modules LoRA adapts.")
+    trust_remote_code: bool = _f(False, "Passed to from_pretrained; off unless you trust the model repo.")
+
+
+@dataclass
+class TaskConfig:
+    name: str = _f("arithmetic", "'arithmetic' (built-in), 'dataset' (jsonl/csv/parquet/HF), 'reasoning_gym'.")
+    args: dict[str, Any] = _f({}, "Task-specific arguments (e.g. operands/digits, dataset path and columns).")
+    eval_size: int = _f(2000, "Held-out problems; fixed by the task seed.")
+    seed: int = _f(1234, "Seed of the problem generator and held-out set (shared by every run of a comparison).")
+
+
+@dataclass
+class WarmupConfig:
+    steps: int = _f(500, "Supervised warm-up steps on reference completions (built-in tasks; 0 = none).")
+    batch_size: int = _f(128, "Warm-up batch size.")
+    lr: float = _f(3e-3, "Warm-up learning rate (AdamW, cosine decay).")
+    cache_dir: str = _f(".cache/podsrl/warmup", "Where warmed-up base checkpoints are cached, keyed by config.")
+    seed: int = _f(0, "Warm-up seed; the same for every RL run so they start from the same checkpoint.")
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = _f(32, "Prompts drawn per step (P).")
+    n: int = _f(16, "Rollouts generated per prompt (TRL: num_generations).")
+    temperature: float = _f(1.0, "Sampling temperature; log-probs are of the temperature-scaled policy.")
+    top_p: float = _f(1.0, "Nucleus sampling threshold.")
+    top_k: int = _f(0, "Top-k sampling (0 = off).")
+    max_new_tokens: int = _f(8, "Completion length cap (TRL: max_completion_length).")
+    engine: Literal["hf", "fast", "ray", "vllm"] = _f("fast", "Rollout engine.")
+    engine_options: dict[str, Any] = _f({}, "Engine-specific options (e.g. ray: num_workers, address).")
+
+
+@dataclass
+class SelectConfig:
+    m: int = _f(0, "Rollouts trained per prompt; 0 means m = n (no down-sampling).")
+    rule: Literal["max_variance", "max_reward", "random", "none"] = _f(
+        "max_variance", "Down-sampling rule when m < n (PODS)."
+    )
+    normalize_over: Literal["subset", "group"] = _f("subset", "Advantage statistics over the kept subset or group.")
+    filter_zero_variance: bool = _f(False, "Drop groups whose kept rewards all agree (DAPO dynamic sampling).")
+    max_refill_rounds: int = _f(0, "Extra prompt draws to refill a filtered batch; when spent, train on what's there.")
+
+
+@dataclass
+class AlgoConfig:
+    scale: Literal["group", "batch", "none"] = _f("group", "Advantage std scaling (TRL: scale_rewards).")
+    advantage_epsilon: float = _f(1e-4, "Added to the std in the advantage denominator.")
+    epsilon_low: float = _f(0.2, "Lower clip range of the ratio (TRL: epsilon).")
+    epsilon_high: float = _f(0.2, "Upper clip range of the ratio (TRL: epsilon_high; DAPO clip-higher 0.28).")
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = _f(
+        "token_mean", "Loss aggregation (TRL: loss_type dapo/grpo/dr_grpo; verl: loss_agg_mode)."
+    )
+    beta: float = _f(0.0, "KL coefficient to a frozen reference (k3); 0 loads no reference model.")
+    modulation: Literal["none", "dynamo"] = _f("none", "Token-level advantage modulation.")
+    modulation_args: dict[str, Any] = _f({}, "Modulation parameters (dynamo: lambda_min, gamma, tau, mu_max).")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(5e-5, "Policy learning rate (AdamW).")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    betas: list[float] = _f([0.9, 0.999], "AdamW betas.")
+    max_grad_norm: float = _f(1.0, "Gradient-norm clip (0 = off).")
+    scheduler: Literal["constant", "cosine"] = _f("constant", "LR schedule after warm-up.")
+    warmup_steps: int = _f(0, "Linear LR warm-up steps.")
+    epochs: int = _f(1, "Passes over each step's batch (mu; TRL: num_iterations, verl: ppo_epochs).")
+    mini_batches: int = _f(1, "Optimiser steps per pass; the batch is split into this many mini-batches.")
+    micro_batch_size: int = _f(256, "Rollouts per forward/backward (gradient accumulation); memory knob only.")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = _f(200, "RL steps (the run also stops at max_seconds / max_rollouts if set).")
+    max_seconds: float = _f(0.0, "Wall-clock training budget in seconds, eval excluded (0 = none).")
+    max_rollouts: int = _f(0, "Budget of generated rollouts (0 = none).")
+    eval_every: int = _f(10, "Evaluate every N steps (and at the start and end).")
+    save_every: int = _f(50, "Checkpoint every N steps (and at the end).")
+    keep_checkpoints: int = _f(2, "Checkpoints kept on disk (older ones are deleted).")
+    max_nonfinite_steps: int = _f(3, "Consecutive non-finite losses/gradients (each skipped) before the run stops.")
+
+
+@dataclass
+class EvalConfig:
+    size: int = _f(0, "Held-out problems used (0 = all of task.eval_size).")
+    samples: int = _f(8, "k of Avg@k / pass@k (sampled at the rollout temperature); 0 = greedy only.")
+    batch_size: int = _f(1024, "Rows per generation call during evaluation.")
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = _f(True, "Write TensorBoard event files in the run dir.")
+    progress: bool = _f(True, "Show a rich progress bar.")
+    plot: bool = _f(True, "Write plots.png (reward and held-out accuracy) in the run dir.")
+
+
+@dataclass
+class Config:
+    name: str = _f("", "Label of this configuration in comparisons (default: the config file's stem).")
+    seed: int = _f(0, "Seed of the RL run (sampling, prompt order, selection).")
+    output_dir: str = _f("runs/default", "Run directory: config, metrics, checkpoints, plots.")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    select: SelectConfig = field(default_factory=SelectConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    rewards: list[Any] = _f([], "Reward functions: names or {name, weight, function}; empty = the task's default.")
+    reward_on_error: Literal["zero", "skip", "fail"] = _f("zero", "What a failing reward function's values become.")
+    reward_timeout: float = _f(10.0, "Seconds a reward call may take before it counts as failed.")
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    method: dict[str, Any] = _f({}, "Method-specific settings (aero: ..., dynamo: ...), validated by the method.")
+
+    @property
+    def m(self) -> int:
+        """Rollouts trained per prompt (select.m, or n when 0)."""
+        return self.select.m or self.rollout.n
+
+
+# ---------------------------------------------------------------------------------------------- conversion
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Coerce a YAML/CLI value to the annotated type, or raise ConfigError naming the key."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return _build(tp, value, key + ".")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, choices))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(value, args[0], key)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (item,) = typing.get_args(tp) or (Any,)
+        return [_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return int(value)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {tp} at {key}")
+
+
+def _build(cls: type, values: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k in values:
+        if k not in names:
+            close = [n for n in names if n.startswith(str(k)[:3])]
+            hint = f" (did you mean {', '.join(prefix + c for c in sorted(close))}?)" if close else ""
+            raise ConfigError(f"{prefix}{k}: unknown config key{hint}")
+    kwargs = {k: _convert(v, hints[k], prefix + k) for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def _parse_scalar(text: str) -> Any:
+    """CLI values are YAML scalars/flow collections: 1e-4, true, [a, b], {x: 1}."""
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {p} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults <- YAML file <- `key=value` overrides, then validated."""
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"--config: no such file {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of config keys")
+        tree = loaded
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value (e.g. rollout.n=16)")
+        key, text = item.split("=", 1)
+        _set_dotted(tree, key.strip(), _parse_scalar(text))
+    # Shorthand: `model: tiny` / `model=path`.
+    if isinstance(tree.get("model"), str):
+        tree["model"] = {"name_or_path": tree["model"]}
+    cfg = _build(Config, tree)
+    if not cfg.name and path is not None:
+        cfg.name = Path(path).stem
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks, each naming the offending key."""
+
+    def need(cond: bool, key: str, msg: str) -> None:
+        if not cond:
+            raise ConfigError(f"{key}: {msg}")
+
+    need(cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")
+    need(cfg.rollout.n >= 1, "rollout.n", "must be >= 1")
+    need(cfg.rollout.temperature > 0, "rollout.temperature", "must be > 0")
+    need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+    need(cfg.rollout.top_k >= 0, "rollout.top_k", "must be >= 0")
+    need(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+    need(0 <= cfg.select.m <= cfg.rollout.n, "select.m", f"must be in [0, rollout.n={cfg.rollout.n}] (0 = n)")
+    need(cfg.select.max_refill_rounds >= 0, "select.max_refill_rounds", "must be >= 0")
+    need(cfg.algo.epsilon_low >= 0 and cfg.algo.epsilon_high >= 0, "algo.epsilon_low", "clip ranges must be >= 0")
+    need(cfg.algo.beta >= 0, "algo.beta", "must be >= 0")
+    need(cfg.algo.advantage_epsilon > 0, "algo.advantage_epsilon", "must be > 0")
+    need(cfg.optim.lr > 0, "optim.lr", "must be > 0")
+    need(len(cfg.optim.betas) == 2, "optim.betas", "needs two values")
+    need(cfg.optim.epochs >= 1, "optim.epochs", "must be >= 1")
+    need(cfg.optim.mini_batches >= 1, "optim.mini_batches", "must be >= 1")
+    need(cfg.optim.micro_batch_size >= 1, "optim.micro_batch_size", "must be >= 1")
+    need(cfg.optim.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+    need(cfg.optim.max_grad_norm >= 0, "optim.max_grad_norm", "must be >= 0")
+    need(cfg.train.max_steps >= 1, "train.max_steps", "must be >= 1")
+    need(cfg.train.max_seconds >= 0, "train.max_seconds", "must be >= 0")
+    need(cfg.train.max_rollouts >= 0, "train.max_rollouts", "must be >= 0")
+    need(cfg.train.eval_every >= 1, "train.eval_every", "must be >= 1")
+    need(cfg.train.save_every >= 1, "train.save_every", "must be >= 1")
+    need(cfg.train.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
+    need(cfg.task.eval_size >= 1, "task.eval_size", "must be >= 1")
+    need(cfg.eval.size >= 0, "eval.size", "must be >= 0")
+    need(cfg.eval.samples >= 0, "eval.samples", "must be >= 0")
+    need(cfg.eval.batch_size >= 1, "eval.batch_size", "must be >= 1")
+    need(cfg.warmup.steps >= 0, "warmup.steps", "must be >= 0")
+    need(cfg.reward_timeout > 0, "reward_timeout", "must be > 0")
+    need(cfg.model.lora_rank >= 0, "model.lora_rank", "must be >= 0")
+    need(bool(cfg.output_dir), "output_dir", "must not be empty")
+    t = cfg.model.tiny
+    need(t.hidden_size % t.num_heads == 0, "model.tiny.hidden_size", "must be divisible by model.tiny.num_heads")
+    need(t.num_heads % 2 == 0 or t.num_heads == 1, "model.tiny.num_heads", "must be even (or 1)")
+
+
+def dump_config(cfg: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+
+
+def config_help(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, help) for every field: the config reference in the README is generated from this."""
+    rows = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.type.endswith("Config")):
+            sub = typing.get_type_hints(cls)[f.name]
+            rows.extend(config_help(sub, prefix + f.name + "."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        rows.append((prefix + f.name, repr(default), f.metadata.get("help", "")))
+    return rows

@@ -1,0 +1,62 @@
+"""Held-out evaluation: greedy pass@1, sampled Avg@k and unbiased pass@k.
+
+Sampling seeds are a fixed function of the problem and sample index, so every run of a comparison is scored with the
+same random numbers (common random numbers: differences between methods are not sampling noise of the eval).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from podsrl.batch import Problem
+from podsrl.engines.base import RolloutEngine, SamplingParams
+
+EVAL_SEED = 0x5EED
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k = 1 - C(n-c, k) / C(n, k) from n samples with c correct (Chen et al. 2021)."""
+    if k > n:
+        raise ValueError(f"pass@k needs k <= n (k={k}, n={n})")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def _generate_text(engine: RolloutEngine, tokenizer, problems: list[Problem], counts: int, params: SamplingParams,
+                   batch_size: int) -> list[str]:
+    texts: list[str] = []
+    per_call = max(1, batch_size // counts)
+    for start in range(0, len(problems), per_call):
+        chunk = problems[start : start + per_call]
+        prompts = [tokenizer(p.prompt, add_special_tokens=False).input_ids for p in chunk]
+        idx = torch.arange(start, start + len(chunk)).repeat_interleave(counts)
+        seeds = EVAL_SEED * 1_000_003 + idx * 1009 + torch.arange(counts).repeat(len(chunk))
+        out = engine.generate(prompts, [counts] * len(chunk), params, seeds)
+        ids = out.completion_ids.masked_fill(out.completion_mask == 0, tokenizer.pad_token_id)
+        texts.extend(tokenizer.batch_decode(ids, skip_special_tokens=True))
+    return texts
+
+
+def evaluate(engine: RolloutEngine, tokenizer, problems: list[Problem], is_correct, max_new_tokens: int,
+             samples: int = 0, temperature: float = 1.0, top_p: float = 1.0, batch_size: int = 1024) -> dict:
+    """{"eval/accuracy": greedy pass@1, "eval/avg@k", "eval/pass@k", "eval/mean_length"} over `problems`.
+
+    `is_correct(completion, problem) -> bool` is the task's verifier.
+    """
+    greedy = SamplingParams(max_new_tokens=max_new_tokens, greedy=True, return_logprobs=False)
+    texts = _generate_text(engine, tokenizer, problems, 1, greedy, batch_size)
+    correct = [bool(is_correct(t, p)) for t, p in zip(texts, problems)]
+    metrics = {"eval/accuracy": sum(correct) / len(problems), "eval/mean_length": sum(map(len, texts)) / len(texts)}
+    if samples > 0:
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                return_logprobs=False)
+        texts = _generate_text(engine, tokenizer, problems, samples, params, batch_size)
+        per_problem = [
+            sum(is_correct(texts[i * samples + j], p) for j in range(samples)) for i, p in enumerate(problems)
+        ]
+        metrics[f"eval/avg@{samples}"] = sum(per_problem) / (samples * len(problems))
+        metrics[f"eval/pass@{samples}"] = sum(pass_at_k(samples, c, samples) for c in per_problem) / len(problems)
+    return metrics

@@ -1,0 +1,103 @@
+"""Loading the policy: the built-in tiny char-level Qwen2, or any Hugging Face causal LM (local path or hub id)."""
+
+from __future__ import annotations
+
+import logging
+import string
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from podsrl.config import ModelConfig, TinyModelConfig
+from podsrl.errors import UserError
+
+log = logging.getLogger("podsrl")
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+# Printable ASCII plus newline: enough for the built-in tasks and for plain-text datasets on the tiny model.
+CHARS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+TINY_VOCAB_SIZE = 128  # >= 3 specials + len(CHARS); a round size for the embedding matmul
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer built offline with `tokenizers` (each character is one token)."""
+    vocab = {PAD: 0, EOS: 1, UNK: 2}
+    for c in CHARS:
+        vocab[c] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK, bos_token=None, padding_side="left"
+    )
+
+
+def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Qwen2ForCausalLM:
+    config = Qwen2Config(
+        vocab_size=TINY_VOCAB_SIZE,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=max(1, cfg.num_heads // 2),
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise UserError(f"model.device: unknown device {name!r}") from None
+
+
+def load_pretrained(path_or_id: str, dtype: str = "float32", trust_remote_code: bool = False):
+    """(model, tokenizer) from a local directory or a hub id, with one clear error when that is impossible."""
+    local = Path(path_or_id).expanduser()
+    looks_local = local.exists() or path_or_id.startswith((".", "/", "~"))
+    if looks_local and not (local / "config.json").is_file():
+        raise UserError(f"model.name_or_path: {path_or_id!r} is not a model directory (no config.json in it)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(local) if looks_local else path_or_id,
+                                                  trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(local) if looks_local else path_or_id,
+            dtype=getattr(torch, dtype),
+            trust_remote_code=trust_remote_code,
+        )
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        where = "local path" if looks_local else "hub id (offline, or no such repo?)"
+        raise UserError(f"model.name_or_path: cannot load {path_or_id!r} as a {where}: {first}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return model, tokenizer
+
+
+def load_policy(cfg: ModelConfig, base_path: str | None = None, seed: int = 0):
+    """The policy and tokenizer: `base_path` (e.g. a cached warm-up) wins over cfg.name_or_path."""
+    if base_path is not None:
+        return load_pretrained(base_path, cfg.dtype, cfg.trust_remote_code)
+    if cfg.name_or_path == "tiny":
+        tokenizer = build_char_tokenizer()
+        return build_tiny_model(cfg.tiny, tokenizer, seed).to(getattr(torch, cfg.dtype)), tokenizer
+    return load_pretrained(cfg.name_or_path, cfg.dtype, cfg.trust_remote_code)
+
+
+def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)

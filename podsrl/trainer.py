@@ -1,0 +1,329 @@
+"""The training loop, top to bottom:
+
+    prompts -> allocate -> generate -> score -> select -> advantages -> update -> (eval, log, checkpoint)
+
+Each stage is a function or registry entry chosen by config; this file only moves one batch through them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from podsrl.accounting import ComputeAccountant
+from podsrl.algo.advantages import group_mean_std, grpo_advantages
+from podsrl.batch import Problem, RolloutBatch, concat_batches
+from podsrl.checkpoint import latest_checkpoint, load_checkpoint_files, save_checkpoint
+from podsrl.config import Config, dump_config
+from podsrl.engines import SamplingParams, build_engine
+from podsrl.errors import UserError
+from podsrl.evaluation import evaluate
+from podsrl.models import count_parameters, load_policy, resolve_device
+from podsrl.plotting import plot_run
+from podsrl.rewards import build_reward_manager
+from podsrl.select.downsample import selection_metrics, select_rollouts, zero_variance_groups
+from podsrl.select.prompt_stats import PromptStats
+from podsrl.tasks import build_task
+from podsrl.tracking import MetricsLogger, StepProgress
+from podsrl.update import PolicyUpdater
+from podsrl.warmup import needs_warmup, run_warmup
+
+log = logging.getLogger("podsrl")
+
+
+def lr_lambda(cfg: Config, total_updates: int):
+    warm, kind = cfg.optim.warmup_steps, cfg.optim.scheduler
+
+    def f(update: int) -> float:
+        if update < warm:
+            return (update + 1) / warm
+        if kind == "cosine":
+            progress = min(1.0, (update - warm) / max(1, total_updates - warm))
+            return 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+
+    return f
+
+
+class Trainer:
+    def __init__(self, cfg: Config, resume: bool = False) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(cfg.output_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        self.device = resolve_device(cfg.model.device)
+        checkpoint = latest_checkpoint(self.run_dir) if resume else None
+        if resume and checkpoint is None:
+            log.warning("no valid checkpoint in %s: starting from the beginning", self.run_dir)
+        base = str(run_warmup(cfg, progress=cfg.log.progress)) if needs_warmup(cfg) else None
+        self.base_path = base
+        self.model, self.tokenizer = load_policy(
+            cfg.model, str(checkpoint / "model") if checkpoint else base, seed=cfg.seed
+        )
+        self.model.to(self.device)
+        self.ref_model = None
+        if cfg.algo.beta > 0:  # frozen copy of the starting policy; not loaded at all when beta = 0
+            self.ref_model, _ = load_policy(cfg.model, base, seed=cfg.seed)
+            self.ref_model.to(self.device).eval().requires_grad_(False)
+        self.task = build_task(cfg.task, self.tokenizer)
+        self.eval_problems = self.task.eval_set()[: cfg.eval.size or None]
+        self.engine = build_engine(cfg.rollout.engine, self.model, self.tokenizer, **cfg.rollout.engine_options)
+        self.rewards = build_reward_manager(
+            cfg.rewards or list(self.task.default_rewards), self.task, cfg.reward_on_error, cfg.reward_timeout
+        )
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                           weight_decay=cfg.optim.weight_decay)
+        total_updates = cfg.train.max_steps * cfg.optim.epochs * cfg.optim.mini_batches
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_updates))
+        self.updater = PolicyUpdater(self.model, self.optimizer, self.scheduler, cfg, self.device, self.ref_model)
+        self.stats = PromptStats()
+        self.accountant = ComputeAccountant(count_parameters(self.model))
+        self.rng = torch.Generator().manual_seed(cfg.seed)
+        self.step, self.data_position, self.elapsed = 0, 0, 0.0
+        self.stop_requested = False
+        if checkpoint is not None:
+            self._restore(checkpoint)
+            log.info("resumed %s at step %d", self.run_dir, self.step)
+        dump_config(cfg, self.run_dir / "config.yaml")
+        self.logger = MetricsLogger(self.run_dir, cfg.log.tensorboard,
+                                    resume_step=self.step if checkpoint is not None else None)
+
+    # ------------------------------------------------------------------------------------------- stages
+
+    def next_problems(self, count: int) -> list[Problem]:
+        problems = [self.task.problem(self.data_position + i) for i in range(count)]
+        self.data_position += count
+        return problems
+
+    def sampling_params(self) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                              top_k=r.top_k, return_logprobs=self.cfg.optim.epochs * self.cfg.optim.mini_batches > 1)
+
+    def generate_and_score(self, problems: list[Problem], indices: list[int], counts: list[int]) -> RolloutBatch:
+        """Sample counts[j] rollouts of problems[indices[j]] and score them; group_index refers to `problems`."""
+        t0 = time.perf_counter()
+        prompts = [self.tokenizer(problems[i].prompt, add_special_tokens=False).input_ids for i in indices]
+        seeds = torch.randint(0, 2**62, (sum(counts),), generator=self.rng)
+        out = self.engine.generate(prompts, counts, self.sampling_params(), seeds)
+        t1 = time.perf_counter()
+        index_map = torch.tensor(indices, dtype=torch.long)
+        batch = RolloutBatch(
+            problems=problems, group_index=index_map[out.group_index], prompt_ids=out.prompt_ids,
+            prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
+            completion_mask=out.completion_mask.float(), truncated=out.truncated, old_logprobs=out.logprobs,
+        )
+        ids = batch.completion_ids.masked_fill(batch.completion_mask == 0, self.tokenizer.pad_token_id)
+        batch.completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        result = self.rewards.score(problems, batch.group_index, batch.completions)
+        batch.rewards, batch.reward_components, batch.correct = result.rewards, result.components, result.correct
+        if not bool(result.valid.all()):  # reward policy 'skip': those rollouts never reach the update
+            batch = batch.select_rows(result.valid)
+        self._timers["time/generate"] += t1 - t0
+        self._timers["time/score"] += time.perf_counter() - t1
+        self._reward_metrics.append(result.metrics)
+        return batch
+
+    def collect(self, problems: list[Problem]) -> RolloutBatch:
+        n = self.cfg.rollout.n
+        return self.generate_and_score(problems, list(range(len(problems))), [n] * len(problems))
+
+    def select(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict]:
+        """Down-sample each group to m rollouts (PODS) and compute advantages over what is kept."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        rule = cfg.select.rule if cfg.m < cfg.rollout.n else "none"
+        kept_rows = select_rollouts(batch.rewards, batch.group_index, batch.num_groups, cfg.m, rule, self.rng)
+        metrics = selection_metrics(batch.rewards, batch.group_index, batch.num_groups, kept_rows)
+        kept = batch.select_rows(kept_rows)
+        stats = (batch.rewards, batch.group_index) if cfg.select.normalize_over == "group" else (None, None)
+        kept.advantages = grpo_advantages(kept.rewards, kept.group_index, kept.num_groups, cfg.algo.scale,
+                                          cfg.algo.advantage_epsilon, *stats)
+        self._timers["time/select"] += time.perf_counter() - t0
+        return kept, metrics
+
+    def select_with_filter(self, problems: list[Problem]) -> tuple[RolloutBatch, dict]:
+        """Collect + select, dropping zero-variance groups and refilling with new prompts (bounded) if asked."""
+        cfg = self.cfg
+        batch = self.collect(problems)
+        self._update_stats(batch)
+        kept, metrics = self.select(batch)
+        if not cfg.select.filter_zero_variance:
+            return kept, metrics
+        parts, live_groups, rounds = [], 0, 0
+        while True:
+            dead = zero_variance_groups(kept.rewards, kept.group_index, kept.num_groups)
+            kept = kept.select_rows(~dead[kept.group_index])
+            live_groups += int((~dead & (kept.group_sizes() > 0)).sum())
+            parts.append(kept)
+            missing = cfg.rollout.prompts_per_step - live_groups
+            if missing <= 0 or rounds >= cfg.select.max_refill_rounds:
+                break
+            rounds += 1
+            extra = self.collect(self.next_problems(missing))
+            self._update_stats(extra)
+            kept, _ = self.select(extra)
+        metrics["select/refill_rounds"] = float(rounds)
+        metrics["select/groups_trained"] = float(live_groups)
+        # Bound hit with too few informative groups: train on what there is, and say so.
+        metrics["select/refill_exhausted"] = float(live_groups < cfg.rollout.prompts_per_step)
+        return concat_batches(parts, self.tokenizer.pad_token_id, disjoint=True), metrics
+
+    def _update_stats(self, batch: RolloutBatch) -> None:
+        self.stats.update_from_groups([p.uid for p in batch.problems], batch.group_index, batch.correct)
+        self._generated.append(batch)
+
+    # ------------------------------------------------------------------------------------------- loop
+
+    def train_step(self) -> dict:
+        cfg = self.cfg
+        self._timers = {k: 0.0 for k in ("time/generate", "time/score", "time/select", "time/update")}
+        self._reward_metrics: list[dict] = []
+        self._generated: list[RolloutBatch] = []
+        t0 = time.perf_counter()
+        problems = self.next_problems(cfg.rollout.prompts_per_step)
+        kept, select_metrics = self.select_with_filter(problems)
+        t_upd = time.perf_counter()
+        update_metrics = self.updater.update(kept.trim_padding(), self.rng) if kept.num_rollouts else {}
+        self.engine.sync_weights(self.model)
+        self._timers["time/update"] = time.perf_counter() - t_upd
+        step_time = time.perf_counter() - t0
+        self.elapsed += step_time
+        self.step += 1
+        if self.updater.nonfinite_in_a_row >= cfg.train.max_nonfinite_steps:
+            raise UserError(f"training stopped: {self.updater.nonfinite_in_a_row} consecutive steps with a "
+                            f"non-finite loss or gradient (step {self.step}); try a lower optim.lr. The last good "
+                            f"checkpoint is in {self.run_dir / 'checkpoints'}")
+        return self._step_metrics(kept, select_metrics, update_metrics, step_time)
+
+    def _step_metrics(self, kept: RolloutBatch, select_metrics: dict, update_metrics: dict, step_time: float):
+        generated = self._generated
+        rewards = torch.cat([b.rewards for b in generated])
+        lengths = torch.cat([b.completion_lengths() for b in generated]).float()
+        zero_std = torch.cat([zero_variance_groups(b.rewards, b.group_index, b.num_groups) for b in generated])
+        group_std = torch.cat([group_mean_std(b.rewards, b.group_index, b.num_groups)[1] for b in generated])
+        metrics = {
+            "step": self.step,
+            "reward": float(rewards.mean()),
+            "reward_std": float(group_std.mean()),
+            "frac_reward_zero_std": float(zero_std.float().mean()),
+            "completions/mean_length": float(lengths.mean()),
+            "completions/clipped_ratio": float(torch.cat([b.truncated for b in generated]).float().mean()),
+            "correct": float(torch.cat([b.correct for b in generated]).float().mean()),
+        }
+        for part in self._reward_metrics:
+            for k, v in part.items():
+                metrics[k] = metrics.get(k, 0.0) + v / len(self._reward_metrics)
+        metrics.update(select_metrics)
+        metrics.update(update_metrics)
+        metrics.update(self.accountant.step(
+            generated_rollouts=int(rewards.numel()), generated_tokens=int(lengths.sum()),
+            trained_rollouts=kept.num_rollouts, trained_tokens=int(kept.completion_mask.sum()),
+        ))
+        metrics.update(self._timers)
+        metrics["time/step"] = step_time
+        metrics["time/elapsed"] = self.elapsed
+        return metrics
+
+    def budget_left(self) -> bool:
+        t = self.cfg.train
+        if self.step >= t.max_steps or self.stop_requested:
+            return False
+        if t.max_seconds and self.elapsed >= t.max_seconds:
+            return False
+        if t.max_rollouts and self.accountant.totals["rollouts_generated"] >= t.max_rollouts:
+            return False
+        return True
+
+    def run_eval(self) -> dict:
+        cfg = self.cfg
+        metrics = evaluate(self.engine, self.tokenizer, self.eval_problems, self.task.is_correct,
+                           cfg.rollout.max_new_tokens, cfg.eval.samples, cfg.rollout.temperature,
+                           cfg.rollout.top_p, cfg.eval.batch_size)
+        record = {"step": self.step, "time/elapsed": self.elapsed, **metrics}
+        record.update({f"total/{k}": v for k, v in self.accountant.totals.items()})
+        self.logger.log(record)
+        return metrics
+
+    def train(self) -> dict:
+        cfg = self.cfg
+        progress = StepProgress(cfg.train.max_steps, cfg.log.progress, start=self.step)
+        previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        last_eval: dict = {}
+        try:
+            if self.step == 0:
+                last_eval = self.run_eval()
+                progress.update(0, accuracy=last_eval["eval/accuracy"])
+            while self.budget_left():
+                metrics = self.train_step()
+                self.logger.log(metrics)
+                progress.update(self.step, reward=metrics["reward"], step_time=metrics["time/step"])
+                finished = not self.budget_left()
+                if self.step % cfg.train.eval_every == 0 or finished:
+                    last_eval = self.run_eval()
+                    progress.update(self.step, accuracy=last_eval["eval/accuracy"])
+                if self.step % cfg.train.save_every == 0 or finished:
+                    self.save()
+        finally:
+            progress.close()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self.logger.close()
+            self.engine.close()
+            self.rewards.close()
+        if self.stop_requested and self.step < cfg.train.max_steps:
+            log.warning("stopped by signal at step %d; resume with --resume %s", self.step, self.run_dir)
+            return last_eval
+        summary = {"step": self.step, "time/elapsed": self.elapsed, **last_eval,
+                   **{f"total/{k}": v for k, v in self.accountant.totals.items()}}
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+        if cfg.log.plot:
+            plot_run(self.run_dir)
+        return summary
+
+    def _request_stop(self, signum, frame) -> None:
+        # Finish the step in flight, checkpoint, exit cleanly: nothing lost.
+        self.stop_requested = True
+
+    # ------------------------------------------------------------------------------------------- state
+
+    def save(self) -> None:
+        state = {
+            "step": self.step, "data_position": self.data_position, "elapsed": self.elapsed,
+            "prompt_stats": self.stats.state_dict(), "accounting": self.accountant.state_dict(),
+            "nonfinite_in_a_row": self.updater.nonfinite_in_a_row, "python_random": _py_random_state(),
+        }
+        optimizer_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        rng_state = {"trainer": self.rng.get_state(), "torch": torch.get_rng_state()}
+        save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, optimizer_state, rng_state, state,
+                        keep=self.cfg.train.keep_checkpoints)
+
+    def _restore(self, path: Path) -> None:
+        optimizer_state, rng_state, state = load_checkpoint_files(path)
+        self.optimizer.load_state_dict(optimizer_state["optimizer"])
+        self.scheduler.load_state_dict(optimizer_state["scheduler"])
+        self.rng.set_state(rng_state["trainer"])
+        torch.set_rng_state(rng_state["torch"])
+        self.step, self.data_position, self.elapsed = state["step"], state["data_position"], state["elapsed"]
+        self.stats.load_state_dict(state["prompt_stats"])
+        self.accountant.load_state_dict(state["accounting"])
+        self.updater.nonfinite_in_a_row = state["nonfinite_in_a_row"]
+        _set_py_random_state(state["python_random"])
+
+
+def _py_random_state() -> list:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def _set_py_random_state(state: list) -> None:
+    random.setstate((state[0], tuple(state[1]), state[2]))

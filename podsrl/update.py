@@ -1,0 +1,153 @@
+"""The policy update: mu passes over the selected rollouts, split into mini-batches (one optimiser step each) and
+micro-batches (gradient accumulation). Only the rollouts handed in are forwarded, so memory and time scale with the
+number kept (PODS's m), not the number generated."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from podsrl.algo.loss import (
+    LOSS_AGGREGATIONS,
+    aggregation_stats,
+    clipped_policy_loss,
+    k3_kl,
+    token_logprobs_and_entropy,
+)
+from podsrl.batch import RolloutBatch
+from podsrl.config import Config
+
+
+def sequence_logprobs(model, prompt_ids, prompt_mask, completion_ids, temperature: float):
+    """[B, Lc] log-probs of the completion tokens and [B, Lc] entropies, one forward pass of prompt + completion.
+
+    Position ids follow the left padding (as generation does); right padding of completions needs no mask since
+    causal attention never lets an earlier position see it.
+    """
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    length = completion_ids.shape[1]
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=length + 1,
+        use_cache=False,
+    ).logits[:, :-1]
+    return token_logprobs_and_entropy(logits, completion_ids, temperature)
+
+
+class PolicyUpdater:
+    """Owns the optimiser step; the trainer hands it a batch with advantages and gets metrics back."""
+
+    def __init__(self, model, optimizer, scheduler, cfg: Config, device: torch.device, ref_model=None,
+                 modulation: Callable | None = None, grad_sync: Callable[[], None] | None = None) -> None:
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.cfg, self.device, self.ref_model = cfg, device, ref_model
+        self.modulation = modulation  # f(advantages, log_ratio, logprobs, entropy, mask) -> (factor, metrics)
+        self.grad_sync = grad_sync  # data-parallel all-reduce of gradients (None in one process)
+        self.aggregate = LOSS_AGGREGATIONS[cfg.algo.loss_agg]
+        self.nonfinite_in_a_row = 0
+
+    def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        return list(rows.split(self.cfg.optim.micro_batch_size))
+
+    def _forward(self, model, batch: RolloutBatch, rows: torch.Tensor):
+        b = batch
+        width = int(b.completion_mask[rows].sum(dim=1).max().clamp(min=1))  # trim right padding of this slice
+        return sequence_logprobs(
+            model,
+            b.prompt_ids[rows].to(self.device),
+            b.prompt_mask[rows].to(self.device),
+            b.completion_ids[rows, :width].to(self.device),
+            self.cfg.rollout.temperature,
+        ), width
+
+    @torch.no_grad()
+    def _precompute(self, model, batch: RolloutBatch) -> torch.Tensor:
+        """[R, Lc] log-probs under `model` (old policy or reference), computed once before the first pass."""
+        out = torch.zeros_like(batch.completion_mask)
+        for rows in self._micro_batches(torch.arange(batch.num_rollouts)):
+            (logp, _), width = self._forward(model, batch, rows)
+            out[rows, :width] = logp.float().cpu()
+        return out
+
+    def update(self, batch: RolloutBatch, generator: torch.Generator, global_stats: Callable | None = None) -> dict:
+        cfg, model = self.cfg, self.model
+        passes = cfg.optim.epochs * cfg.optim.mini_batches
+        model.train()
+        old_logprobs = None
+        if passes > 1:  # with one pass ratio = 1 exactly: use the current log-probs, detached
+            old_logprobs = self._precompute(model, batch) if batch.old_logprobs is None else batch.old_logprobs
+        ref_logprobs = self._precompute(self.ref_model, batch) if cfg.algo.beta > 0 else None
+        sums: dict[str, float] = defaultdict(float)
+        weight_sums: dict[str, float] = defaultdict(float)
+        skipped = 0
+        R = batch.num_rollouts
+        for _ in range(cfg.optim.epochs):
+            order = torch.randperm(R, generator=generator) if cfg.optim.mini_batches > 1 else torch.arange(R)
+            for mini in order.tensor_split(cfg.optim.mini_batches):
+                if mini.numel() == 0:
+                    continue
+                stats = aggregation_stats(batch.completion_mask[mini], cfg.rollout.max_new_tokens)
+                if global_stats is not None:  # data parallel: totals over every rank's mini-batch
+                    stats = global_stats(stats)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss_total = 0.0
+                for rows in self._micro_batches(mini):
+                    loss, m = self._micro_step(batch, rows, stats, old_logprobs, ref_logprobs)
+                    loss_total += loss
+                    for k, (v, w) in m.items():
+                        sums[k] += v
+                        weight_sums[k] += w
+                sums["loss"] += loss_total
+                weight_sums["loss"] += 1
+                if self.grad_sync is not None:
+                    self.grad_sync()
+                max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(
+                    [p for p in model.parameters() if p.requires_grad], max_norm))
+                if not (math.isfinite(grad_norm) and math.isfinite(loss_total)):
+                    skipped += 1
+                    self.optimizer.zero_grad(set_to_none=True)
+                    continue
+                self.optimizer.step()
+                self.scheduler.step()
+                sums["grad_norm"] += grad_norm
+                weight_sums["grad_norm"] += 1
+        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skipped == passes else 0
+        metrics = {k: sums[k] / weight_sums[k] for k in sums if weight_sums[k] > 0}
+        metrics["train/nonfinite_skipped"] = float(skipped)
+        metrics["learning_rate"] = self.scheduler.get_last_lr()[0]
+        return metrics
+
+    def _micro_step(self, batch, rows, stats, old_logprobs, ref_logprobs):
+        cfg = self.cfg
+        (logp, entropy), width = self._forward(self.model, batch, rows)
+        mask = batch.completion_mask[rows, :width].to(self.device)
+        old = logp.detach() if old_logprobs is None else old_logprobs[rows, :width].to(self.device)
+        adv = batch.advantages[rows].to(self.device)[:, None].expand_as(logp)
+        metrics: dict[str, tuple[float, float]] = {}
+        if self.modulation is not None:
+            factor, mod_metrics = self.modulation(adv, logp.detach() - old, logp.detach(), entropy.detach(), mask)
+            adv = adv * factor.detach()
+            n = float(mask.sum())
+            metrics.update({k: (v * n, n) for k, v in mod_metrics.items()})
+        per_token, low, high = clipped_policy_loss(logp, old, adv, cfg.algo.epsilon_low, cfg.algo.epsilon_high)
+        if ref_logprobs is not None:
+            kl = k3_kl(logp, ref_logprobs[rows, :width].to(self.device))
+            per_token = per_token + cfg.algo.beta * kl
+            metrics["kl"] = (float((kl.detach() * mask).sum()), float(mask.sum()))
+        weights = self.aggregate(mask, stats)
+        loss = (weights * per_token).sum()
+        loss.backward()
+        n_tok = float(mask.sum())
+        metrics["entropy"] = (float((entropy.detach() * mask).sum()), n_tok)
+        metrics["clip_ratio/low_mean"] = (float((low.float() * mask).sum()), n_tok)
+        metrics["clip_ratio/high_mean"] = (float((high.float() * mask).sum()), n_tok)
+        metrics["clip_ratio/region_mean"] = (float(((low | high).float() * mask).sum()), n_tok)
+        return float(loss.detach()), metrics

@@ -1,0 +1,105 @@
+"""Supervised warm-up of the built-in model on reference completions, cached by config.
+
+RL needs a starting policy that is right part of the time. The warm-up is deterministic given its config, so every
+run of a comparison starts from byte-identical weights, and it is cached under a key of everything that shapes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from rich.progress import Progress
+
+from podsrl.config import Config, to_dict
+from podsrl.models import build_char_tokenizer, build_tiny_model
+from podsrl.tasks import build_task
+
+log = logging.getLogger("podsrl")
+
+
+def warmup_key(cfg: Config) -> str:
+    shaping = {"tiny": to_dict(cfg.model.tiny), "task": to_dict(cfg.task), "warmup": to_dict(cfg.warmup)}
+    shaping["warmup"].pop("cache_dir")
+    return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def warmup_path(cfg: Config) -> Path:
+    return Path(cfg.warmup.cache_dir) / warmup_key(cfg)
+
+
+def needs_warmup(cfg: Config) -> bool:
+    return cfg.model.name_or_path == "tiny" and cfg.warmup.steps > 0
+
+
+def sft_batch(tokenizer, prompts: list[str], targets: list[str]):
+    """Right-padded ids, attention mask and labels (-100 on prompt and padding), EOS after each target."""
+    eos = tokenizer.eos_token_id
+    rows = []
+    for p, t in zip(prompts, targets):
+        pi = tokenizer(p, add_special_tokens=False).input_ids
+        ti = tokenizer(t, add_special_tokens=False).input_ids + [eos]
+        rows.append((pi + ti, [-100] * len(pi) + ti))
+    width = max(len(r[0]) for r in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    labels = torch.full((len(rows), width), -100)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (x, y) in enumerate(rows):
+        ids[i, : len(x)] = torch.tensor(x)
+        labels[i, : len(y)] = torch.tensor(y)
+        mask[i, : len(x)] = 1
+    return ids, mask, labels
+
+
+def run_warmup(cfg: Config, progress: bool = True) -> Path:
+    """Train (or reuse) the warmed-up base checkpoint and return its directory."""
+    out = warmup_path(cfg)
+    if (out / "config.json").is_file():
+        return out
+    task = build_task(cfg.task)
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(cfg.model.tiny, tokenizer, seed=cfg.warmup.seed)
+    w = cfg.warmup
+    gen = torch.Generator().manual_seed(w.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=w.lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / max(1, w.steps // 20)) * 0.5 * (1 + torch.cos(
+            torch.tensor(torch.pi * s / w.steps)).item())
+    )
+    # Warm-up draws from the far end of the training index space so RL's own prompts are fresh.
+    offset = 10**9
+    start = time.perf_counter()
+    model.train()
+    bar = Progress(disable=not progress)
+    with bar:
+        task_id = bar.add_task("warm-up", total=w.steps)
+        for step in range(w.steps):
+            idx = torch.randint(0, 10**8, (w.batch_size,), generator=gen).tolist()
+            problems = [task.problem(offset + i) for i in idx]
+            ids, mask, labels = sft_batch(tokenizer, [p.prompt for p in problems],
+                                          [task.reference_completion(p) for p in problems])
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            bar.update(task_id, advance=1, description=f"warm-up loss {loss.item():.3f}")
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "warmup.json").write_text(json.dumps({"seconds": time.perf_counter() - start, "steps": w.steps}))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process finished the same warm-up first
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("warm-up finished in %.1fs -> %s", time.perf_counter() - start, out)
+    return out
