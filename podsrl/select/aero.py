@@ -180,9 +180,8 @@ def aero_select(
     majority = (f > 0) & (2 * f < n) if symmetric else torch.zeros_like(dead)
 
     # Quota per (group, outcome) bucket 2g + correct; rows are ranked inside their bucket by a random key.
-    quota_fail, quota_succ = f.clone(), c.clone()
-    quota_fail = torch.where(minority, _scaled_count(k, c).clamp(min=1).minimum(f), quota_fail)
-    quota_succ = torch.where(majority, _scaled_count(k, f).clamp(min=1).minimum(c), quota_succ)
+    quota_fail = torch.where(minority, _scaled_count(k, c).clamp(min=1).minimum(f), f)
+    quota_succ = torch.where(majority, _scaled_count(k, f).clamp(min=1).minimum(c), c)
     quota_fail = torch.where(dead, f.clamp(max=keep_dead), quota_fail)
     quota_succ = torch.where(dead, c.clamp(max=keep_dead), quota_succ)
     quota = torch.stack([quota_fail, quota_succ], dim=1).reshape(-1)
