@@ -176,10 +176,12 @@ def smooth(values: Sequence[float] | np.ndarray, window: int) -> np.ndarray:
     if window < 1:
         raise ValueError(f"smoothing window must be >= 1, got {window}")
     v = np.asarray(values, dtype=float)
-    csum = np.concatenate([[0.0], np.cumsum(v)])
-    idx = np.arange(len(v))
-    lo = np.maximum(0, idx - window + 1)
-    return (csum[idx + 1] - csum[lo]) / (idx + 1 - lo)
+    if len(v) == 0:
+        return v
+    # Sum each window directly (not as a difference of cumulative sums): window 1 returns the values exactly.
+    padded = np.concatenate([np.zeros(window - 1), v])
+    sums = np.lib.stride_tricks.sliding_window_view(padded, window).sum(axis=1)
+    return sums / np.minimum(np.arange(1, len(v) + 1), window)
 
 
 def time_to_target(

@@ -71,14 +71,14 @@ def plot_comparison(comparison: Comparison, path: str | Path, title: str | None 
             color="black",
             linestyle="--",
             linewidth=1,
-            label=f"{comparison.baseline} peak ({comparison.target:.3f})",
+            label=f"{comparison.baseline} peak, mean over seeds ({comparison.target:.3f})",
         )
         if not drawn:
             ax.text(0.5, 0.5, f"no '{x_key}' logged", transform=ax.transAxes, ha="center", va="center")
         ax.set_xlabel(x_label)
         ax.set_ylabel("held-out accuracy (greedy pass@1)")
         ax.grid(True, alpha=0.3)
-        ax.legend(loc="lower right", fontsize="small")
+        ax.legend(loc="best", fontsize="small")
     fig.suptitle(
         title
         or f"Held-out accuracy, smoothed over {w} eval{'s' if w != 1 else ''}; "

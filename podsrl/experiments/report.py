@@ -13,7 +13,6 @@ from pathlib import Path
 
 from podsrl.errors import UserError
 from podsrl.experiments.analysis import STEP_TIME_KEYS, Comparison, RunResult, Spread, compare_runs, load_run
-from podsrl.experiments.plots import plot_comparison
 
 NOT_REACHED = "not reached"
 HEADER_FILE = "header.md"  # written by `podsrl compare`, picked up by `podsrl report` on the same folder
@@ -154,7 +153,8 @@ def render_markdown(comparison: Comparison, header: str | None = None) -> str:
         f"plateau = mean of the last {c.plateau_fraction:.0%} of eval points.",
         "Time to target = training wall-clock (eval excluded) when the smoothed curve first reaches",
         f"the target, {crossing}. Speed-up = baseline time / method time, paired by seed.",
-        "Cells show mean ± std [min–max] over seeds.",
+        "Cells show mean ± std [min–max] over seeds; times and speed-ups over the seeds that reached the",
+        "target (count shown when not all did).",
     ]
     parts = [header.strip() + "\n"] if header else []
     parts.append(" ".join(method) + "\n")
@@ -164,7 +164,7 @@ def render_markdown(comparison: Comparison, header: str | None = None) -> str:
         steps = " / ".join(_num(cfg.step_times[k].mean, 3) for k in STEP_TIME_KEYS)
         tot = {key: cfg.totals.get(key, Spread.of([])).mean for _, key in TOTALS}
         speed = (
-            _spread_cell(cfg.speedup, 2, unit="×")
+            _spread_cell(cfg.speedup, 2, len(cfg.runs), unit="×")
             if cfg.speedup.n
             else (NOT_REACHED if cfg.time_to_target.n == 0 else "—")
         )
@@ -191,7 +191,7 @@ def render_markdown(comparison: Comparison, header: str | None = None) -> str:
                 "peak acc",
                 "plateau acc",
                 "time to target (s)",
-                "rollouts to target",
+                "rollouts generated to target",
                 "speed-up",
                 "rollouts gen / trained",
                 "tokens gen / trained",
@@ -227,7 +227,7 @@ def render_markdown(comparison: Comparison, header: str | None = None) -> str:
                 "plateau",
                 "target",
                 "time to target (s)",
-                "rollouts to target",
+                "rollouts generated to target",
                 "speed-up",
                 "wall-clock (s)",
                 "steps",
@@ -263,6 +263,8 @@ def build_report(
     Runs are grouped by label (config `name`, else the config's folder in compare's layout; `labels` overrides
     per run dir) and seed. The baseline is the first label seen unless named.
     """
+    from podsrl.experiments.plots import plot_comparison  # matplotlib loads in seconds: only when plotting
+
     labels = {Path(k): v for k, v in (labels or {}).items()}
     records = [load_run(d, labels.get(Path(d))) for d in run_dirs]
     comparison = compare_runs(records, baseline, smooth_window, plateau_fraction, target_mode, interpolate)
@@ -307,7 +309,9 @@ def add_analysis_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run dirs, or folders holding them")
-    parser.add_argument("--out", help="where to write the report (default: the single folder given, else .)")
+    parser.add_argument(
+        "--out", help="where to write the report (default: the one folder of runs given, else .)"
+    )
     parser.add_argument(
         "--header-file", help=f"markdown put above the table (default: {HEADER_FILE} if found)"
     )
@@ -317,7 +321,9 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
 def report_main(args: argparse.Namespace) -> int:
     """`podsrl report`: rebuild plot and tables from saved runs. Returns the exit code."""
     given = [Path(p) for p in args.run_dirs]
-    out = Path(args.out) if args.out else (given[0] if len(given) == 1 and given[0].is_dir() else Path("."))
+    # Default: into the one folder of runs given (a compare output dir), never into a run dir itself.
+    single = len(given) == 1 and given[0].is_dir() and not (given[0] / "metrics.jsonl").is_file()
+    out = Path(args.out) if args.out else (given[0] if single else Path("."))
     header = None
     header_path = (
         Path(args.header_file)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -185,6 +187,19 @@ def _tail(path: Path, n: int = _LOG_TAIL_LINES) -> str:
         return ""
 
 
+def _gpu_names() -> str:
+    if shutil.which("nvidia-smi") is None:
+        return ""
+    try:
+        query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+        names = subprocess.run(query, capture_output=True, text=True, timeout=10, check=True).stdout.split(
+            "\n"
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return ", ".join(n.strip() for n in names if n.strip())
+
+
 def compare_header(
     configs: Sequence[Path],
     seeds: Sequence[int],
@@ -194,13 +209,12 @@ def compare_header(
     command: str | None,
 ) -> str:
     """Markdown lines naming the machine and the commands, for the top of results.md."""
-    try:
-        import torch
-
-        device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU only"
-        torch_text = f"torch {torch.__version__} ({torch.get_num_threads()} threads), {device}"
-    except ImportError:
+    try:  # torch's version without importing it (seconds); the GPU from nvidia-smi when there is one
+        torch_text = f"torch {importlib.metadata.version('torch')}"
+    except importlib.metadata.PackageNotFoundError:
         torch_text = "torch not installed"
+    gpus = _gpu_names()
+    torch_text += f", GPU: {gpus}" if gpus else ", no GPU"
     budget = (
         ", ".join(
             b
