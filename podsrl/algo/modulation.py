@@ -1,9 +1,9 @@
 """Token-level advantage modulation (METHODS.md §4, DynaMO) and full-vocabulary token entropy.
 
-The trainer calls a modulation once per micro-batch, after the forward pass, and multiplies the advantages by the
-returned factor before the clipped policy loss: A_final = A · factor. Factors are computed under no_grad, so no
-gradient flows through them. All normalisations (max |ΔH|, H_min, H_max) run over the micro-batch's valid tokens
-only, so padding never shifts them.
+The trainer calls a modulation once per micro-batch, after the forward pass, and multiplies the advantages
+by the returned factor before the clipped policy loss: A_final = A * factor. Factors are computed under
+no_grad, so no gradient flows through them. All normalisations (max |ΔH|, H_min, H_max) run over the
+micro-batch's valid tokens only, so padding never shifts them.
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ _EPS = 1e-8
 def token_entropy(logits: Tensor, chunk_size: int | None = 256) -> Tensor:
     """[B,T,V] logits -> [B,T] entropy H = −Σ_v p_v log p_v over the full vocabulary, in float32.
 
-    Computed from log_softmax (stable for large logits; −inf logits contribute 0, not NaN). Chunked over T so the
-    float32 copy of the logits never exceeds B·chunk_size·V elements. Differentiable; detach it where needed.
+    Computed from log_softmax (stable for large logits; -inf logits contribute 0, not NaN). Chunked over T so
+    the float32 copy of the logits never exceeds B*chunk_size*V elements. Differentiable; detach where needed.
     """
     if logits.dim() != 3:
         raise ValueError(f"logits must be [B, T, V], got {tuple(logits.shape)}")
     step = logits.shape[1] if not chunk_size else int(chunk_size)
     parts = []
     for start in range(0, logits.shape[1], max(step, 1)):
-        logp = torch.log_softmax(logits[:, start:start + step].float(), dim=-1)
+        logp = torch.log_softmax(logits[:, start : start + step].float(), dim=-1)
         parts.append(-(logp.exp() * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1))
     if not parts:
         return logits.new_zeros(logits.shape[:2], dtype=torch.float32)
@@ -40,7 +40,11 @@ def _masked_stats(values: Tensor, valid: Tensor, prefix: str) -> dict[str, float
     if not bool(valid.any()):
         return {f"{prefix}_mean": 1.0, f"{prefix}_min": 1.0, f"{prefix}_max": 1.0}
     v = values[valid]
-    return {f"{prefix}_mean": float(v.mean()), f"{prefix}_min": float(v.min()), f"{prefix}_max": float(v.max())}
+    return {
+        f"{prefix}_mean": float(v.mean()),
+        f"{prefix}_min": float(v.min()),
+        f"{prefix}_max": float(v.max()),
+    }
 
 
 def _check_params(lambda_min: float, gamma: float, mu_max: float) -> None:
@@ -75,15 +79,20 @@ def dynamo_modulation(
 
     - ξ_t = I_t ρ_t A_t, I_t = 1 unless the clipped objective has cut the token's gradient;
     - u_t = π_t (log π_t + H_t); ΔH_t = −ξ_t (u_t − mean of u over the sequence's valid tokens);
-    - x_t = |ΔH_t| / (max over valid tokens + 1e-8); β_stab = λ_min + (1 − λ_min) σ(−γ (x_t − τ)), which damps only
-      the tokens whose predicted entropy change is near the micro-batch's largest;
-    - β_comp = 1 + (μ_max − 1)(H_max − H_t)/(H_max − H_min + 1e-8) where A > 0, else 1: boosts confident positive
-      tokens. The ratio lies in [0, 1) for any entropies, so β_comp ∈ [1, μ_max); equal entropies give exactly 1.
+    - x_t = |ΔH_t| / (max over valid tokens + 1e-8); β_stab = λ_min + (1 − λ_min) σ(−γ (x_t − τ)),
+      which damps only the tokens whose predicted entropy change is near the micro-batch's largest;
+    - β_comp = 1 + (μ_max − 1)(H_max − H_t)/(H_max − H_min + 1e-8) where A > 0, else 1: boosts confident
+      positive tokens. The ratio lies in [0, 1) for any entropies, so β_comp ∈ [1, μ_max); equal entropies
+      give exactly 1.
     """
     _check_params(lambda_min, gamma, mu_max)
     valid = mask.bool()
     shape = valid.shape
-    dtype = torch.promote_types(advantages.dtype, torch.float32) if advantages.is_floating_point() else torch.float32
+    dtype = (
+        torch.promote_types(advantages.dtype, torch.float32)
+        if advantages.is_floating_point()
+        else torch.float32
+    )
     adv = advantages.detach().to(dtype)
     if adv.dim() == 1:
         adv = adv[:, None]

@@ -1,7 +1,8 @@
 """How many rollouts each prompt of a step gets (METHODS.md §4, DynaMO sequence-level allocation).
 
-Under a fixed step budget B = Σ n_i, the gradient-estimate variance is minimised by n_i ∝ σ_i. σ_i is proxied from
-each prompt's run-long success history (successes k_i out of G_i attempts, see `PromptStats.counts`).
+Under a fixed step budget B = Σ n_i, the gradient-estimate variance is minimised by n_i ∝ σ_i. σ_i is
+proxied from each prompt's run-long success history (successes k_i out of G_i attempts, see
+`PromptStats.counts`).
 
 Pipeline of `allocate_by_variance`:
   1. priorities from histories (`variance_priority`); prompts with too little history are "unknown";
@@ -48,17 +49,19 @@ def variance_priority(
 ) -> tuple[Tensor, Tensor]:
     """Per-prompt priority from the unbiased Bernoulli variance V = k(G−k)/(G(G−1)).
 
-    Returns (priority [P] float64, unknown [P] bool). Unknown prompts (G < min_history) get priority 0: their share is
-    the exploration count, not a water-filling weight. Mastered prompts (k/G ≥ mastered_rate) get `floor`; the rest
-    get max(w, floor) with w = V (`weight="variance"`, the reference code) or √V (`"std"`, the theorem's n ∝ σ).
-    The floor is in priority units for both weightings, so "floor" always means the smallest share a known prompt has.
+    Returns (priority [P] float64, unknown [P] bool). Unknown prompts (G < min_history) get priority 0:
+    their share is the exploration count, not a water-filling weight. Mastered prompts (k/G ≥
+    mastered_rate) get `floor`; the rest get max(w, floor) with w = V (`weight="variance"`, the
+    reference code) or √V (`"std"`, the theorem's n ∝ σ). The floor is in priority units for both
+    weightings, so "floor" always means the smallest share a known prompt has.
     """
     if weight not in WEIGHTS:
         raise ConfigError(f"dynamo.weight must be one of {WEIGHTS}, got {weight!r}")
     k, g = _check_history(successes, attempts)
     kf, gf = k.double(), g.double()
     unknown = g < max(int(min_history), 1)
-    # G(G−1) is 0 for G ≤ 1; the numerator k(G−k) is 0 there too, so V = 0 (such prompts are unknown by default anyway).
+    # G(G−1) is 0 for G ≤ 1; the numerator k(G−k) is 0 there too, so V = 0 (such prompts are unknown by
+    # default anyway).
     variance = kf * (gf - kf) / (gf * (gf - 1.0)).clamp(min=1.0)
     w = variance.sqrt() if weight == "std" else variance
     rate = kf / gf.clamp(min=1.0)
@@ -78,13 +81,17 @@ def _pick(candidates: Tensor, count: int, key: Tensor) -> Tensor:
 def _level_up(counts: Tensor, cap: Tensor, target: int, priority: Tensor) -> Tensor:
     """Raise the lowest counts first (round-robin from the bottom) until Σ = target, never above cap.
 
-    Finds the largest level L with Σ min(cap, max(c, L)) ≤ target, then hands the few units still missing to the
-    prompts sitting exactly at L, highest priority first. Requires Σ cap ≥ target.
+    Finds the largest level L with Σ min(cap, max(c, L)) ≤ target, then hands the few units still
+    missing to the prompts sitting exactly at L, highest priority first. Requires Σ cap ≥ target.
     """
+
     def filled(level: int) -> Tensor:
         return torch.minimum(cap, counts.clamp(min=level))
 
-    lo, hi = int(counts.min()), int(cap.max())  # filled(lo) = counts (Σ ≤ target); filled(hi) = cap (Σ ≥ target)
+    lo, hi = (
+        int(counts.min()),
+        int(cap.max()),
+    )  # filled(lo) = counts (Σ ≤ target); filled(hi) = cap (Σ ≥ target)
     while lo < hi:  # binary search for the largest level whose fill does not exceed the target
         mid = (lo + hi + 1) // 2
         if int(filled(mid).sum()) <= target:
@@ -99,11 +106,16 @@ def _level_up(counts: Tensor, cap: Tensor, target: int, priority: Tensor) -> Ten
 
 
 def _level_down(counts: Tensor, floor: Tensor, target: int, priority: Tensor) -> Tensor:
-    """Cut the highest counts first until Σ = target, never below floor (lowest priority loses the last units)."""
+    """Cut the highest counts first until Σ = target, never below floor (lowest priority loses the last
+    units, ties by index)."""
+
     def cut(level: int) -> Tensor:
         return torch.maximum(floor, counts.clamp(max=level))
 
-    lo, hi = int(floor.min()), int(counts.max())  # cut(lo) = floor (Σ ≤ target); cut(hi) = counts (Σ ≥ target)
+    lo, hi = (
+        int(floor.min()),
+        int(counts.max()),
+    )  # cut(lo) = floor (Σ ≤ target); cut(hi) = counts (Σ ≥ target)
     while lo < hi:  # binary search for the smallest level whose cut still reaches the target
         mid = (lo + hi) // 2
         if int(cut(mid).sum()) >= target:
@@ -120,10 +132,11 @@ def _level_down(counts: Tensor, floor: Tensor, target: int, priority: Tensor) ->
 def water_fill(base: Tensor, priority: Tensor, budget: int, n_max: int) -> Tensor:
     """Add budget − Σ base to `base` in proportion to `priority`, capped at n_max; Σ of the result = budget.
 
-    Each round gives every eligible prompt (below the cap, priority > 0) floor(R·w_i/Σw) plus one more for the largest
-    fractional parts, clips at the cap, and re-runs on what the cap freed. Each round either finishes or caps at
-    least one prompt, so there are at most P rounds. When no prompt with positive priority has room, the rest goes
-    round-robin to the lowest counts. Requires Σ base ≤ budget ≤ P·n_max.
+    Each round gives every eligible prompt (below the cap, priority > 0) floor(R·w_i/Σw) plus one more
+    for the largest fractional parts, clips at the cap, and re-runs on what the cap freed. Each round
+    either finishes or caps at least one prompt, so there are at most P rounds. When no prompt with
+    positive priority has room, the rest goes round-robin to the lowest counts. Requires Σ base ≤ budget
+    ≤ P·n_max.
     """
     counts = base.long().clone()
     prio = priority.double()
@@ -173,9 +186,10 @@ def allocate_by_variance(
 ) -> Tensor:
     """DynaMO rollout counts [P] long with n_min ≤ n_i ≤ n_max and Σ n_i = budget exactly.
 
-    Unknown prompts get clip(explore, n_min, n_max) (cut evenly from the top if the explorers alone overrun the
-    budget), the others start at n_min, and the remainder is water-filled by priority. A budget outside
-    [P·n_min, P·n_max] cannot be met and raises ConfigError (the config's rollout.n is outside the DynaMO bounds).
+    Unknown prompts get clip(explore, n_min, n_max) (cut evenly from the top, ties by index, if the
+    explorers alone overrun the budget), the others start at n_min, and the remainder is water-filled by
+    priority. A budget outside [P·n_min, P·n_max] cannot be met and raises ConfigError (the config's
+    rollout.n is outside the DynaMO bounds).
     """
     budget, n_min, n_max, explore = int(budget), int(n_min), int(n_max), int(explore)
     priority, unknown = variance_priority(successes, attempts, **priority_kwargs)
@@ -185,11 +199,9 @@ def allocate_by_variance(
         return torch.zeros(0, dtype=torch.long)
     explore_n = min(max(explore, n_min), n_max)
     base = torch.where(unknown, explore_n, n_min).long()
-    if int(base.sum()) > budget:  # exploration alone overruns: trim the explorers' counts from the top
-        counts = _level_down(base, torch.full_like(base, n_min), budget, priority)
-    else:
-        counts = water_fill(base, priority, budget, n_max)
-    # Repair: water_fill is exact in exact arithmetic; this guards against a float rounding slip in its shares.
+    counts = water_fill(base, priority, budget, n_max)  # returns `base` unchanged when the explorers overrun
+    # Repair to Σ = budget: an overrun by the explorers is cut from the top (highest counts first, never below
+    # n_min); a shortfall (only possible through float rounding of the shares) is filled from the bottom.
     total = int(counts.sum())
     if total > budget:
         counts = _level_down(counts, torch.full_like(counts, n_min), budget, priority)
@@ -201,7 +213,7 @@ def allocate_by_variance(
 def allocation_metrics(
     counts: Tensor, successes: Tensor, attempts: Tensor, min_history: int = 4, mastered_rate: float = 0.85
 ) -> dict[str, float]:
-    """Step metrics: spread of the counts, share of the budget spent on mastered prompts, fraction of unknowns."""
+    """Step metrics: spread of the counts, budget share of mastered prompts, fraction of unknown prompts."""
     k, g = _check_history(successes, attempts)
     c = torch.as_tensor(counts).long()
     if c.numel() == 0:
@@ -232,7 +244,7 @@ def _uniform_allocator(successes: Tensor, attempts: Tensor, budget: int, **_: ob
     return counts
 
 
-# name -> allocator(successes, attempts, budget=..., n_min=..., n_max=..., explore=..., **priority_kwargs) -> [P] long
+# name -> allocator(successes, attempts, budget=, n_min=, n_max=, explore=, **priority_kwargs) -> [P] long
 ALLOCATORS: dict[str, Allocator] = {
     "uniform": _uniform_allocator,
     "variance": allocate_by_variance,
