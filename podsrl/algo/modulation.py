@@ -1,0 +1,155 @@
+"""Token-level advantage modulation (METHODS.md §4, DynaMO) and full-vocabulary token entropy.
+
+The trainer calls a modulation once per micro-batch, after the forward pass, and multiplies the advantages
+by the returned factor before the clipped policy loss: A_final = A * factor. Factors are computed under
+no_grad, so no gradient flows through them. All normalisations (max |ΔH|, H_min, H_max) run over the
+micro-batch's valid tokens only, so padding never shifts them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from podsrl.errors import ConfigError
+
+_EPS = 1e-8
+
+
+def token_entropy(logits: Tensor, chunk_size: int | None = 256) -> Tensor:
+    """[B,T,V] logits -> [B,T] entropy H = −Σ_v p_v log p_v over the full vocabulary, in float32.
+
+    Computed from log_softmax (stable for large logits; -inf logits contribute 0, not NaN). Chunked over T so
+    the float32 copy of the logits never exceeds B*chunk_size*V elements. Differentiable; detach where needed.
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, T, V], got {tuple(logits.shape)}")
+    step = logits.shape[1] if not chunk_size else int(chunk_size)
+    parts = []
+    for start in range(0, logits.shape[1], max(step, 1)):
+        logp = torch.log_softmax(logits[:, start : start + step].float(), dim=-1)
+        parts.append(-(logp.exp() * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1))
+    if not parts:
+        return logits.new_zeros(logits.shape[:2], dtype=torch.float32)
+    return torch.cat(parts, dim=1)
+
+
+def _masked_stats(values: Tensor, valid: Tensor, prefix: str) -> dict[str, float]:
+    if not bool(valid.any()):
+        return {f"{prefix}_mean": 1.0, f"{prefix}_min": 1.0, f"{prefix}_max": 1.0}
+    v = values[valid]
+    return {
+        f"{prefix}_mean": float(v.mean()),
+        f"{prefix}_min": float(v.min()),
+        f"{prefix}_max": float(v.max()),
+    }
+
+
+def _check_params(lambda_min: float, gamma: float, mu_max: float) -> None:
+    if not 0.0 <= lambda_min <= 1.0:
+        raise ConfigError(f"dynamo.lambda_min must lie in [0, 1], got {lambda_min}")
+    if gamma < 0:
+        raise ConfigError(f"dynamo.gamma must be >= 0, got {gamma}")
+    if mu_max < 1.0:
+        raise ConfigError(f"dynamo.mu_max must be >= 1, got {mu_max}")
+
+
+@torch.no_grad()
+def dynamo_modulation(
+    advantages: Tensor,
+    log_ratio: Tensor,
+    logprobs: Tensor,
+    entropy: Tensor,
+    mask: Tensor,
+    epsilon_low: float,
+    epsilon_high: float,
+    lambda_min: float = 0.6,
+    gamma: float = 50.0,
+    tau: float = 0.99,
+    mu_max: float = 1.2,
+    stabilize: bool = True,
+    compensate: bool = True,
+) -> tuple[Tensor, dict[str, float]]:
+    """DynaMO factor [B,T] = β_stab · β_comp (1 at masked tokens) and its metrics.
+
+    advantages: [B,T] (or [B], broadcast over T); log_ratio: log π_θ − log π_old of the sampled tokens;
+    logprobs: log π_θ of the sampled tokens; entropy: full-vocabulary entropy H_t of π_θ; mask: valid tokens.
+
+    - ξ_t = I_t ρ_t A_t, I_t = 1 unless the clipped objective has cut the token's gradient;
+    - u_t = π_t (log π_t + H_t); ΔH_t = −ξ_t (u_t − mean of u over the sequence's valid tokens);
+    - x_t = |ΔH_t| / (max over valid tokens + 1e-8); β_stab = λ_min + (1 − λ_min) σ(−γ (x_t − τ)),
+      which damps only the tokens whose predicted entropy change is near the micro-batch's largest;
+    - β_comp = 1 + (μ_max − 1)(H_max − H_t)/(H_max − H_min + 1e-8) where A > 0, else 1: boosts confident
+      positive tokens. The ratio lies in [0, 1) for any entropies, so β_comp ∈ [1, μ_max); equal entropies
+      give exactly 1.
+    """
+    _check_params(lambda_min, gamma, mu_max)
+    valid = mask.bool()
+    shape = valid.shape
+    dtype = (
+        torch.promote_types(advantages.dtype, torch.float32)
+        if advantages.is_floating_point()
+        else torch.float32
+    )
+    adv = advantages.detach().to(dtype)
+    if adv.dim() == 1:
+        adv = adv[:, None]
+    adv = adv.expand(shape)
+    ones = torch.ones(shape, dtype=dtype, device=adv.device)
+
+    stab = ones
+    if stabilize:
+        ratio = log_ratio.detach().to(dtype).exp()
+        unclipped = ((adv > 0) & (ratio <= 1.0 + epsilon_high)) | ((adv < 0) & (ratio >= 1.0 - epsilon_low))
+        xi = torch.where(unclipped & valid, ratio * adv, torch.zeros_like(adv))
+        logp = logprobs.detach().to(dtype)
+        u = torch.where(valid, logp.exp() * (logp + entropy.detach().to(dtype)), torch.zeros_like(adv))
+        u_mean = u.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1)
+        delta_h = torch.where(valid, -xi * (u - u_mean), torch.zeros_like(adv)).abs()
+        x = delta_h / (delta_h.max() + _EPS)  # masked entries are 0, so the max is over valid tokens (or 0)
+        stab = lambda_min + (1.0 - lambda_min) * torch.sigmoid(-gamma * (x - tau))
+        stab = torch.where(valid, stab, ones)
+
+    comp = ones
+    if compensate and bool(valid.any()):
+        h = entropy.detach().to(dtype)
+        h_min = torch.where(valid, h, torch.full_like(h, torch.inf)).min()
+        h_max = torch.where(valid, h, torch.full_like(h, -torch.inf)).max()
+        boost = 1.0 + (mu_max - 1.0) * (h_max - h) / (h_max - h_min + _EPS)
+        comp = torch.where(valid & (adv > 0), boost, ones)
+
+    factor = stab * comp
+    metrics = {
+        **_masked_stats(stab, valid, "modulation/stab"),
+        **_masked_stats(comp, valid, "modulation/comp"),
+    }
+    return factor, metrics
+
+
+@torch.no_grad()
+def no_modulation(
+    advantages: Tensor,
+    log_ratio: Tensor | None = None,
+    logprobs: Tensor | None = None,
+    entropy: Tensor | None = None,
+    mask: Tensor | None = None,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    **_: object,
+) -> tuple[Tensor, dict[str, float]]:
+    """Plain GRPO: factor 1 everywhere (shape of the mask, or of the advantages), no metrics."""
+    ref = mask if mask is not None else advantages
+    dtype = advantages.dtype if advantages.is_floating_point() else torch.float32
+    return torch.ones(ref.shape, dtype=dtype, device=advantages.device), {}
+
+
+Modulation = Callable[..., tuple[Tensor, dict[str, float]]]
+
+# name -> modulation(advantages, log_ratio, logprobs, entropy, mask, epsilon_low, epsilon_high, **params).
+# Only "dynamo" reads entropy/logprobs; "none" accepts None for them.
+MODULATIONS: dict[str, Modulation] = {
+    "none": no_modulation,
+    "dynamo": dynamo_modulation,
+}

@@ -1,0 +1,348 @@
+"""Rebuild the comparison plot and tables from saved run dirs: results.md, results.csv, runs.csv and
+accuracy.png.
+
+`podsrl report RUN_DIR...` accepts run dirs or any folder holding them (e.g. a `podsrl compare` output dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from podsrl.errors import UserError
+from podsrl.experiments.analysis import STEP_TIME_KEYS, Comparison, RunResult, Spread, compare_runs, load_run
+
+NOT_REACHED = "not reached"
+HEADER_FILE = "header.md"  # written by `podsrl compare`, picked up by `podsrl report` on the same folder
+TOTALS = (
+    ("rollouts_generated", "total/rollouts_generated"),
+    ("rollouts_trained", "total/rollouts_trained"),
+    ("tokens_generated", "total/tokens_generated"),
+    ("tokens_trained", "total/tokens_trained"),
+    ("wall_clock_s", "time/elapsed"),
+)
+
+
+def discover_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
+    """Each path itself if it holds metrics.jsonl, else every run dir below it (hidden folders skipped)."""
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if (p / "metrics.jsonl").is_file():
+            found.append(p)
+            continue
+        if not p.is_dir():
+            raise UserError(f"{p}: no such run directory")
+        below = sorted(
+            m.parent
+            for m in p.rglob("metrics.jsonl")
+            if not any(part.startswith(".") for part in m.relative_to(p).parts)
+        )
+        if not below:
+            raise UserError(f"{p}: no metrics.jsonl in it or below it")
+        found.extend(below)
+    return list(dict.fromkeys(found))
+
+
+def _spread_columns(prefix: str, s: Spread, missing: str | None = None) -> dict:
+    cols = {f"{prefix}_mean": s.mean, f"{prefix}_std": s.std, f"{prefix}_min": s.min, f"{prefix}_max": s.max}
+    return {k: (missing if v is None and missing is not None else v) for k, v in cols.items()}
+
+
+def comparison_rows(comparison: Comparison) -> list[dict]:
+    """One row per config with raw numbers; time/speed-up cells are "not reached" when no seed got there."""
+    rows = []
+    for cfg in comparison.configs:
+        n = len(cfg.runs)
+        unreached = NOT_REACHED if cfg.time_to_target.n == 0 else None
+        row: dict = {"config": cfg.label, "seeds": n}
+        row |= _spread_columns("peak", cfg.peak) | _spread_columns("plateau", cfg.plateau)
+        row["target"] = sum(r.target for r in cfg.runs) / n
+        row |= _spread_columns("time_to_target_s", cfg.time_to_target, unreached)
+        row["reached"] = f"{cfg.time_to_target.n}/{n}"
+        row |= _spread_columns("rollouts_to_target", cfg.rollouts_to_target, unreached)
+        row |= _spread_columns("speedup", cfg.speedup, unreached)
+        row["speedup_seeds"] = cfg.speedup.n
+        row |= {name: cfg.totals[key].mean if key in cfg.totals else None for name, key in TOTALS}
+        row |= {f"mean_{k.replace('/', '_')}_s": cfg.step_times[k].mean for k in STEP_TIME_KEYS}
+        rows.append(row)
+    return rows
+
+
+def _speedup_cell(res: RunResult, base: dict) -> str | float:
+    if res.speedup is not None:
+        return res.speedup
+    if res.time_to_target is None:
+        return NOT_REACHED
+    if res.record.seed not in base:
+        return "no baseline seed"
+    return "baseline " + NOT_REACHED
+
+
+def run_rows(comparison: Comparison) -> list[dict]:
+    """One row per run (config, seed)."""
+    base = {r.record.seed: r for r in comparison.configs[0].runs}
+    rows = []
+    for cfg in comparison.configs:
+        for res in cfg.runs:
+            rec = res.record
+            rows.append(
+                {
+                    "config": cfg.label,
+                    "seed": rec.seed,
+                    "peak": res.peak,
+                    "plateau": res.plateau,
+                    "target": res.target,
+                    "time_to_target_s": NOT_REACHED if res.time_to_target is None else res.time_to_target,
+                    "rollouts_to_target": NOT_REACHED
+                    if res.rollouts_to_target is None
+                    else res.rollouts_to_target,
+                    "speedup": _speedup_cell(res, base),
+                    **{name: rec.totals.get(key) for name, key in TOTALS},
+                    "steps": rec.n_steps,
+                    "finished": rec.finished,
+                    "run_dir": str(rec.run_dir),
+                }
+            )
+    return rows
+
+
+def _num(x: float | None, digits: int) -> str:
+    if x is None:
+        return "—"
+    return f"{x:,.0f}" if digits == 0 else f"{x:.{digits}f}"
+
+
+def _spread_cell(s: Spread, digits: int, n_total: int | None = None, unit: str = "") -> str:
+    """'mean ± std [min–max]'; 'not reached' when n_total is given and no seed has a value."""
+    if s.mean is None:
+        return NOT_REACHED if n_total is not None else "—"
+    text = _num(s.mean, digits) + unit
+    if s.n > 1:
+        text += f" ± {_num(s.std, digits)} [{_num(s.min, digits)}–{_num(s.max, digits)}]"
+    if n_total is not None and s.n < n_total:
+        text += f" ({s.n}/{n_total} reached)"
+    return text
+
+
+def _cell(value: object, digits: int, unit: str = "") -> str:
+    if isinstance(value, str):
+        return value
+    return _num(value, digits) + unit if isinstance(value, (int, float)) else "—"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def render_markdown(comparison: Comparison, header: str | None = None) -> str:
+    c = comparison
+    target_text = (
+        f"each seed is timed to the smoothed peak of the baseline run with the same seed "
+        f"(mean {c.target:.4f})"
+        if c.target_mode == "per_seed"
+        else f"the mean over baseline seeds of their smoothed peaks, {c.target:.4f}"
+    )
+    crossing = "linearly interpolated between eval points" if c.interpolate else "at the first eval point"
+    method = [
+        f"Baseline: `{c.baseline}`. Target: {target_text}.",
+        "Accuracy is greedy pass@1 on the held-out set,",
+        f"smoothed by a trailing mean over {c.smooth_window} eval(s); peak = max of the smoothed curve;",
+        f"plateau = mean of the last {c.plateau_fraction:.0%} of eval points.",
+        "Time to target = training wall-clock (eval excluded) when the smoothed curve first reaches",
+        f"the target, {crossing}. Speed-up = baseline time / method time, paired by seed.",
+        "Cells show mean ± std [min–max] over seeds; times and speed-ups over the seeds that reached the",
+        "target (count shown when not all did).",
+    ]
+    parts = [header.strip() + "\n"] if header else []
+    parts.append(" ".join(method) + "\n")
+    summary = []
+    for cfg in c.configs:
+        n = len(cfg.runs)
+        steps = " / ".join(_num(cfg.step_times[k].mean, 3) for k in STEP_TIME_KEYS)
+        tot = {key: cfg.totals.get(key, Spread.of([])).mean for _, key in TOTALS}
+        speed = (
+            _spread_cell(cfg.speedup, 2, len(cfg.runs), unit="×")
+            if cfg.speedup.n
+            else (NOT_REACHED if cfg.time_to_target.n == 0 else "—")
+        )
+        summary.append(
+            [
+                f"`{cfg.label}`",
+                str(n),
+                _spread_cell(cfg.peak, 3),
+                _spread_cell(cfg.plateau, 3),
+                _spread_cell(cfg.time_to_target, 1, n),
+                _spread_cell(cfg.rollouts_to_target, 0, n),
+                speed,
+                f"{_num(tot['total/rollouts_generated'], 0)} / {_num(tot['total/rollouts_trained'], 0)}",
+                f"{_num(tot['total/tokens_generated'], 0)} / {_num(tot['total/tokens_trained'], 0)}",
+                _num(tot["time/elapsed"], 1),
+                steps,
+            ]
+        )
+    parts.append(
+        _table(
+            [
+                "config",
+                "seeds",
+                "peak acc",
+                "plateau acc",
+                "time to target (s)",
+                "rollouts generated to target",
+                "speed-up",
+                "rollouts gen / trained",
+                "tokens gen / trained",
+                "wall-clock (s)",
+                "step time (s): generate / score / select / update / total",
+            ],
+            summary,
+        )
+    )
+    per_run = [
+        [
+            f"`{r['config']}`",
+            str(r["seed"]),
+            _cell(r["peak"], 3),
+            _cell(r["plateau"], 3),
+            _cell(r["target"], 3),
+            _cell(r["time_to_target_s"], 1),
+            _cell(r["rollouts_to_target"], 0),
+            _cell(r["speedup"], 2, "×"),
+            _cell(r["wall_clock_s"], 1),
+            str(r["steps"]),
+            "yes" if r["finished"] else "**no**",
+        ]
+        for r in run_rows(c)
+    ]
+    parts.append("\nPer run:\n")
+    parts.append(
+        _table(
+            [
+                "config",
+                "seed",
+                "peak",
+                "plateau",
+                "target",
+                "time to target (s)",
+                "rollouts generated to target",
+                "speed-up",
+                "wall-clock (s)",
+                "steps",
+                "finished",
+            ],
+            per_run,
+        )
+    )
+    return "\n".join(parts) + "\n"
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows({k: "" if v is None else v for k, v in r.items()} for r in rows)
+
+
+def build_report(
+    run_dirs: Iterable[str | Path],
+    baseline: str | None = None,
+    out_dir: str | Path = ".",
+    *,
+    smooth_window: int = 3,
+    plateau_fraction: float = 0.2,
+    target_mode: str = "per_seed",
+    interpolate: bool = True,
+    header: str | None = None,
+    labels: Mapping[str | Path, str] | None = None,
+) -> list[dict]:
+    """Load runs, compare them, write results.md/.csv, runs.csv and accuracy.png; return the per-config rows.
+
+    Runs are grouped by label (config `name`, else the config's folder in compare's layout; `labels` overrides
+    per run dir) and seed. The baseline is the first label seen unless named.
+    """
+    from podsrl.experiments.plots import plot_comparison  # matplotlib loads in seconds: only when plotting
+
+    labels = {Path(k): v for k, v in (labels or {}).items()}
+    records = [load_run(d, labels.get(Path(d))) for d in run_dirs]
+    comparison = compare_runs(records, baseline, smooth_window, plateau_fraction, target_mode, interpolate)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = comparison_rows(comparison)
+    (out / "results.md").write_text(render_markdown(comparison, header), encoding="utf-8")
+    write_csv(rows, out / "results.csv")
+    write_csv(run_rows(comparison), out / "runs.csv")
+    plot_comparison(comparison, out / "accuracy.png")
+    return rows
+
+
+def add_analysis_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by `compare` and `report`."""
+    parser.add_argument("--baseline", help="config label to compare against (default: the first config)")
+    parser.add_argument(
+        "--smooth",
+        type=int,
+        default=3,
+        metavar="W",
+        help="trailing running mean over W eval points (default 3; 1 = no smoothing)",
+    )
+    parser.add_argument(
+        "--plateau-fraction",
+        type=float,
+        default=0.2,
+        help="plateau accuracy = mean of this last fraction of eval points (default 0.2)",
+    )
+    parser.add_argument(
+        "--target-mode",
+        choices=("per_seed", "mean"),
+        default="per_seed",
+        help="target = each seed's baseline peak (default) or the mean baseline peak",
+    )
+    parser.add_argument(
+        "--no-interpolate",
+        action="store_true",
+        help="time to target at the first eval point at/above it (default: interpolate)",
+    )
+
+
+def add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run dirs, or folders holding them")
+    parser.add_argument(
+        "--out", help="where to write the report (default: the one folder of runs given, else .)"
+    )
+    parser.add_argument(
+        "--header-file", help=f"markdown put above the table (default: {HEADER_FILE} if found)"
+    )
+    add_analysis_arguments(parser)
+
+
+def report_main(args: argparse.Namespace) -> int:
+    """`podsrl report`: rebuild plot and tables from saved runs. Returns the exit code."""
+    given = [Path(p) for p in args.run_dirs]
+    # Default: into the one folder of runs given (a compare output dir), never into a run dir itself.
+    single = len(given) == 1 and given[0].is_dir() and not (given[0] / "metrics.jsonl").is_file()
+    out = Path(args.out) if args.out else (given[0] if single else Path("."))
+    header = None
+    header_path = (
+        Path(args.header_file)
+        if args.header_file
+        else next((p / HEADER_FILE for p in given if (p / HEADER_FILE).is_file()), None)
+    )
+    if header_path is not None:
+        if not header_path.is_file():
+            raise UserError(f"--header-file {header_path}: no such file")
+        header = header_path.read_text(encoding="utf-8")
+    rows = build_report(
+        discover_run_dirs(given),
+        args.baseline,
+        out,
+        smooth_window=args.smooth,
+        plateau_fraction=args.plateau_fraction,
+        target_mode=args.target_mode,
+        interpolate=not args.no_interpolate,
+        header=header,
+    )
+    print(f"{len(rows)} config(s) compared; wrote {out / 'results.md'}, results.csv, runs.csv, accuracy.png")
+    return 0
