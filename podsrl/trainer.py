@@ -228,6 +228,7 @@ class Trainer:
         metrics.update(self.accountant.step(
             generated_rollouts=int(rewards.numel()), generated_tokens=int(lengths.sum()),
             trained_rollouts=kept.num_rollouts, trained_tokens=int(kept.completion_mask.sum()),
+            passes=self.cfg.optim.epochs,
         ))
         metrics.update(self._timers)
         metrics["time/step"] = step_time
@@ -250,7 +251,7 @@ class Trainer:
                            cfg.rollout.max_new_tokens, cfg.eval.samples, cfg.rollout.temperature,
                            cfg.rollout.top_p, cfg.eval.batch_size)
         record = {"step": self.step, "time/elapsed": self.elapsed, **metrics}
-        record.update({f"total/{k}": v for k, v in self.accountant.totals.items()})
+        record.update(self.accountant.total_metrics())
         self.logger.log(record)
         return metrics
 
@@ -284,7 +285,7 @@ class Trainer:
             log.warning("stopped by signal at step %d; resume with --resume %s", self.step, self.run_dir)
             return last_eval
         summary = {"step": self.step, "time/elapsed": self.elapsed, **last_eval,
-                   **{f"total/{k}": v for k, v in self.accountant.totals.items()}}
+                   **self.accountant.total_metrics()}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
         if cfg.log.plot:
             plot_run(self.run_dir)
