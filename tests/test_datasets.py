@@ -7,8 +7,9 @@ import pyarrow.parquet as pq
 import pytest
 
 import podsrl.tasks.datasets as ds_mod
-from podsrl.errors import DataError
+from podsrl.errors import ConfigError, DataError
 from podsrl.tasks.datasets import DatasetTask, extract_answer, extract_boxed, extract_gsm8k, prompt_uid
+from podsrl.tasks.templates import build_prompt, prompt_formatter
 
 ROWS = [{"q": f"What is {i} + {i}?", "sol": f"Double it.\n#### {2 * i:,}", "level": i % 3} for i in range(20)]
 ROWS[7]["sol"] = "Double it: #### 1,234"
@@ -73,7 +74,7 @@ def test_loaders_and_column_mapping(tmp_path, writer, suffix):
     task = DatasetTask(str(path), prompt_column="q", answer_column="sol", answer_format="gsm8k",
                        format_prompt=lambda q: f"Q: {q}\nA:")
     assert len(task) == 20 and task.eval_set() == []
-    by_q = {p.metadata.get("level") is not None and p.prompt: p for p in task.train_problems}
+    by_q = {p.prompt: p for p in task.train_problems}
     p3 = by_q["Q: What is 3 + 3?\nA:"]
     assert p3.answer == "6"
     assert p3.uid == hashlib.sha1(b"What is 3 + 3?").hexdigest()[:16] == prompt_uid("What is 3 + 3?")
@@ -182,3 +183,58 @@ def test_hub_unreachable_message(monkeypatch):
     with pytest.raises(DataError, match="dataset 'podsrl-no-such/dataset-xyz': not found locally and the hub is "
                                         "unreachable"):
         DatasetTask("podsrl-no-such/dataset-xyz")
+
+
+# ---------------------------------------------------------------- prompt templates
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+NO_SYSTEM = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+    "<u>{{ m['content'] }}</u>{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+)
+
+
+def tokenizer(chat_template):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", chat_template=chat_template)
+
+
+def test_build_prompt_chat_and_plain():
+    tok = tokenizer(CHATML)
+    assert build_prompt("2+2?", tok) == "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    assert build_prompt("2+2?", tok, system_prompt="Think.", template="Q: {question}") == (
+        "<|im_start|>system\nThink.<|im_end|>\n<|im_start|>user\nQ: 2+2?<|im_end|>\n<|im_start|>assistant\n")
+    # a template that rejects a system turn gets the system prompt folded into the user turn
+    assert build_prompt("x", tokenizer(NO_SYSTEM), system_prompt="S") == "<u>S\n\nx</u><a>"
+    assert build_prompt("2+2?", None, mode="plain", template="Question: {question}\nAnswer:") == (
+        "Question: 2+2?\nAnswer:")
+    assert build_prompt("q", None, mode="plain", system_prompt="S") == "S\n\nq"
+    assert build_prompt("{x}", None, mode="plain") == "{x}"  # braces in the question are text
+
+
+def test_prompt_errors():
+    with pytest.raises(ConfigError, match="needs a tokenizer with a chat template"):
+        prompt_formatter(tokenizer(None), mode="chat")
+    with pytest.raises(ConfigError, match=r"must contain \{question\} and no other fields, found \['answer'\]"):
+        prompt_formatter(None, mode="plain", template="{question} {answer}")
+    with pytest.raises(ConfigError, match="must contain"):
+        build_prompt("q", None, mode="plain", template="no field")
+    with pytest.raises(ConfigError, match="literal braces"):
+        build_prompt("q", None, mode="plain", template="{question} {")
+    with pytest.raises(ConfigError, match="prompt_mode"):
+        prompt_formatter(None, mode="completion")
+
+
+def test_dataset_with_chat_prompts(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS[:3])
+    task = DatasetTask(str(path), prompt_column="q", answer_column="sol",
+                       format_prompt=prompt_formatter(tokenizer(CHATML), "chat"))
+    assert task.train_problems[0].prompt == (
+        "<|im_start|>user\nWhat is 0 + 0?<|im_end|>\n<|im_start|>assistant\n")
+    assert task.train_problems[0].uid == prompt_uid("What is 0 + 0?")  # uid from the question, not the template
