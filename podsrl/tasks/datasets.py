@@ -237,6 +237,11 @@ def _mix(seed: int, epoch: int) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The row order of training epoch `epoch`: a permutation of range(n) seeded by (seed, epoch) only."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(_mix(seed, epoch)))
+
+
 class DatasetTask(Task):
     """Problems from a dataset, with a column mapping and gold-answer extraction.
 
@@ -288,7 +293,7 @@ class DatasetTask(Task):
             eval_src = eval_split if local else source
             eval_problems = self._problems(eval_src, read_rows(eval_src, eval_split, config, max_line_bytes))
         elif eval_fraction:
-            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(_mix(self.seed, -1)))
+            order = epoch_permutation(len(train), self.seed, -1)  # "epoch -1": never a training order
             k = max(1, math.ceil(eval_fraction * len(train)))
             held = set(order[:k].tolist())
             if k >= len(train):
@@ -338,8 +343,7 @@ class DatasetTask(Task):
     def permutation(self, epoch: int) -> torch.Tensor:
         """The row order of training epoch `epoch` (seeded by (seed, epoch); the last one is cached)."""
         if epoch != self._perm_epoch:
-            gen = torch.Generator().manual_seed(_mix(self.seed, epoch))
-            self._perm, self._perm_epoch = torch.randperm(len(self.train_problems), generator=gen), epoch
+            self._perm, self._perm_epoch = epoch_permutation(len(self.train_problems), self.seed, epoch), epoch
         return self._perm
 
     def problem(self, index: int) -> Problem:
