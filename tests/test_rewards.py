@@ -92,9 +92,7 @@ def test_math_verify_table(pool):
 
 def test_math_verify_long_input_capped(pool):
     long = "blah 17 " * 200_000 + "so the final answer is \\boxed{42}"
-    start = time.perf_counter()
-    assert pool.check(["42"], [long]) == [True]
-    assert time.perf_counter() - start < 5.0  # well inside the per-item timeout thanks to the cap
+    assert pool.check(["42"], [long]) == [True]  # True, not None: finished inside the per-item timeout
     assert answer_region(long, 2000).endswith("\\boxed{42}") and len(answer_region(long, 2000)) == 2000
 
 
