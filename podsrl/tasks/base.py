@@ -28,6 +28,20 @@ class Task(ABC):
         """The verifier's correctness bit. Tasks with their own verifier override this."""
         raise NotImplementedError(f"task {self.name!r} has no built-in verifier; configure a 'correct' reward")
 
+    def score(self, completion: str, problem: Problem) -> float:
+        """The verifier's reward in [0, 1] (1.0/0.0 unless the task gives partial credit); see `has_verifier`."""
+        return 1.0 if self.is_correct(completion, problem) else 0.0
+
+    def score_batch(self, completions: list[str], problems: list[Problem]) -> list[float]:
+        """`score` for many rollouts at once (the `correct` reward calls this; override to vectorise)."""
+        return [self.score(c, p) for c, p in zip(completions, problems)]
+
+    def has_verifier(self) -> bool:
+        """True when the task overrides `is_correct` or `score`: the `correct` reward then uses the task's own
+        verifier; otherwise it falls back to math-verify against `Problem.answer`."""
+        cls = type(self)
+        return cls.is_correct is not Task.is_correct or cls.score is not Task.score
+
     def reference_completion(self, problem: Problem) -> str:
         """A correct completion for supervised warm-up (built-in tasks only)."""
         raise NotImplementedError(f"task {self.name!r} has no reference completions for warm-up")
