@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from podsrl.errors import ConfigError
 from podsrl.select.downsample import (
     SELECTION_RULES,
+    _ends,
+    _keep_extremes,
     max_reward_subset,
     max_variance_subset,
     pack_groups,
@@ -49,7 +51,7 @@ def reference_rows(xs: list[Fraction], m: int) -> list[int]:
         mean = sum(vals, Fraction(0)) / m
         return sum(((v - mean) ** 2 for v in vals), Fraction(0)) / max(m - 1, 1)
 
-    cands = [s[:k] + s[n - (m - k):] for k in range(m + 1)]
+    cands = [s[:k] + s[n - (m - k) :] for k in range(m + 1)]
     vs = [var(c) for c in cands]
     best = max(vs)
     k = m if vs[m] == best else vs.index(best)
@@ -182,6 +184,16 @@ def test_padding_cells_never_selected_even_when_equal_to_fill() -> None:
         assert kept.tolist() == [0, 1, 3, 4]  # both groups have n_i <= m: every real row, nothing else
 
 
+def test_keep_extremes_when_both_ends_stop_in_one_run() -> None:
+    # The rule itself never picks such a k (k-1 gives the same values and wins the tie), but the helper must
+    # still keep exactly m rows: k=2 of [1,0,0,0,-1] takes {1,0} + {-1,0}, the two earliest 0s.
+    r = torch.tensor([[0.0, 1.0, 0.0, -1.0, 0.0]])
+    mask = torch.ones_like(r, dtype=torch.bool)
+    top, bottom = _ends(r, mask, 4)
+    keep = _keep_extremes(r, mask, top, torch.tensor([2]), bottom)
+    assert keep.tolist() == [[True, True, True, True, False]]
+
+
 # ---------------------------------------------------------------- other rules
 
 
@@ -244,6 +256,14 @@ def test_pack_groups_round_trip() -> None:
         for g in range(num_groups):  # generation order kept, padding at the end
             assert rows[g][mask[g]].tolist() == (gi == g).nonzero().flatten().tolist()
             assert mask[g].tolist() == sorted(mask[g].tolist(), reverse=True)
+    # Prompt-major equal groups (the layout the generator produces) give the plain [P, n] table.
+    values = torch.arange(12.0)
+    padded, mask, rows = pack_groups(values, torch.arange(3).repeat_interleave(4), 3, fill=0.0)
+    assert (
+        torch.equal(padded, values.view(3, 4))
+        and mask.all()
+        and torch.equal(rows, torch.arange(12).view(3, 4))
+    )
     with pytest.raises(ValueError, match="group_index"):
         pack_groups(torch.zeros(2), torch.tensor([0, 3]), 2, 0.0)
 
