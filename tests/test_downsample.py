@@ -189,7 +189,7 @@ def test_keep_extremes_when_both_ends_stop_in_one_run() -> None:
     # still keep exactly m rows: k=2 of [1,0,0,0,-1] takes {1,0} + {-1,0}, the two earliest 0s.
     r = torch.tensor([[0.0, 1.0, 0.0, -1.0, 0.0]])
     mask = torch.ones_like(r, dtype=torch.bool)
-    top, bottom = _ends(r, mask, 4)
+    top, bottom, _ = _ends(r, mask, 4)
     keep = _keep_extremes(r, mask, top, torch.tensor([2]), bottom)
     assert keep.tolist() == [[True, True, True, True, False]]
 
@@ -233,8 +233,10 @@ def test_errors_name_the_config_key() -> None:
         select_rollouts(r, gi, 1, 1, "max_entropy")
     with pytest.raises(ConfigError, match="select.m"):
         select_rollouts(r, gi, 1, 0, "max_variance")
-    with pytest.raises(ValueError, match="NaN"):
-        select_rollouts(torch.tensor([1.0, float("nan")]), gi, 1, 1, "max_variance")
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for rule in ("max_variance", "max_reward", "random"):
+            with pytest.raises(ValueError, match="NaN"):
+                select_rollouts(torch.tensor([1.0, bad, 0.0]), torch.tensor([0, 0, 1]), 3, 1, rule)
 
 
 # ---------------------------------------------------------------- packing, zero variance, metrics

@@ -65,19 +65,27 @@ def _check(rewards: torch.Tensor, mask: torch.Tensor, m: int) -> None:
         raise ValueError(f"rewards {tuple(rewards.shape)} and mask {tuple(mask.shape)} must be [P, n]")
     if m < 1:
         raise ConfigError(f"select.m must be >= 1, got {m}")
-    if not (torch.isfinite(rewards) | ~mask).all():
+
+
+def _require_finite(ok: torch.Tensor) -> None:
+    if not bool(ok.all()):
         raise ValueError("rewards contain NaN or inf; the selection rules need finite rewards")
 
 
-def _ends(rewards: torch.Tensor, mask: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """([P, m] largest values descending, [P, m] smallest ascending); exact for groups with n_i >= m.
+def _ends(
+    rewards: torch.Tensor, mask: torch.Tensor, m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """([P, m] largest values descending, [P, m] smallest ascending, [P] n_i); exact for groups with n_i >= m.
 
-    A partial selection (topk) is all the rules need: no full sort of the group.
+    A partial selection (topk) is all the rules need: no full sort of the group. It also checks finiteness
+    cheaply: NaN and +inf surface as a group's largest value, -inf as its smallest.
     """
     inf = torch.tensor(float("inf"), dtype=rewards.dtype, device=rewards.device)
     top = torch.topk(torch.where(mask, rewards, -inf), m, dim=1, largest=True, sorted=True).values
     bottom = torch.topk(torch.where(mask, rewards, inf), m, dim=1, largest=False, sorted=True).values
-    return top, bottom
+    counts = mask.sum(dim=1)
+    _require_finite(torch.isfinite(top[:, 0]) & torch.isfinite(bottom[:, 0]) | (counts == 0))
+    return top, bottom, counts
 
 
 def _threshold(ends: torch.Tensor, take: torch.Tensor, empty: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,15 +134,14 @@ def max_variance_subset(rewards: torch.Tensor, mask: torch.Tensor, m: int) -> to
     if n <= m:
         return mask.clone()
     device = rewards.device
-    counts = mask.sum(dim=1)  # n_i
-    top, bottom = _ends(rewards, mask, m)
-    # float64 and centring on the group mean keep sq - sum^2/m free of catastrophic cancellation.
-    x = torch.where(mask, rewards.double(), torch.zeros((), dtype=torch.float64, device=device))
-    mean = (x.sum(1) / counts.clamp(min=1)).unsqueeze(1)
-    total_sq = torch.where(mask, (x - mean) ** 2, torch.zeros_like(x)).sum(1, keepdim=True)
+    top, bottom, counts = _ends(rewards, mask, m)
+    full = (counts >= m).unsqueeze(1)  # other groups keep everything; their candidates are ignored
+    # float64 and centring on the midrange keep sq - sum^2/m free of catastrophic cancellation.
+    hi, lo = top[:, :1].double(), bottom[:, :1].double()
+    centre = torch.where(full, (hi + lo) / 2, torch.zeros_like(hi))
     zero_col = torch.zeros((num_groups, 1), dtype=torch.float64, device=device)
-    t = torch.where(counts.unsqueeze(1) >= m, top.double() - mean, torch.zeros_like(zero_col))
-    b = torch.where(counts.unsqueeze(1) >= m, bottom.double() - mean, torch.zeros_like(zero_col))
+    t = torch.where(full, top.double() - centre, zero_col)
+    b = torch.where(full, bottom.double() - centre, zero_col)
     t1, t2 = (torch.cat([zero_col, torch.cumsum(v, 1)], dim=1) for v in (t, t * t))  # [P, m+1]
     b1, b2 = (torch.cat([zero_col, torch.cumsum(v, 1)], dim=1) for v in (b, b * b))
     # Candidate k: the top prefix of length k and the bottom prefix of length m-k (flip the bottom sums).
@@ -143,8 +150,10 @@ def max_variance_subset(rewards: torch.Tensor, mask: torch.Tensor, m: int) -> to
     var = (s2 - s1 * s1 / m) / max(m - 1, 1)  # [P, m+1], column k
 
     best = var.max(dim=1, keepdim=True).values
-    # Rounding can split exact ties between different candidates; treat values within a hair of the best as tied.
-    tied = var >= best - 1e-12 * total_sq.clamp(min=1e-300)
+    # Rounding can split exact ties between different candidates; treat values within a hair of the best as tied
+    # (the scale m * range^2 bounds every candidate's sum of squares).
+    spread = torch.where(full, hi - lo, zero_col)
+    tied = var >= best - 1e-12 * m * spread * spread
     chosen = torch.where(tied[:, m], torch.full_like(counts, m), torch.argmax(tied.to(torch.uint8), dim=1))
     keep = _keep_extremes(rewards, mask, top, chosen, bottom)
     return torch.where((counts <= m).unsqueeze(1), mask, keep)  # small groups keep every valid row
@@ -156,8 +165,7 @@ def max_reward_subset(rewards: torch.Tensor, mask: torch.Tensor, m: int) -> torc
     n = rewards.shape[1]
     if n <= m:
         return mask.clone()
-    counts = mask.sum(dim=1)
-    top, bottom = _ends(rewards, mask, m)
+    top, bottom, counts = _ends(rewards, mask, m)
     keep = _keep_extremes(rewards, mask, top, torch.full_like(counts, m), bottom)
     return torch.where((counts <= m).unsqueeze(1), mask, keep)
 
@@ -170,6 +178,7 @@ def random_subset(
     num_groups, n = rewards.shape
     if n <= m:
         return mask.clone()
+    _require_finite(torch.isfinite(rewards) | ~mask)
     keys = torch.rand((num_groups, n), generator=generator, device=rewards.device)
     keys = torch.where(mask, keys, torch.full_like(keys, -1.0))  # padding never beats a real row
     top = torch.topk(keys, m, dim=1).indices
