@@ -150,10 +150,14 @@ def max_variance_subset(rewards: torch.Tensor, mask: torch.Tensor, m: int) -> to
     var = (s2 - s1 * s1 / m) / max(m - 1, 1)  # [P, m+1], column k
 
     best = var.max(dim=1, keepdim=True).values
-    # Rounding can split exact ties between different candidates; treat values within a hair of the best as tied
-    # (the scale m * range^2 bounds every candidate's sum of squares).
+    # Candidates within rounding of the best count as tied, so that ties meant by the data (0.1 + 0.6 = 0.7 in
+    # decimal) follow the documented order rather than representation noise: the float64 arithmetic errs by
+    # ~1e-12 * m * range^2, and moving each reward by its dtype's rounding (eps * |r|) moves a variance by up
+    # to ~2 * m * range * eps * |r|_max / (m - 1).
     spread = torch.where(full, hi - lo, zero_col)
-    tied = var >= best - 1e-12 * m * spread * spread
+    magnitude = torch.where(full, torch.maximum(hi.abs(), lo.abs()), zero_col)
+    eps = torch.finfo(rewards.dtype).eps if rewards.is_floating_point() else 0.0
+    tied = var >= best - m * spread * (1e-12 * spread + 4 * eps * magnitude)
     chosen = torch.where(tied[:, m], torch.full_like(counts, m), torch.argmax(tied.to(torch.uint8), dim=1))
     keep = _keep_extremes(rewards, mask, top, chosen, bottom)
     return torch.where((counts <= m).unsqueeze(1), mask, keep)  # small groups keep every valid row
