@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from podsrl.errors import ConfigError
 from podsrl.select.downsample import (
     SELECTION_RULES,
+    _ends,
+    _keep_extremes,
     max_reward_subset,
     max_variance_subset,
     pack_groups,
@@ -49,7 +51,7 @@ def reference_rows(xs: list[Fraction], m: int) -> list[int]:
         mean = sum(vals, Fraction(0)) / m
         return sum(((v - mean) ** 2 for v in vals), Fraction(0)) / max(m - 1, 1)
 
-    cands = [s[:k] + s[n - (m - k):] for k in range(m + 1)]
+    cands = [s[:k] + s[n - (m - k) :] for k in range(m + 1)]
     vs = [var(c) for c in cands]
     best = max(vs)
     k = m if vs[m] == best else vs.index(best)
@@ -62,14 +64,14 @@ def reference_rows(xs: list[Fraction], m: int) -> list[int]:
     return kept
 
 
-def kept_variance_ok(values: list[float], keep: list[bool], m: int) -> None:
+def kept_variance_ok(values: list[float], keep: list[bool], m: int, rel_tol: float = 1e-9) -> None:
     kept = [v for v, k in zip(values, keep) if k]
     if len(values) <= m:
         assert len(kept) == len(values)
         return
     assert len(kept) == m
     best = brute_max_var(values, m)
-    assert math.isclose(sample_var(kept), best, rel_tol=1e-9, abs_tol=1e-12), (values, m, kept, best)
+    assert math.isclose(sample_var(kept), best, rel_tol=rel_tol, abs_tol=1e-12), (values, m, kept, best)
 
 
 def random_rewards(rng: random.Random, n: int, kind: str) -> list[float]:
@@ -90,21 +92,32 @@ def test_max_variance_matches_brute_force_all_m(kind: str) -> None:
         for _ in range(3 if n > 9 else 6):
             values = random_rewards(rng, n, kind)
             for m in range(2, n + 1):
-                keep = max_variance_subset(torch.tensor([values]), torch.ones(1, n, dtype=torch.bool), m)
+                r = torch.tensor([values], dtype=torch.float64)
+                keep = max_variance_subset(r, torch.ones(1, n, dtype=torch.bool), m)
                 kept_variance_ok(values, keep[0].tolist(), m)
+                # float32 input: optimal for the rounded values, up to the dtype-aware tie tolerance
+                r32 = r.float()
+                keep = max_variance_subset(r32, torch.ones(1, n, dtype=torch.bool), m)
+                kept_variance_ok(r32[0].tolist(), keep[0].tolist(), m, rel_tol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["binary", "ties"])
-def test_max_variance_rows_follow_documented_rule(kind: str) -> None:
-    # Values are exact in binary floating point, so Fraction arithmetic gives the true ties.
-    rng = random.Random(7 if kind == "binary" else 8)
-    for _ in range(150):
+@pytest.mark.parametrize("kind", ["binary", "ties", "decimal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_max_variance_rows_follow_documented_rule(kind: str, dtype: torch.dtype) -> None:
+    # The reference works on exact rationals. "decimal" rewards (one decimal place) are not exact in binary:
+    # their intended ties must survive rounding, which is what the tie tolerance is for.
+    rng = random.Random({"binary": 7, "ties": 8, "decimal": 9}[kind])
+    for _ in range(100):
         n = rng.randint(1, 10)
-        values = random_rewards(rng, n, kind)
+        if kind == "decimal":
+            exact = [Fraction(rng.randint(0, 9), 10) for _ in range(n)]
+        else:
+            exact = [Fraction(v) for v in random_rewards(rng, n, kind)]
+        r = torch.tensor([[float(v) for v in exact]], dtype=dtype)
         for m in range(1, n + 1):
-            keep = max_variance_subset(torch.tensor([values]), torch.ones(1, n, dtype=torch.bool), m)
+            keep = max_variance_subset(r, torch.ones(1, n, dtype=torch.bool), m)
             got = keep[0].nonzero().flatten().tolist()
-            assert got == reference_rows([Fraction(v) for v in values], m), (values, m)
+            assert got == reference_rows(exact, m), (exact, m)
 
 
 @pytest.mark.parametrize(
@@ -119,11 +132,14 @@ def test_max_variance_rows_follow_documented_rule(kind: str) -> None:
         ([3, 2, 1, 0], 3, [0, 2, 3]),  # k=1 and k=2 tie (variance 7/3): the smallest k wins
         ([0.3, 0.2, 0.1, 0.0], 3, [0, 2, 3]),  # same tie under rounding noise
         ([0, 1, 0, 0, 1, 0, 1, 0], 4, [0, 1, 2, 4]),  # two 1s and two 0s, earliest of each
+        ([0.6, 0.6, 0.2, 0.2], 3, [0, 1, 2]),  # decimal tie that rounding splits: k=m still wins
+        ([0.1, 0.6, 0.0, 0.7], 3, [0, 2, 3]),  # {.7,.6,0} and {.7,.1,0} tie: the smallest k wins
         ([2, 7, 4], 1, [1]),  # m=1: all variances are 0, so the top-1 set
     ],
 )
-def test_max_variance_hand_cases(values: list[float], m: int, rows: list[int]) -> None:
-    r = torch.tensor(values, dtype=torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_max_variance_hand_cases(values: list[float], m: int, rows: list[int], dtype: torch.dtype) -> None:
+    r = torch.tensor(values, dtype=dtype)
     got = select_rollouts(r, torch.zeros(len(values), dtype=torch.long), 1, m, "max_variance")
     assert got.tolist() == rows
 
@@ -135,7 +151,8 @@ def test_max_variance_hand_cases(values: list[float], m: int, rows: list[int]) -
 )
 def test_max_variance_property(values: list[float], m: int) -> None:
     n = len(values)
-    keep = max_variance_subset(torch.tensor([values]), torch.ones(1, n, dtype=torch.bool), m)[0].tolist()
+    r = torch.tensor([values], dtype=torch.float64)
+    keep = max_variance_subset(r, torch.ones(1, n, dtype=torch.bool), m)[0].tolist()
     if m >= 2:
         kept_variance_ok(values, keep, m)
     else:
@@ -182,6 +199,16 @@ def test_padding_cells_never_selected_even_when_equal_to_fill() -> None:
         assert kept.tolist() == [0, 1, 3, 4]  # both groups have n_i <= m: every real row, nothing else
 
 
+def test_keep_extremes_when_both_ends_stop_in_one_run() -> None:
+    # The rule itself never picks such a k (k-1 gives the same values and wins the tie), but the helper must
+    # still keep exactly m rows: k=2 of [1,0,0,0,-1] takes {1,0} + {-1,0}, the two earliest 0s.
+    r = torch.tensor([[0.0, 1.0, 0.0, -1.0, 0.0]])
+    mask = torch.ones_like(r, dtype=torch.bool)
+    top, bottom, _ = _ends(r, mask, 4)
+    keep = _keep_extremes(r, mask, top, torch.tensor([2]), bottom)
+    assert keep.tolist() == [[True, True, True, True, False]]
+
+
 # ---------------------------------------------------------------- other rules
 
 
@@ -221,8 +248,10 @@ def test_errors_name_the_config_key() -> None:
         select_rollouts(r, gi, 1, 1, "max_entropy")
     with pytest.raises(ConfigError, match="select.m"):
         select_rollouts(r, gi, 1, 0, "max_variance")
-    with pytest.raises(ValueError, match="NaN"):
-        select_rollouts(torch.tensor([1.0, float("nan")]), gi, 1, 1, "max_variance")
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for rule in ("max_variance", "max_reward", "random"):
+            with pytest.raises(ValueError, match="NaN"):
+                select_rollouts(torch.tensor([1.0, bad, 0.0]), torch.tensor([0, 0, 1]), 3, 1, rule)
 
 
 # ---------------------------------------------------------------- packing, zero variance, metrics
@@ -244,6 +273,14 @@ def test_pack_groups_round_trip() -> None:
         for g in range(num_groups):  # generation order kept, padding at the end
             assert rows[g][mask[g]].tolist() == (gi == g).nonzero().flatten().tolist()
             assert mask[g].tolist() == sorted(mask[g].tolist(), reverse=True)
+    # Prompt-major equal groups (the layout the generator produces) give the plain [P, n] table.
+    values = torch.arange(12.0)
+    padded, mask, rows = pack_groups(values, torch.arange(3).repeat_interleave(4), 3, fill=0.0)
+    assert (
+        torch.equal(padded, values.view(3, 4))
+        and mask.all()
+        and torch.equal(rows, torch.arange(12).view(3, 4))
+    )
     with pytest.raises(ValueError, match="group_index"):
         pack_groups(torch.zeros(2), torch.tensor([0, 3]), 2, 0.0)
 

@@ -25,16 +25,29 @@ def pack_groups(
     Returns (padded values, valid mask, row index of each cell or -1 in padding).
     """
     if values.dim() != 1 or group_index.shape != values.shape:
-        raise ValueError(f"values {tuple(values.shape)} and group_index {tuple(group_index.shape)} must be [R]")
+        raise ValueError(
+            f"values {tuple(values.shape)} and group_index {tuple(group_index.shape)} must be [R]"
+        )
     group_index = group_index.long()
     num_rows = values.numel()
     device = values.device
     if num_rows and (int(group_index.min()) < 0 or int(group_index.max()) >= num_groups):
-        raise ValueError(f"group_index must lie in [0, {num_groups}), got [{int(group_index.min())}, "
-                         f"{int(group_index.max())}]")
+        raise ValueError(
+            f"group_index must lie in [0, {num_groups}), got [{int(group_index.min())}, "
+            f"{int(group_index.max())}]"
+        )
     counts = torch.bincount(group_index, minlength=num_groups)
     n_max = int(counts.max()) if num_groups else 0
-    order = torch.argsort(group_index, stable=True)  # groups contiguous, generation order inside each
+    grouped = num_rows < 2 or bool((group_index[1:] >= group_index[:-1]).all())
+    if grouped and num_groups and n_max * num_groups == num_rows:
+        # The usual layout (prompt-major, n rows each): a view, no scatter at all.
+        rows = torch.arange(num_rows, device=device).view(num_groups, n_max)
+        mask = torch.ones((num_groups, n_max), dtype=torch.bool, device=device)
+        return values.reshape(num_groups, n_max).clone(), mask, rows
+    if grouped:
+        order = torch.arange(num_rows, device=device)  # no sort needed
+    else:
+        order = torch.argsort(group_index, stable=True)  # groups contiguous, generation order inside each
     sorted_groups = group_index[order]
     starts = torch.cumsum(counts, 0) - counts
     column = torch.arange(num_rows, device=device) - starts[sorted_groups]
@@ -47,99 +60,118 @@ def pack_groups(
     return padded, mask, rows
 
 
-def _sort_desc(rewards: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stable descending sort per group with padding last: returns (permutation, sorted values)."""
-    by_value = torch.sort(rewards, dim=1, descending=True, stable=True).indices
-    # A second stable sort on validity moves padding to the end without disturbing the value order.
-    by_valid = torch.sort(mask.gather(1, by_value).to(torch.uint8), dim=1, descending=True, stable=True).indices
-    perm = by_value.gather(1, by_valid)
-    return perm, rewards.gather(1, perm)
-
-
 def _check(rewards: torch.Tensor, mask: torch.Tensor, m: int) -> None:
     if rewards.dim() != 2 or mask.shape != rewards.shape:
         raise ValueError(f"rewards {tuple(rewards.shape)} and mask {tuple(mask.shape)} must be [P, n]")
     if m < 1:
         raise ConfigError(f"select.m must be >= 1, got {m}")
-    if not torch.isfinite(rewards[mask]).all():
+
+
+def _require_finite(ok: torch.Tensor) -> None:
+    if not bool(ok.all()):
         raise ValueError("rewards contain NaN or inf; the selection rules need finite rewards")
 
 
-def _earliest_in_ties(sorted_values: torch.Tensor, keep_sorted: torch.Tensor) -> torch.Tensor:
-    """Within each run of equal values (in sorted order), move the kept slots to the run's front.
+def _ends(
+    rewards: torch.Tensor, mask: torch.Tensor, m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """([P, m] largest values descending, [P, m] smallest ascending, [P] n_i); exact for groups with n_i >= m.
 
-    The kept multiset of values is unchanged; among equal rewards the rows earlier in generation order win,
-    because the stable sort placed them first in their run.
+    A partial selection (topk) is all the rules need: no full sort of the group. It also checks finiteness
+    cheaply: NaN and +inf surface as a group's largest value, -inf as its smallest.
     """
-    num_groups, n = sorted_values.shape
-    if n == 0:
-        return keep_sorted
-    pos = torch.arange(n, device=sorted_values.device).expand(num_groups, n)
-    new_run = torch.ones_like(keep_sorted)
-    new_run[:, 1:] = sorted_values[:, 1:] != sorted_values[:, :-1]
-    run_id = torch.cumsum(new_run.long(), dim=1) - 1
-    run_start = torch.cummax(torch.where(new_run, pos, torch.zeros_like(pos)), dim=1).values
-    kept_per_run = torch.zeros_like(run_id).scatter_add_(1, run_id, keep_sorted.long())
-    return (pos - run_start) < kept_per_run.gather(1, run_id)
+    inf = torch.tensor(float("inf"), dtype=rewards.dtype, device=rewards.device)
+    top = torch.topk(torch.where(mask, rewards, -inf), m, dim=1, largest=True, sorted=True).values
+    bottom = torch.topk(torch.where(mask, rewards, inf), m, dim=1, largest=False, sorted=True).values
+    counts = mask.sum(dim=1)
+    _require_finite(torch.isfinite(top[:, 0]) & torch.isfinite(bottom[:, 0]) | (counts == 0))
+    return top, bottom, counts
 
 
-def _unsort(perm: torch.Tensor, keep_sorted: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(keep_sorted).scatter_(1, perm, keep_sorted)
+def _threshold(ends: torch.Tensor, take: torch.Tensor, empty: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """For taking the first `take` [P] of the sorted `ends` [P, m]: (last value taken, how many taken equal it).
+
+    With take = 0 the threshold is `empty` (+-inf), which no finite reward reaches.
+    """
+    last = ends.gather(1, (take - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    last = torch.where(take > 0, last, torch.full_like(last, empty))
+    slot = torch.arange(ends.shape[1], device=ends.device)
+    ties = ((ends == last.unsqueeze(1)) & (slot < take.unsqueeze(1))).sum(1)
+    return last, ties
+
+
+def _keep_extremes(
+    rewards: torch.Tensor, mask: torch.Tensor, top: torch.Tensor, k: torch.Tensor, bottom: torch.Tensor
+) -> torch.Tensor:
+    """Keep mask for "the k [P] highest + the m-k lowest" rows, the earliest rows winning among equal rewards.
+
+    Every reward above the k-th largest value `hi` and below the (m-k)-th smallest `lo` is kept; of the rows equal
+    to a threshold, the first few in generation order (a cumulative count) fill the remaining slots.
+    """
+    m = top.shape[1]
+    hi, c_hi = _threshold(top, k, float("inf"))
+    lo, c_lo = _threshold(bottom, m - k, float("-inf"))
+    same = hi == lo  # both ends stop inside one run of equal rewards: it supplies c_hi + c_lo rows
+    c_hi, c_lo = torch.where(same, c_hi + c_lo, c_hi), torch.where(same, 0, c_lo)
+    hi, lo, c_hi, c_lo = (t.unsqueeze(1) for t in (hi, lo, c_hi, c_lo))
+    eq_hi = mask & (rewards == hi)
+    eq_lo = mask & (rewards == lo)
+    keep = (rewards > hi) | (rewards < lo)
+    keep |= eq_hi & (torch.cumsum(eq_hi.int(), 1) <= c_hi)
+    keep |= eq_lo & (torch.cumsum(eq_lo.int(), 1) <= c_lo)
+    return keep & mask
 
 
 def max_variance_subset(rewards: torch.Tensor, mask: torch.Tensor, m: int) -> torch.Tensor:
     """Keep mask [P, n] of the m-subset of each group with the largest sample variance of rewards.
 
     Some optimum is "k highest + (m-k) lowest" (PODS), so each group evaluates the m+1 candidates with prefix sums
-    of r and r^2 over its descending sort. Ties between candidates: the top-m set (k = m) if it is optimal, else the
-    smallest k; among equal rewards, earlier rows win. Groups with n_i <= m keep all their rows.
+    of r and r^2 over its m largest and m smallest values. Ties between candidates: the top-m set (k = m) if it is
+    optimal, else the smallest k; among equal rewards, earlier rows win. Groups with n_i <= m keep all their rows.
     """
     _check(rewards, mask, m)
     num_groups, n = rewards.shape
     if n <= m:
         return mask.clone()
     device = rewards.device
-    counts = mask.sum(dim=1)  # n_i
-    perm, sorted_values = _sort_desc(rewards, mask)
-    valid_sorted = mask.gather(1, perm)
-    # float64 and centring on the group mean keep sq - sum^2/m free of catastrophic cancellation.
-    x = torch.where(valid_sorted, sorted_values.double(), torch.zeros((), dtype=torch.float64, device=device))
-    x = torch.where(valid_sorted, x - x.sum(1, keepdim=True) / counts.clamp(min=1).unsqueeze(1), x)
+    top, bottom, counts = _ends(rewards, mask, m)
+    full = (counts >= m).unsqueeze(1)  # other groups keep everything; their candidates are ignored
+    # float64 and centring on the midrange keep sq - sum^2/m free of catastrophic cancellation.
+    hi, lo = top[:, :1].double(), bottom[:, :1].double()
+    centre = torch.where(full, (hi + lo) / 2, torch.zeros_like(hi))
     zero_col = torch.zeros((num_groups, 1), dtype=torch.float64, device=device)
-    p1 = torch.cat([zero_col, torch.cumsum(x, 1)], dim=1)  # [P, n+1]
-    p2 = torch.cat([zero_col, torch.cumsum(x * x, 1)], dim=1)
-
-    k = torch.arange(m + 1, device=device).expand(num_groups, m + 1)  # candidates
-    bottom_start = (counts.unsqueeze(1) - (m - k)).clamp(min=0)  # sorted position where the lowest m-k begin
-    end = counts.unsqueeze(1).expand_as(k)
-    s1 = p1.gather(1, k) + p1.gather(1, end) - p1.gather(1, bottom_start)
-    s2 = p2.gather(1, k) + p2.gather(1, end) - p2.gather(1, bottom_start)
-    var = (s2 - s1 * s1 / m) / max(m - 1, 1)
+    t = torch.where(full, top.double() - centre, zero_col)
+    b = torch.where(full, bottom.double() - centre, zero_col)
+    t1, t2 = (torch.cat([zero_col, torch.cumsum(v, 1)], dim=1) for v in (t, t * t))  # [P, m+1]
+    b1, b2 = (torch.cat([zero_col, torch.cumsum(v, 1)], dim=1) for v in (b, b * b))
+    # Candidate k: the top prefix of length k and the bottom prefix of length m-k (flip the bottom sums).
+    s1 = t1 + b1.flip(1)
+    s2 = t2 + b2.flip(1)
+    var = (s2 - s1 * s1 / m) / max(m - 1, 1)  # [P, m+1], column k
 
     best = var.max(dim=1, keepdim=True).values
-    # Rounding can split exact ties between different candidates; treat values within a hair of the best as tied.
-    scale = p2[:, -1:].clamp(min=1e-300)  # sum of squared deviations of the whole group bounds every s2
-    tied = var >= best - 1e-12 * scale
+    # Candidates within rounding of the best count as tied, so that ties meant by the data (0.1 + 0.6 = 0.7 in
+    # decimal) follow the documented order rather than representation noise: the float64 arithmetic errs by
+    # ~1e-12 * m * range^2, and moving each reward by its dtype's rounding (eps * |r|) moves a variance by up
+    # to ~2 * m * range * eps * |r|_max / (m - 1).
+    spread = torch.where(full, hi - lo, zero_col)
+    magnitude = torch.where(full, torch.maximum(hi.abs(), lo.abs()), zero_col)
+    eps = torch.finfo(rewards.dtype).eps if rewards.is_floating_point() else 0.0
+    tied = var >= best - m * spread * (1e-12 * spread + 4 * eps * magnitude)
     chosen = torch.where(tied[:, m], torch.full_like(counts, m), torch.argmax(tied.to(torch.uint8), dim=1))
-
-    pos = torch.arange(n, device=device).expand(num_groups, n)
-    chosen_bottom = (counts - (m - chosen)).unsqueeze(1)
-    keep_sorted = (pos < chosen.unsqueeze(1)) | ((pos >= chosen_bottom) & (pos < counts.unsqueeze(1)))
-    keep_sorted = _earliest_in_ties(sorted_values, keep_sorted) & valid_sorted
-    keep = _unsort(perm, keep_sorted)
-    small = counts <= m  # such groups keep every valid row
-    return torch.where(small.unsqueeze(1), mask, keep)
+    keep = _keep_extremes(rewards, mask, top, chosen, bottom)
+    return torch.where((counts <= m).unsqueeze(1), mask, keep)  # small groups keep every valid row
 
 
 def max_reward_subset(rewards: torch.Tensor, mask: torch.Tensor, m: int) -> torch.Tensor:
     """Keep mask of each group's m largest rewards; among equal rewards, earlier rows win."""
     _check(rewards, mask, m)
-    num_groups, n = rewards.shape
+    n = rewards.shape[1]
     if n <= m:
         return mask.clone()
-    perm, _ = _sort_desc(rewards, mask)
-    pos = torch.arange(n, device=rewards.device).expand(num_groups, n)
-    return _unsort(perm, (pos < m) & mask.gather(1, perm))
+    top, bottom, counts = _ends(rewards, mask, m)
+    keep = _keep_extremes(rewards, mask, top, torch.full_like(counts, m), bottom)
+    return torch.where((counts <= m).unsqueeze(1), mask, keep)
 
 
 def random_subset(
@@ -150,6 +182,7 @@ def random_subset(
     num_groups, n = rewards.shape
     if n <= m:
         return mask.clone()
+    _require_finite(torch.isfinite(rewards) | ~mask)
     keys = torch.rand((num_groups, n), generator=generator, device=rewards.device)
     keys = torch.where(mask, keys, torch.full_like(keys, -1.0))  # padding never beats a real row
     top = torch.topk(keys, m, dim=1).indices
@@ -175,12 +208,18 @@ def select_rollouts(
 ) -> torch.Tensor:
     """Row indices (long, ascending) kept by `rule` (a key of SELECTION_RULES); "none" keeps every row."""
     if rule not in SELECTION_RULES:
-        raise ConfigError(f"select.rule: unknown rule {rule!r}; choose one of {', '.join(sorted(SELECTION_RULES))}")
+        raise ConfigError(
+            f"select.rule: unknown rule {rule!r}; choose one of {', '.join(sorted(SELECTION_RULES))}"
+        )
     if rule == "none":
         return torch.arange(rewards.numel(), device=rewards.device)
     padded, mask, rows = pack_groups(rewards, group_index, num_groups, fill=0.0)
     keep = SELECTION_RULES[rule](padded, mask, m, generator)
-    return torch.sort(rows[keep]).values
+    num_rows = rewards.numel()
+    # Back to row order without a sort: mark kept rows (dropped cells go to a spare slot), then list them.
+    kept = torch.zeros(num_rows + 1, dtype=torch.bool, device=rewards.device)
+    kept.scatter_(0, torch.where(keep, rows, num_rows).flatten(), True)
+    return kept[:num_rows].nonzero().flatten()
 
 
 def zero_variance_groups(
@@ -197,7 +236,9 @@ def zero_variance_groups(
     return empty | ((hi - lo) <= atol)
 
 
-def _group_std(rewards: torch.Tensor, group_index: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _group_std(
+    rewards: torch.Tensor, group_index: torch.Tensor, num_groups: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """([P] unbiased within-group std, 0 for groups of one row; [P] row counts)."""
     r = rewards.double()
     counts = torch.bincount(group_index, minlength=num_groups).double()
