@@ -64,6 +64,7 @@ def cmd_eval(args) -> int:
     from podsrl.engines import build_engine
     from podsrl.evaluation import evaluate
     from podsrl.models import load_policy, resolve_device
+    from podsrl.rewards import build_reward_manager
     from podsrl.tasks import build_task
     from podsrl.warmup import needs_warmup, run_warmup
 
@@ -74,7 +75,10 @@ def cmd_eval(args) -> int:
     task = build_task(cfg.task, tokenizer)
     engine = build_engine(cfg.rollout.engine, model, tokenizer, **cfg.rollout.engine_options)
     problems = task.eval_set()[: cfg.eval.size or None]
-    metrics = evaluate(engine, tokenizer, problems, task.is_correct, cfg.rollout.max_new_tokens, cfg.eval.samples,
+    rewards = build_reward_manager(cfg.rewards or list(task.default_rewards), task, cfg.reward_on_error,
+                                   cfg.reward_timeout)
+    verify = lambda problems, index, texts: rewards.score(problems, index, texts).correct  # noqa: E731
+    metrics = evaluate(engine, tokenizer, problems, verify, cfg.rollout.max_new_tokens, cfg.eval.samples,
                        cfg.rollout.temperature, cfg.rollout.top_p, cfg.eval.batch_size)
     print(json.dumps(metrics))
     return 0

@@ -75,14 +75,17 @@ class RolloutConfig:
     top_k: int = _f(0, "Top-k sampling (0 = off).")
     max_new_tokens: int = _f(8, "Completion length cap (TRL: max_completion_length).")
     engine: Literal["hf", "fast", "ray", "vllm"] = _f("fast", "Rollout engine.")
+    allocation: Literal["uniform", "variance"] = _f(
+        "uniform", "Rollouts per prompt: n each, or DynaMO's variance allocation of the budget P*n (see dynamo.*)."
+    )
     engine_options: dict[str, Any] = _f({}, "Engine-specific options (e.g. ray: num_workers, address).")
 
 
 @dataclass
 class SelectConfig:
     m: int = _f(0, "Rollouts trained per prompt; 0 means m = n (no down-sampling).")
-    rule: Literal["max_variance", "max_reward", "random", "none"] = _f(
-        "max_variance", "Down-sampling rule when m < n (PODS)."
+    rule: Literal["max_variance", "max_reward", "random", "none", "aero"] = _f(
+        "max_variance", "Down-sampling rule when m < n (PODS), or 'aero' (adaptive rounds + rejection, see aero.*)."
     )
     normalize_over: Literal["subset", "group"] = _f("subset", "Advantage statistics over the kept subset or group.")
     filter_zero_variance: bool = _f(False, "Drop groups whose kept rewards all agree (DAPO dynamic sampling).")
@@ -99,8 +102,40 @@ class AlgoConfig:
         "token_mean", "Loss aggregation (TRL: loss_type dapo/grpo/dr_grpo; verl: loss_agg_mode)."
     )
     beta: float = _f(0.0, "KL coefficient to a frozen reference (k3); 0 loads no reference model.")
-    modulation: Literal["none", "dynamo"] = _f("none", "Token-level advantage modulation.")
-    modulation_args: dict[str, Any] = _f({}, "Modulation parameters (dynamo: lambda_min, gamma, tau, mu_max).")
+    modulation: Literal["none", "dynamo"] = _f("none", "Token-level advantage modulation (dynamo: see dynamo.*).")
+
+
+@dataclass
+class AeroConfig:
+    n_explore: int = _f(8, "Rollouts per prompt in the exploration round.")
+    n_extra: int = _f(2, "Rollouts added per rescue round to prompts with no success yet.")
+    n_max: int = _f(16, "Per-prompt cap on rollouts (rescue stops there).")
+    k: float = _f(1.0, "Selective rejection keeps all c successes and k*c failures when 0 < u < 0.5.")
+    symmetric: bool = _f(False, "Also trim u > 0.5 groups to all failures plus k times as many successes.")
+    keep_dead: int = _f(4, "Rollouts kept from an all-fail/all-success group (they get the posterior advantage).")
+    dead_zone_advantage: Literal["baseline", "constant"] = _f(
+        "baseline", "(r - u~)/sqrt(u~(1-u~)) with u~ the posterior mean, or the constant 2u~ - 1."
+    )
+    alpha0: float = _f(1.0, "Beta prior alpha of each prompt's success rate.")
+    beta0: float = _f(1.0, "Beta prior beta of each prompt's success rate.")
+
+
+@dataclass
+class DynamoConfig:
+    n_min: int = _f(8, "Fewest rollouts a prompt gets under variance allocation.")
+    n_max: int = _f(24, "Most rollouts a prompt gets under variance allocation.")
+    explore: int = _f(0, "Rollouts for prompts with too little history (0 = rollout.n).")
+    weight: Literal["variance", "std"] = _f("variance", "Priority by Bernoulli variance (reference) or its root.")
+    min_history: int = _f(4, "Rollouts seen before a prompt's variance is trusted.")
+    mastered_rate: float = _f(0.85, "Success rate at which a prompt counts as mastered (priority = floor).")
+    floor: float = _f(0.01, "Smallest priority.")
+    refresh: Literal["step", "epoch"] = _f("step", "Recompute priorities every step, or once per dataset epoch.")
+    lambda_min: float = _f(0.6, "Stabilisation floor of the modulation factor.")
+    gamma: float = _f(50.0, "Stabilisation sharpness.")
+    tau: float = _f(0.99, "Stabilisation threshold on the normalised entropy change.")
+    mu_max: float = _f(1.2, "Largest compensation factor for low-entropy positive-advantage tokens.")
+    stabilize: bool = _f(True, "Apply the stabilisation factor.")
+    compensate: bool = _f(True, "Apply the compensation factor.")
 
 
 @dataclass
@@ -159,7 +194,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
-    method: dict[str, Any] = _f({}, "Method-specific settings (aero: ..., dynamo: ...), validated by the method.")
+    aero: AeroConfig = field(default_factory=AeroConfig)
+    dynamo: DynamoConfig = field(default_factory=DynamoConfig)
 
     @property
     def m(self) -> int:
@@ -207,6 +243,11 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return int(value)
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ConfigError(f"{key}: expected a finite number, got {value!r}")
         return float(value)
@@ -322,6 +363,21 @@ def validate(cfg: Config) -> None:
     need(cfg.reward_timeout > 0, "reward_timeout", "must be > 0")
     need(cfg.model.lora_rank >= 0, "model.lora_rank", "must be >= 0")
     need(bool(cfg.output_dir), "output_dir", "must not be empty")
+    a = cfg.aero
+    need(1 <= a.n_explore <= a.n_max, "aero.n_explore", "must be in [1, aero.n_max]")
+    need(a.n_extra >= 1, "aero.n_extra", "must be >= 1")
+    need(a.k > 0, "aero.k", "must be > 0")
+    need(a.keep_dead >= 1, "aero.keep_dead", "must be >= 1")
+    need(a.alpha0 > 0 and a.beta0 > 0, "aero.alpha0", "Beta prior parameters must be > 0")
+    d = cfg.dynamo
+    if cfg.rollout.allocation == "variance":
+        need(1 <= d.n_min <= cfg.rollout.n <= d.n_max, "dynamo.n_min",
+             f"need 1 <= dynamo.n_min <= rollout.n <= dynamo.n_max (got {d.n_min}, {cfg.rollout.n}, {d.n_max})")
+        need(cfg.select.rule != "aero", "rollout.allocation", "variance allocation and select.rule=aero both "
+             "decide rollout counts; pick one")
+    need(0 < d.mastered_rate <= 1, "dynamo.mastered_rate", "must be in (0, 1]")
+    need(0 <= d.lambda_min <= 1, "dynamo.lambda_min", "must be in [0, 1]")
+    need(d.mu_max >= 1, "dynamo.mu_max", "must be >= 1")
     t = cfg.model.tiny
     need(t.hidden_size % t.num_heads == 0, "model.tiny.hidden_size", "must be divisible by model.tiny.num_heads")
     need(t.num_heads % 2 == 0 or t.num_heads == 1, "model.tiny.num_heads", "must be even (or 1)")

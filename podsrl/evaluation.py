@@ -40,23 +40,24 @@ def _generate_text(engine: RolloutEngine, tokenizer, problems: list[Problem], co
     return texts
 
 
-def evaluate(engine: RolloutEngine, tokenizer, problems: list[Problem], is_correct, max_new_tokens: int,
+def evaluate(engine: RolloutEngine, tokenizer, problems: list[Problem], verify, max_new_tokens: int,
              samples: int = 0, temperature: float = 1.0, top_p: float = 1.0, batch_size: int = 1024) -> dict:
     """{"eval/accuracy": greedy pass@1, "eval/avg@k", "eval/pass@k", "eval/mean_length"} over `problems`.
 
-    `is_correct(completion, problem) -> bool` is the task's verifier.
+    `verify(problems, group_index, completions) -> [R] bool` is the run's correctness check (the `correct` reward).
     """
     greedy = SamplingParams(max_new_tokens=max_new_tokens, greedy=True, return_logprobs=False)
     texts = _generate_text(engine, tokenizer, problems, 1, greedy, batch_size)
-    correct = [bool(is_correct(t, p)) for t, p in zip(texts, problems)]
-    metrics = {"eval/accuracy": sum(correct) / len(problems), "eval/mean_length": sum(map(len, texts)) / len(texts)}
+    correct = verify(problems, torch.arange(len(problems)), texts)
+    metrics = {"eval/accuracy": float(correct.float().mean()),
+               "eval/mean_length": sum(map(len, texts)) / len(texts)}
     if samples > 0:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 return_logprobs=False)
         texts = _generate_text(engine, tokenizer, problems, samples, params, batch_size)
-        per_problem = [
-            sum(is_correct(texts[i * samples + j], p) for j in range(samples)) for i, p in enumerate(problems)
-        ]
+        group_index = torch.arange(len(problems)).repeat_interleave(samples)
+        per_problem = torch.bincount(group_index, weights=verify(problems, group_index, texts).float(),
+                                     minlength=len(problems)).round().long().tolist()
         metrics[f"eval/avg@{samples}"] = sum(per_problem) / (samples * len(problems))
         metrics[f"eval/pass@{samples}"] = sum(pass_at_k(samples, c, samples) for c in per_problem) / len(problems)
     return metrics

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from podsrl.accounting import ComputeAccountant
-from podsrl.algo.advantages import group_mean_std, grpo_advantages
+from podsrl.algo.advantages import group_mean_std
+from podsrl.algo.modulation import dynamo_modulation
 from podsrl.batch import Problem, RolloutBatch, concat_batches
 from podsrl.checkpoint import latest_checkpoint, load_checkpoint_files, save_checkpoint
 from podsrl.config import Config, dump_config
@@ -28,8 +29,10 @@ from podsrl.evaluation import evaluate
 from podsrl.models import count_parameters, load_policy, resolve_device
 from podsrl.plotting import plot_run
 from podsrl.rewards import build_reward_manager
-from podsrl.select.downsample import selection_metrics, select_rollouts, zero_variance_groups
+from podsrl.select.aero import collect_aero_rollouts
+from podsrl.select.downsample import zero_variance_groups
 from podsrl.select.prompt_stats import PromptStats
+from podsrl.stages import rollout_counts, select_for_update
 from podsrl.tasks import build_task
 from podsrl.tracking import MetricsLogger, StepProgress
 from podsrl.update import PolicyUpdater
@@ -84,7 +87,8 @@ class Trainer:
                                            weight_decay=cfg.optim.weight_decay)
         total_updates = cfg.train.max_steps * cfg.optim.epochs * cfg.optim.mini_batches
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_updates))
-        self.updater = PolicyUpdater(self.model, self.optimizer, self.scheduler, cfg, self.device, self.ref_model)
+        self.updater = PolicyUpdater(self.model, self.optimizer, self.scheduler, cfg, self.device, self.ref_model,
+                                     modulation=self._modulation())
         self.stats = PromptStats()
         self.accountant = ComputeAccountant(count_parameters(self.model))
         self.rng = torch.Generator().manual_seed(cfg.seed)
@@ -98,6 +102,19 @@ class Trainer:
                                     resume_step=self.step if checkpoint is not None else None)
 
     # ------------------------------------------------------------------------------------------- stages
+
+    def _modulation(self):
+        """Token-level advantage modulation (DynaMO) as a closure over its config, or None."""
+        if self.cfg.algo.modulation == "none":
+            return None
+        d, a = self.cfg.dynamo, self.cfg.algo
+
+        def modulate(advantages, log_ratio, logprobs, entropy, mask):
+            return dynamo_modulation(advantages, log_ratio, logprobs, entropy, mask, a.epsilon_low, a.epsilon_high,
+                                     lambda_min=d.lambda_min, gamma=d.gamma, tau=d.tau, mu_max=d.mu_max,
+                                     stabilize=d.stabilize, compensate=d.compensate)
+
+        return modulate
 
     def next_problems(self, count: int) -> list[Problem]:
         problems = [self.task.problem(self.data_position + i) for i in range(count)]
@@ -134,20 +151,36 @@ class Trainer:
         return batch
 
     def collect(self, problems: list[Problem]) -> RolloutBatch:
-        n = self.cfg.rollout.n
-        return self.generate_and_score(problems, list(range(len(problems))), [n] * len(problems))
+        """Generate and score this step's rollouts: n each, DynaMO's allocation, or AERO's rounds."""
+        cfg = self.cfg
+        if cfg.select.rule == "aero":
+            a = cfg.aero
+            batch, metrics = collect_aero_rollouts(
+                len(problems), lambda idx, counts: self.generate_and_score(problems, idx, counts),
+                n_explore=a.n_explore, n_extra=a.n_extra, n_max=a.n_max, pad_token_id=self.tokenizer.pad_token_id)
+        else:
+            counts, metrics = rollout_counts(cfg, self._allocation_stats(), [p.uid for p in problems])
+            batch = self.generate_and_score(problems, list(range(len(problems))), counts)
+        self._collect_metrics.append(metrics)
+        return batch
+
+    def _allocation_stats(self) -> PromptStats:
+        """Statistics the allocation reads: live (refresh=step) or a snapshot taken at each epoch start."""
+        if self.cfg.dynamo.refresh == "step" or self.cfg.rollout.allocation == "uniform":
+            return self.stats
+        epoch_size = len(self.task) if hasattr(self.task, "__len__") else 0
+        if not epoch_size:
+            raise UserError("dynamo.refresh: 'epoch' needs a finite dataset task; use 'step' for this task")
+        epoch = self.data_position // epoch_size
+        if getattr(self, "_snapshot_epoch", None) != epoch:
+            self._snapshot_epoch, self._snapshot = epoch, PromptStats()
+            self._snapshot.load_state_dict(self.stats.state_dict())
+        return self._snapshot
 
     def select(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict]:
-        """Down-sample each group to m rollouts (PODS) and compute advantages over what is kept."""
-        cfg = self.cfg
+        """The rollouts that enter the update (PODS rule or AERO), with their advantages."""
         t0 = time.perf_counter()
-        rule = cfg.select.rule if cfg.m < cfg.rollout.n else "none"
-        kept_rows = select_rollouts(batch.rewards, batch.group_index, batch.num_groups, cfg.m, rule, self.rng)
-        metrics = selection_metrics(batch.rewards, batch.group_index, batch.num_groups, kept_rows)
-        kept = batch.select_rows(kept_rows)
-        stats = (batch.rewards, batch.group_index) if cfg.select.normalize_over == "group" else (None, None)
-        kept.advantages = grpo_advantages(kept.rewards, kept.group_index, kept.num_groups, cfg.algo.scale,
-                                          cfg.algo.advantage_epsilon, *stats)
+        kept, metrics = select_for_update(self.cfg, batch, self.stats, self.rng)
         self._timers["time/select"] += time.perf_counter() - t0
         return kept, metrics
 
@@ -188,6 +221,7 @@ class Trainer:
         cfg = self.cfg
         self._timers = {k: 0.0 for k in ("time/generate", "time/score", "time/select", "time/update")}
         self._reward_metrics: list[dict] = []
+        self._collect_metrics: list[dict] = []
         self._generated: list[RolloutBatch] = []
         t0 = time.perf_counter()
         problems = self.next_problems(cfg.rollout.prompts_per_step)
@@ -220,9 +254,10 @@ class Trainer:
             "completions/clipped_ratio": float(torch.cat([b.truncated for b in generated]).float().mean()),
             "correct": float(torch.cat([b.correct for b in generated]).float().mean()),
         }
-        for part in self._reward_metrics:
-            for k, v in part.items():
-                metrics[k] = metrics.get(k, 0.0) + v / len(self._reward_metrics)
+        for parts in (self._reward_metrics, self._collect_metrics):
+            for part in parts:
+                for k, v in part.items():
+                    metrics[k] = metrics.get(k, 0.0) + v / len(parts)
         metrics.update(select_metrics)
         metrics.update(update_metrics)
         metrics.update(self.accountant.step(
@@ -245,9 +280,12 @@ class Trainer:
             return False
         return True
 
+    def verify(self, problems: list[Problem], group_index: torch.Tensor, completions: list[str]) -> torch.Tensor:
+        return self.rewards.score(problems, group_index, completions).correct
+
     def run_eval(self) -> dict:
         cfg = self.cfg
-        metrics = evaluate(self.engine, self.tokenizer, self.eval_problems, self.task.is_correct,
+        metrics = evaluate(self.engine, self.tokenizer, self.eval_problems, self.verify,
                            cfg.rollout.max_new_tokens, cfg.eval.samples, cfg.rollout.temperature,
                            cfg.rollout.top_p, cfg.eval.batch_size)
         record = {"step": self.step, "time/elapsed": self.elapsed, **metrics}
@@ -280,7 +318,6 @@ class Trainer:
                 signal.signal(s, handler)
             self.logger.close()
             self.engine.close()
-            self.rewards.close()
         if self.stop_requested and self.step < cfg.train.max_steps:
             log.warning("stopped by signal at step %d; resume with --resume %s", self.step, self.run_dir)
             return last_eval

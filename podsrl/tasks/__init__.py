@@ -1,10 +1,27 @@
-"""Task registry: built-in arithmetic, datasets (jsonl/csv/parquet/HF), reasoning-gym."""
+"""Task registry: built-in arithmetic, datasets (jsonl/csv/parquet/HF), reasoning-gym.
+
+`task.args` holds each task's own arguments; prompt formatting keys (prompt_mode, system_prompt, template) apply to
+dataset and reasoning-gym tasks, which ask a real model in its chat template by default.
+"""
 
 from __future__ import annotations
+
+import inspect
 
 from podsrl.config import TaskConfig
 from podsrl.errors import ConfigError
 from podsrl.tasks.base import Task
+
+PROMPT_KEYS = ("prompt_mode", "system_prompt", "template")
+
+
+def _construct(cls, key: str, *args, **kwargs):
+    """Call a task constructor, turning unknown/missing arguments into an error naming task.args."""
+    try:
+        inspect.signature(cls).bind(*args, **kwargs)
+    except TypeError as e:
+        raise ConfigError(f"task.args ({key}): {e}") from None
+    return cls(*args, **kwargs)
 
 
 def build_task(cfg: TaskConfig, tokenizer=None) -> Task:
@@ -12,16 +29,27 @@ def build_task(cfg: TaskConfig, tokenizer=None) -> Task:
     if cfg.name == "arithmetic":
         from podsrl.tasks.arithmetic import ArithmeticTask
 
-        try:
-            return ArithmeticTask(seed=cfg.seed, eval_size=cfg.eval_size, **args)
-        except TypeError as e:
-            raise ConfigError(f"task.args: {e}") from None
+        return _construct(ArithmeticTask, "arithmetic", seed=cfg.seed, eval_size=cfg.eval_size, **args)
+    prompt_args = {k: args.pop(k) for k in PROMPT_KEYS if k in args}
+    from podsrl.tasks.templates import prompt_formatter
+
+    mode = prompt_args.get("prompt_mode", "chat" if getattr(tokenizer, "chat_template", None) else "plain")
+    formatter = prompt_formatter(tokenizer, mode, prompt_args.get("system_prompt"),
+                                 prompt_args.get("template", "{question}"))
     if cfg.name == "dataset":
         from podsrl.tasks.datasets import DatasetTask
 
-        return DatasetTask.from_config(cfg, tokenizer)
+        if "path" not in args:
+            raise ConfigError("task.args.path: a dataset task needs a file path or a Hugging Face dataset name")
+        source = args.pop("path")
+        args.setdefault("eval_limit", cfg.eval_size)
+        return _construct(DatasetTask, "dataset", source, seed=cfg.seed, format_prompt=formatter, **args)
     if cfg.name == "reasoning_gym":
         from podsrl.tasks.reasoning_gym import ReasoningGymTask
 
-        return ReasoningGymTask.from_config(cfg, tokenizer)
+        if "name" not in args:
+            raise ConfigError("task.args.name: a reasoning_gym task needs a dataset name (e.g. chain_sum)")
+        name = args.pop("name")
+        return _construct(ReasoningGymTask, "reasoning_gym", name, seed=cfg.seed, eval_size=cfg.eval_size,
+                          format_prompt=formatter, **args)
     raise ConfigError(f"task.name: unknown task {cfg.name!r} (choose from arithmetic, dataset, reasoning_gym)")
