@@ -1,0 +1,336 @@
+"""Rollout engines: greedy equality with generate, sampling distribution, log-probs, seeds, stops, compaction."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+from podsrl.engines.base import SamplingParams, build_engine
+from podsrl.engines.fast import FastEngine
+from podsrl.engines.hf import HFEngine
+from podsrl.engines.sampling import filter_logits, row_uniforms, sample_rows, splitmix64
+
+EOS, PAD, VOCAB = 1, 0, 64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run faster on one thread than on two contended ones; restored for other test files."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class Tok:
+    eos_token_id = EOS
+    pad_token_id = PAD
+
+
+def make_model(
+    kind: str = "qwen", peak: float = 1.0, eos_bias: float = 0.0, attn: str = "sdpa", seed: int = 0
+):
+    """Tiny random models; `peak` scales the output head (non-trivial, tie-free greedy paths), `eos_bias` shortens."""
+    torch.manual_seed(seed)
+    common = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "eos_token_id": EOS,
+        "pad_token_id": PAD,
+    }
+    if kind == "qwen":
+        model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=2, attn_implementation=attn, **common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=4, attn_implementation=attn, **common))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(peak)
+        bias = torch.zeros(VOCAB)
+        bias[EOS] = eos_bias
+        model.lm_head.bias = torch.nn.Parameter(bias)
+    return model.eval()
+
+
+def random_prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def full_forward_logprobs(model, out, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of the completion tokens from one fresh forward pass over prompt + completion."""
+    ids = torch.cat([out.prompt_ids, out.completion_ids], dim=1)
+    mask = torch.cat([out.prompt_mask, out.completion_mask.long()], dim=1)
+    positions = (mask.cumsum(1) - 1).clamp_min(0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    lp = out.prompt_ids.shape[1]
+    scaled = logits[:, lp - 1 : -1].float() / temperature
+    return (
+        scaled.log_softmax(-1).gather(-1, out.completion_ids.unsqueeze(-1)).squeeze(-1) * out.completion_mask
+    )
+
+
+# ---------------------------------------------------------------- sampling helpers
+
+
+def test_splitmix64_matches_reference():
+    def ref(x: int) -> int:
+        m = (1 << 64) - 1
+        z = (x + 0x9E3779B97F4A7C15) & m
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+        return z ^ (z >> 31)
+
+    xs = [0, 1, 2, 12345, 2**62 + 7, -1, -(2**63)]
+    got = splitmix64(torch.tensor(xs, dtype=torch.long)).tolist()
+    assert [g & ((1 << 64) - 1) for g in got] == [ref(x & ((1 << 64) - 1)) for x in xs]
+    assert ref(0) == 0xE220A8397B1DCDAF  # published first output of splitmix64 seeded with 0
+
+
+def test_row_uniforms_are_uniform_and_per_row():
+    u = row_uniforms(torch.arange(20000), 3)
+    assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    hist = torch.histc(u.float(), bins=10, min=0, max=1)
+    assert (hist - 2000).abs().max() < 200  # ~4.7 sigma
+    assert torch.equal(row_uniforms(torch.tensor([7, 5]), 3), row_uniforms(torch.tensor([5, 7]), 3).flip(0))
+    assert not torch.equal(row_uniforms(torch.arange(5), 3), row_uniforms(torch.arange(5), 4))
+
+
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.7), (7, 0.5), (1, 1.0), (0, 0.999)])
+def test_filter_logits_matches_transformers_warpers(top_k, top_p):
+    logits = torch.randn(16, 40, generator=torch.Generator().manual_seed(3)) * 2
+    logits[0, :4] = 5.0  # ties at the top
+    expected = logits
+    if top_k:
+        expected = TopKLogitsWarper(top_k)(None, expected)
+    if top_p < 1.0:
+        expected = TopPLogitsWarper(top_p)(None, expected)
+    assert torch.equal(torch.isinf(filter_logits(logits, top_k, top_p)), torch.isinf(expected))
+
+
+def test_sample_rows_follows_filtered_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 3.0]]).repeat(40000, 1)
+    tokens, logp = sample_rows(logits, torch.arange(40000), 0, temperature=0.5, top_k=3)
+    probs = filter_logits(logits[0] / 0.5, 3, 1.0).softmax(-1)
+    freq = torch.bincount(tokens, minlength=5).double() / 40000
+    assert torch.all((freq - probs).abs() <= 5 * (probs * (1 - probs) / 40000).sqrt() + 1e-9)
+    assert torch.allclose(logp, (logits / 0.5).log_softmax(-1).gather(1, tokens[:, None]).squeeze(1))
+
+
+# ---------------------------------------------------------------- engines vs generate
+
+
+@pytest.mark.parametrize("kind,attn", [("qwen", "sdpa"), ("llama", "sdpa"), ("llama", "eager")])
+def test_greedy_equals_generate(kind, attn):
+    model = make_model(kind, peak=30.0, attn=attn)
+    prompts = random_prompts([3, 9, 5, 1, 7])
+    counts = [1, 2, 1, 1, 3]
+    with torch.no_grad():
+        free = model.generate(
+            input_ids=torch.tensor([p[-1:] for p in prompts]),
+            do_sample=False,
+            max_new_tokens=12,
+            eos_token_id=None,
+            pad_token_id=PAD,
+        )[:, 1:]
+    # stop on a token some free-running greedy rows emit early: varied lengths without an arbitrary EOS bias
+    stop = int(torch.mode(free[:, 2:8].flatten()).values)
+    params = SamplingParams(max_new_tokens=12, greedy=True, stop_token_ids=(stop,))
+    fast = FastEngine(model, Tok()).generate(prompts, counts, params, torch.arange(8))
+    hf = HFEngine(model, Tok()).generate(prompts, counts, params, torch.arange(8))
+    with torch.no_grad():
+        ref = model.generate(
+            input_ids=fast.prompt_ids,
+            attention_mask=fast.prompt_mask,
+            do_sample=False,
+            max_new_tokens=12,
+            eos_token_id=[EOS, stop],
+            pad_token_id=PAD,
+        )
+    ref = ref[:, fast.prompt_ids.shape[1] :]
+    assert torch.equal(fast.completion_ids, ref) and torch.equal(hf.completion_ids, ref)
+    assert torch.equal(fast.completion_mask, hf.completion_mask)
+    lengths = fast.completion_mask.sum(1)
+    assert len(set(lengths.tolist())) > 2, lengths  # varied lengths
+    assert len(set(ref[0].tolist())) > 3  # non-trivial sequences
+    assert torch.allclose(fast.logprobs, hf.logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize("engine_cls", [FastEngine, HFEngine])
+def test_logprobs_equal_fresh_forward(engine_cls):
+    model = make_model("llama", peak=3.0, eos_bias=2.0)
+    prompts = random_prompts([4, 8, 2])
+    params = SamplingParams(max_new_tokens=10, temperature=0.7, top_p=0.9)
+    out = engine_cls(model, Tok()).generate(prompts, [3, 2, 3], params, torch.arange(100, 108))
+    assert out.completion_mask.sum() > 8
+    assert torch.allclose(out.logprobs, full_forward_logprobs(model, out, 0.7), atol=1e-4)
+
+
+def test_sampling_distribution_matches_softmax_and_generate():
+    model = make_model("qwen", peak=4.0)
+    prompt = random_prompts([6])
+    n, params = 3000, SamplingParams(max_new_tokens=3, temperature=0.9, top_p=0.95)
+    fast = FastEngine(model, Tok()).generate(prompt, [n], params, torch.arange(n))
+    hf = HFEngine(model, Tok()).generate(prompt, [n], params, torch.arange(n))
+    with torch.no_grad():
+        first = model(torch.tensor(prompt)).logits[0, -1] / 0.9
+    exact = filter_logits(first[None], 0, 0.95)[0].softmax(-1).double()
+    for out in (fast, hf):
+        freq = torch.bincount(out.completion_ids[:, 0], minlength=VOCAB).double() / n
+        assert torch.all((freq - exact).abs() <= 5 * (exact * (1 - exact) / n).sqrt() + 2 / n)
+    for t in (1, 2):  # later positions: fast vs generate, two-sample bound per token
+        on = (fast.completion_mask[:, t] > 0) & (hf.completion_mask[:, t] > 0)
+        assert on.float().mean() > 0.9
+        f1 = torch.bincount(fast.completion_ids[:, t], minlength=VOCAB).double() / n
+        f2 = torch.bincount(hf.completion_ids[:, t], minlength=VOCAB).double() / n
+        p = (f1 + f2) / 2
+        assert torch.all((f1 - f2).abs() <= 5 * (p * (1 - p) * 2 / n).sqrt() + 3 / n)
+
+
+# ---------------------------------------------------------------- fast-engine features and contract
+
+
+def test_compaction_and_shared_prefill_change_no_output():
+    model = make_model("llama", peak=3.0, eos_bias=2.5)
+    prompts = random_prompts([5, 2, 7, 5])
+    prompts[3] = list(prompts[0])  # a duplicate prompt shares its prefill
+    counts, seeds = [4, 0, 3, 2], torch.arange(9) * 7919
+    params = SamplingParams(max_new_tokens=10, temperature=1.1, top_k=20)
+    outs = [
+        FastEngine(model, Tok(), shared_prefill=s, compaction=c, cache=k).generate(
+            prompts, counts, params, seeds
+        )
+        for s, c, k in [
+            (True, True, "static"),
+            (False, False, "static"),
+            (True, False, "static"),
+            (False, True, "dynamic"),
+            (True, True, "dynamic"),
+        ]
+    ]
+    outs.append(FastEngine(model, Tok(), compact_fraction=0.5).generate(prompts, counts, params, seeds))
+    base = outs[0]
+    assert base.completion_mask.sum(1).min() < 3 < base.completion_mask.sum(1).max()
+    for out in outs[1:]:
+        assert torch.equal(out.completion_ids, base.completion_ids)
+        assert torch.equal(out.completion_mask, base.completion_mask)
+        assert torch.allclose(out.logprobs, base.logprobs, atol=1e-5)
+
+
+def test_row_depends_only_on_its_seed():
+    model = make_model("qwen", peak=3.0, eos_bias=1.5)
+    a, b, c = random_prompts([4, 11, 2])
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.9)
+    engine = FastEngine(model, Tok())
+    alone = engine.generate([a], [3], params, torch.tensor([10, 11, 12]))
+    mixed = engine.generate([b, a, c], [2, 3, 1], params, torch.tensor([1, 2, 12, 10, 11, 3]))
+    rows = mixed.completion_mask.shape[1]
+    width = max(rows, alone.completion_ids.shape[1])
+
+    def pad(t):
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=PAD)
+
+    assert torch.equal(pad(mixed.completion_ids[[3, 4, 2]]), pad(alone.completion_ids))
+    again = engine.generate([a], [3], params, torch.tensor([10, 11, 12]))
+    assert torch.equal(again.completion_ids, alone.completion_ids)
+    other = engine.generate([a], [3], params, torch.tensor([20, 21, 22]))
+    assert not torch.equal(pad(other.completion_ids), pad(alone.completion_ids))
+
+
+@pytest.mark.parametrize("engine_cls", [FastEngine, HFEngine])
+def test_stop_tokens_max_new_tokens_and_masks(engine_cls):
+    model = make_model("qwen", peak=30.0)
+    prompts = random_prompts([3, 6, 4])
+    engine = engine_cls(model, Tok())
+    greedy = SamplingParams(max_new_tokens=9, greedy=True)
+    free = engine.generate(prompts, [1, 1, 1], greedy, torch.arange(3))
+    assert free.completion_ids.shape[1] == 9 and free.truncated.all() and free.completion_mask.all()
+    stop = int(free.completion_ids[0, 4])  # a token the first row emits at position 4 (maybe earlier too)
+    out = engine.generate(
+        prompts,
+        [1, 1, 1],
+        SamplingParams(max_new_tokens=9, greedy=True, stop_token_ids=(stop,)),
+        torch.arange(3),
+    )
+    for r in range(3):
+        row = free.completion_ids[r].tolist()
+        end = row.index(stop) + 1 if stop in row else 9
+        assert out.completion_mask[r].tolist() == [1.0] * end + [0.0] * (out.completion_mask.shape[1] - end)
+        assert out.completion_ids[r, :end].tolist() == row[:end]
+        assert (out.completion_ids[r, end:] == PAD).all() and (out.logprobs[r, end:] == 0).all()
+        assert bool(out.truncated[r]) == (stop not in row)
+    assert out.completion_ids.shape[1] == max(int(m.sum()) for m in out.completion_mask)
+
+
+@pytest.mark.parametrize("engine_cls", [FastEngine, HFEngine])
+def test_top_k_one_equals_greedy(engine_cls):
+    model = make_model("llama", peak=3.0, eos_bias=1.0)
+    prompts, counts = random_prompts([5, 3]), [2, 3]
+    engine = engine_cls(model, Tok())
+    greedy = engine.generate(prompts, counts, SamplingParams(max_new_tokens=8, greedy=True), torch.arange(5))
+    topk = engine.generate(
+        prompts, counts, SamplingParams(max_new_tokens=8, temperature=0.8, top_k=1), torch.arange(5)
+    )
+    assert torch.equal(greedy.completion_ids, topk.completion_ids)
+
+
+@pytest.mark.parametrize("engine_cls", [FastEngine, HFEngine])
+def test_group_index_and_prompts_for_unequal_counts(engine_cls):
+    model = make_model("qwen", eos_bias=1.0)
+    prompts = random_prompts([2, 5, 3, 4])
+    engine = engine_cls(model, Tok())
+    out = engine.generate(prompts, [3, 0, 1, 2], SamplingParams(max_new_tokens=4), torch.arange(6))
+    assert out.group_index.tolist() == [0, 0, 0, 2, 3, 3]
+    assert out.prompt_ids.shape[1] == 4  # prompts without rollouts do not widen the padding
+    for r, g in enumerate(out.group_index.tolist()):
+        n = len(prompts[g])
+        assert out.prompt_ids[r, -n:].tolist() == prompts[g] and int(out.prompt_mask[r].sum()) == n
+    empty = engine.generate(prompts, [0, 0, 0, 0], SamplingParams(), torch.zeros(0, dtype=torch.long))
+    assert empty.group_index.numel() == 0 and empty.completion_ids.shape == (0, 0)
+    with pytest.raises(ValueError, match="one seed per row"):
+        engine.generate(prompts, [1, 1, 1, 1], SamplingParams(), torch.arange(3))
+
+
+def test_hf_engine_keeps_rng_and_train_mode():
+    model = make_model("qwen").train()
+    engine = HFEngine(model, Tok())
+    prompts, params = random_prompts([4, 6]), SamplingParams(max_new_tokens=6)
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    first = engine.generate(prompts, [2, 2], params, torch.arange(4))
+    assert torch.equal(torch.get_rng_state(), state) and model.training
+    assert torch.equal(
+        engine.generate(prompts, [2, 2], params, torch.arange(4)).completion_ids, first.completion_ids
+    )
+
+
+def test_unsupported_model_falls_back_to_hf(caplog):
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=0,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    with caplog.at_level(logging.WARNING, logger="podsrl"):
+        engine = build_engine("fast", model, Tok())
+    assert isinstance(engine.fallback, HFEngine) and "sliding" in caplog.text
+    out = engine.generate(
+        random_prompts([3]), [2], SamplingParams(max_new_tokens=3, greedy=True), torch.arange(2)
+    )
+    assert out.completion_ids.shape[0] == 2
