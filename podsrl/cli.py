@@ -24,7 +24,7 @@ def _preset(name: str) -> Path:
     raise UserError(f"--config: no file {name!r} and no bundled preset of that name")
 
 
-def _load(args) -> "object":
+def _load(args):
     from podsrl.config import load_config
 
     path = _preset(args.config) if args.config else _preset(DEFAULT_CONFIG)
@@ -102,12 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_config(sub.add_parser("eval", help="held-out accuracy of a model"))
     p.add_argument("--model", help="model dir to evaluate (e.g. RUN/checkpoints/step-N/model); default: warm-up")
     p.set_defaults(func=cmd_eval)
-    try:
-        from podsrl.experiments.cli import add_experiment_commands
-    except ImportError:
-        pass
-    else:
-        add_experiment_commands(sub)
+    from podsrl.experiments.report import add_report_arguments, report_main
+    from podsrl.experiments.runner import add_compare_arguments, compare_main
+
+    p = sub.add_parser("compare", help="train configs x seeds under one budget, then plot and tabulate")
+    add_compare_arguments(p)
+    p.set_defaults(func=compare_main)
+    p = sub.add_parser("report", help="rebuild the comparison plot and tables from saved runs")
+    add_report_arguments(p)
+    p.set_defaults(func=report_main)
     return parser
 
 

@@ -59,7 +59,13 @@ class TaskConfig:
 
 @dataclass
 class WarmupConfig:
-    steps: int = _f(500, "Supervised warm-up steps on reference completions (built-in tasks; 0 = none).")
+    steps: int = _f(2000, "Most supervised warm-up steps on reference completions (built-in tasks; 0 = none).")
+    target_accuracy: float = _f(
+        0.3, "Stop the warm-up once greedy accuracy on a validation stream reaches this (0 = run all steps), so RL "
+        "starts part-way up rather than at 0% or 100%."
+    )
+    check_every: int = _f(50, "Warm-up steps between validation checks.")
+    validation_size: int = _f(500, "Validation problems (from the training stream, never the held-out set).")
     batch_size: int = _f(128, "Warm-up batch size.")
     lr: float = _f(3e-3, "Warm-up learning rate (AdamW, cosine decay).")
     cache_dir: str = _f(".cache/podsrl/warmup", "Where warmed-up base checkpoints are cached, keyed by config.")
@@ -360,6 +366,9 @@ def validate(cfg: Config) -> None:
     need(cfg.eval.samples >= 0, "eval.samples", "must be >= 0")
     need(cfg.eval.batch_size >= 1, "eval.batch_size", "must be >= 1")
     need(cfg.warmup.steps >= 0, "warmup.steps", "must be >= 0")
+    need(0 <= cfg.warmup.target_accuracy <= 1, "warmup.target_accuracy", "must be in [0, 1]")
+    need(cfg.warmup.check_every >= 1, "warmup.check_every", "must be >= 1")
+    need(cfg.warmup.validation_size >= 1, "warmup.validation_size", "must be >= 1")
     need(cfg.reward_timeout > 0, "reward_timeout", "must be > 0")
     need(cfg.model.lora_rank >= 0, "model.lora_rank", "must be >= 0")
     need(bool(cfg.output_dir), "output_dir", "must not be empty")
@@ -398,3 +407,15 @@ def config_help(cls: type = Config, prefix: str = "") -> list[tuple[str, str, st
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         rows.append((prefix + f.name, repr(default), f.metadata.get("help", "")))
     return rows
+
+
+def config_reference_markdown() -> str:
+    """The config reference (docs/config.md), generated from the dataclasses so it cannot go stale."""
+    lines = ["# Configuration reference", "",
+             "Every key, its default and what it does. Set them in a YAML file (`--config`) or on the command line "
+             "as dotted overrides (`rollout.n=16`). Generated from `podsrl/config.py` by "
+             "`python -c \"from podsrl.config import config_reference_markdown as f; print(f())\" > docs/config.md`.",
+             "", "| key | default | meaning |", "|---|---|---|"]
+    for key, default, text in config_help():
+        lines.append(f"| `{key}` | `{default}` | {text.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"

@@ -68,9 +68,17 @@ class Trainer:
             log.warning("no valid checkpoint in %s: starting from the beginning", self.run_dir)
         base = str(run_warmup(cfg, progress=cfg.log.progress)) if needs_warmup(cfg) else None
         self.base_path = base
-        self.model, self.tokenizer = load_policy(
-            cfg.model, str(checkpoint / "model") if checkpoint else base, seed=cfg.seed
-        )
+        if cfg.model.lora_rank > 0:  # base weights frozen; checkpoints hold the adapter alone
+            from podsrl.lora import apply_lora, load_adapter
+
+            self.model, self.tokenizer = load_policy(cfg.model, base, seed=cfg.seed)
+            m = cfg.model
+            self.model = (load_adapter(self.model, checkpoint / "model", trainable=True) if checkpoint else
+                          apply_lora(self.model, m.lora_rank, m.lora_alpha, m.lora_dropout, m.lora_target_modules))
+        else:
+            self.model, self.tokenizer = load_policy(
+                cfg.model, str(checkpoint / "model") if checkpoint else base, seed=cfg.seed
+            )
         self.model.to(self.device)
         self.ref_model = None
         if cfg.algo.beta > 0:  # frozen copy of the starting policy; not loaded at all when beta = 0
@@ -323,6 +331,10 @@ class Trainer:
             return last_eval
         summary = {"step": self.step, "time/elapsed": self.elapsed, **last_eval,
                    **self.accountant.total_metrics()}
+        if cfg.model.lora_rank > 0:
+            from podsrl.lora import export_merged
+
+            export_merged(self.model, self.run_dir / "merged", self.tokenizer)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
         if cfg.log.plot:
             plot_run(self.run_dir)

@@ -57,6 +57,19 @@ def sft_batch(tokenizer, prompts: list[str], targets: list[str]):
     return ids, mask, labels
 
 
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, task, problems, max_new_tokens: int = 8) -> float:
+    """Greedy exact-match accuracy with plain `generate` (warm-up validation only; RL evaluation uses the engine)."""
+    was_training = model.training
+    model.eval()
+    enc = tokenizer([p.prompt for p in problems], return_tensors="pt", padding=True, add_special_tokens=False)
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+    model.train(was_training)
+    return sum(task.is_correct(t, p) for t, p in zip(texts, problems)) / len(problems)
+
+
 def run_warmup(cfg: Config, progress: bool = True) -> Path:
     """Train (or reuse) the warmed-up base checkpoint and return its directory."""
     out = warmup_path(cfg)
@@ -68,18 +81,22 @@ def run_warmup(cfg: Config, progress: bool = True) -> Path:
     w = cfg.warmup
     gen = torch.Generator().manual_seed(w.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=w.lr, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / max(1, w.steps // 20)) * 0.5 * (1 + torch.cos(
-            torch.tensor(torch.pi * s / w.steps)).item())
-    )
-    # Warm-up draws from the far end of the training index space so RL's own prompts are fresh.
+    # Linear warm-up of the LR over 50 steps, then constant: the stopping step is set by the accuracy target.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50))
+    # Warm-up and its validation draw from far ends of the training index space so RL's own prompts are fresh.
     offset = 10**9
+    validation = [task.problem(2 * 10**9 + i) for i in range(w.validation_size)]
     start = time.perf_counter()
+    accuracy, steps_run = float("nan"), 0
     model.train()
     bar = Progress(disable=not progress)
     with bar:
         task_id = bar.add_task("warm-up", total=w.steps)
         for step in range(w.steps):
+            if w.target_accuracy > 0 and step > 0 and step % w.check_every == 0:
+                accuracy = greedy_accuracy(model, tokenizer, task, validation)
+                if accuracy >= w.target_accuracy:
+                    break
             idx = torch.randint(0, 10**8, (w.batch_size,), generator=gen).tolist()
             problems = [task.problem(offset + i) for i in idx]
             ids, mask, labels = sft_batch(tokenizer, [p.prompt for p in problems],
@@ -90,16 +107,21 @@ def run_warmup(cfg: Config, progress: bool = True) -> Path:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             scheduler.step()
-            bar.update(task_id, advance=1, description=f"warm-up loss {loss.item():.3f}")
+            steps_run = step + 1
+            bar.update(task_id, advance=1, description=f"warm-up loss {loss.item():.3f} val acc {accuracy:.2f}")
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    (tmp / "warmup.json").write_text(json.dumps({"seconds": time.perf_counter() - start, "steps": w.steps}))
+    if w.target_accuracy > 0:
+        accuracy = greedy_accuracy(model, tokenizer, task, validation)
+    info = {"seconds": time.perf_counter() - start, "steps": steps_run, "validation_accuracy": accuracy}
+    (tmp / "warmup.json").write_text(json.dumps(info))
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.replace(tmp, out)
     except OSError:  # another process finished the same warm-up first
         shutil.rmtree(tmp, ignore_errors=True)
-    log.info("warm-up finished in %.1fs -> %s", time.perf_counter() - start, out)
+    log.info("warm-up: %d steps, validation accuracy %.3f, %.1fs -> %s", steps_run, accuracy,
+             info["seconds"], out)
     return out
