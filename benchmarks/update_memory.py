@@ -1,0 +1,110 @@
+"""Peak memory of the update phase: GRPO 16-16 vs PODS 64->16 vs GRPO 64-64 on the same model.
+
+Each setting runs in a fresh process, on a synthetic batch with the real selection and update code. The update is
+done without gradient accumulation (micro-batch = whole batch) because that is where memory follows the number of
+trained rollouts. CPU: peak resident memory during the update minus resident memory just before it. CUDA: peak
+allocated bytes (torch.cuda.max_memory_allocated) minus allocated bytes before.
+
+    python benchmarks/update_memory.py            # prints a table; targets: PODS <= 1.15x GRPO 16-16, <= 0.5x 64-64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SETTINGS = {"grpo 16-16": (16, 16), "pods 64->16": (64, 16), "grpo 64-64": (64, 64)}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure(n: int, m: int, prompts: int, length: int, layers: int, width: int, device: str) -> dict:
+    import torch
+
+    from podsrl.batch import Problem, RolloutBatch
+    from podsrl.config import load_config
+    from podsrl.models import build_char_tokenizer, build_tiny_model
+    from podsrl.select.prompt_stats import PromptStats
+    from podsrl.stages import select_for_update
+    from podsrl.update import PolicyUpdater
+
+    torch.manual_seed(0)
+    rows = prompts * n
+    cfg = load_config(None, [f"rollout.n={n}", f"select.m={m}", f"rollout.max_new_tokens={length}",
+                             f"optim.micro_batch_size={rows}", f"model.tiny.num_layers={layers}",
+                             f"model.tiny.hidden_size={width}", f"model.tiny.intermediate_size={3 * width}",
+                             f"model.tiny.max_position_embeddings={length + 16}", "select.rule=max_variance"])
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(cfg.model.tiny, tokenizer).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    updater = PolicyUpdater(model, optimizer, scheduler, cfg, torch.device(device))
+    problems = [Problem(uid=str(i), prompt="", answer="") for i in range(prompts)]
+    batch = RolloutBatch(
+        problems=problems, group_index=torch.arange(prompts).repeat_interleave(n),
+        prompt_ids=torch.randint(3, 100, (rows, 8)), prompt_mask=torch.ones(rows, 8, dtype=torch.long),
+        completion_ids=torch.randint(3, 100, (rows, length)), completion_mask=torch.ones(rows, length),
+        truncated=torch.zeros(rows, dtype=torch.bool), rewards=(torch.rand(rows) < 0.4).float(),
+    )
+    batch.correct = batch.rewards > 0.5
+    kept, _ = select_for_update(cfg, batch, PromptStats(), torch.Generator().manual_seed(0))
+    # One warm-up update so optimiser state and allocator pools exist before we measure.
+    updater.update(kept, torch.Generator().manual_seed(0))
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        updater.update(kept, torch.Generator().manual_seed(0))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+    else:
+        before = _rss_bytes()
+        updater.update(kept, torch.Generator().manual_seed(0))
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    params = sum(p.numel() for p in model.parameters())
+    return {"trained_rows": kept.num_rollouts, "peak_bytes": max(peak, 0), "params": params}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--length", type=int, default=64, help="completion tokens per rollout")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        n, m = map(int, args.child.split(","))
+        print(json.dumps(measure(n, m, args.prompts, args.length, args.layers, args.width, args.device)))
+        return
+    results = {}
+    for name, (n, m) in SETTINGS.items():
+        out = subprocess.run([sys.executable, __file__, "--child", f"{n},{m}", "--prompts", str(args.prompts),
+                              "--length", str(args.length), "--layers", str(args.layers), "--width",
+                              str(args.width), "--device", args.device], capture_output=True, text=True, check=True)
+        results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    params = next(iter(results.values()))["params"]
+    print(f"update-phase peak memory, {params / 1e6:.1f}M-param model, {args.prompts} prompts, "
+          f"{args.length} completion tokens, device {args.device}, {os.cpu_count()} cores")
+    print(f"{'setting':<14}{'trained rows':>14}{'peak MiB':>12}{'vs grpo 16-16':>16}")
+    base = results["grpo 16-16"]["peak_bytes"]
+    for name, r in results.items():
+        print(f"{name:<14}{r['trained_rows']:>14}{r['peak_bytes'] / 2**20:>12.1f}{r['peak_bytes'] / base:>15.2f}x")
+    pods, big = results["pods 64->16"]["peak_bytes"], results["grpo 64-64"]["peak_bytes"]
+    print(f"PODS / GRPO 16-16 = {pods / base:.2f} (target <= 1.15); PODS / GRPO 64-64 = {pods / big:.2f} "
+          f"(target <= 0.5)")
+
+
+if __name__ == "__main__":
+    main()
