@@ -276,3 +276,27 @@ def test_trainer_rejects_plain_grpo_config(tmp_path):
                       use_cpu=True, bf16=False, max_completion_length=4)
     with pytest.raises(PODSConfigError, match="PODSGRPOConfig"):
         PODSGRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=ds, processing_class=tok)
+
+
+def test_kl_reference_logps_are_computed_on_the_kept_rows_only(tmp_path, monkeypatch):
+    model, tok, ds = _model_data()
+    model.save_pretrained(tmp_path / "tiny")  # with beta > 0, TRL loads the reference model from a path
+    args = _config(tmp_path, gradient_accumulation_steps=2, beta=0.1, max_steps=1)
+    trainer = PODSGRPOTrainer(model=str(tmp_path / "tiny"), reward_funcs=_varied_reward, args=args,
+                              train_dataset=ds, processing_class=tok)
+    ref_rows: list[int] = []
+    ref_forward = trainer.ref_model.forward
+    monkeypatch.setattr(trainer.ref_model, "forward",
+                        lambda *a, **kw: ref_rows.append(kw["input_ids"].size(0)) or ref_forward(*a, **kw))
+    _, loss_batches = _record(monkeypatch, trainer)
+    trainer.train()
+    assert sum(ref_rows) == 8  # 2 prompts x m=4, not the 16 generated
+    for batch in loss_batches:
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+        mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+        c = batch["completion_ids"].size(1)
+        with torch.no_grad():
+            logits = ref_forward(input_ids=ids, attention_mask=mask).logits[:, -c - 1 : -1]
+        expected = logits.log_softmax(-1).gather(2, batch["completion_ids"].unsqueeze(2)).squeeze(2)
+        keep = batch["completion_mask"].bool()
+        torch.testing.assert_close(batch["ref_per_token_logps"][keep], expected[keep], rtol=1e-4, atol=1e-5)

@@ -179,10 +179,23 @@ class PODSGRPOTrainer(GRPOTrainer):
         self._pods_rewards_per_func = rewards_per_func
         return rewards_per_func
 
+    def _defer_reference_logps(self, inputs) -> bool:
+        """Whether the KL reference log-probs can wait until after selection (text-only, separate ref model)."""
+        has_images = bool(inputs) and any(key in inputs[0] for key in ("image", "images"))
+        return self.beta != 0.0 and self.ref_model is not None and not self._is_vlm and not has_images
+
     def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
         if not self.model.training:
-            return output
+            return super()._generate_and_score_completions(inputs)
+        # TRL would run the reference model over all n completions; PODS only needs it on the kept m.
+        defer_ref = self._defer_reference_logps(inputs)
+        beta = self.beta
+        if defer_ref:
+            self.beta = 0.0  # only read, inside generation, to decide whether to compute reference log-probs
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self.beta = beta
         args: PODSGRPOConfig = self.args
         rewards_per_func = self._pods_rewards_per_func
         self._pods_rewards_per_func = None
@@ -212,6 +225,8 @@ class PODSGRPOTrainer(GRPOTrainer):
         if output.get("tool_mask") is not None:
             loss_mask = loss_mask * output["tool_mask"]
         output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+        if defer_ref:
+            output["ref_per_token_logps"] = self._reference_logps(output)
 
         counts = torch.tensor([float(sel.rows.numel()), float(sel.padding.sum())], device=device)
         trained, padded = self.accelerator.gather(counts).view(-1, 2).sum(dim=0).tolist()
@@ -227,3 +242,13 @@ class PODSGRPOTrainer(GRPOTrainer):
             logged.pop()
         logged.extend(sel.logged_advantages.tolist())
         return output
+
+    @torch.no_grad()
+    def _reference_logps(self, batch: dict[str, Any]) -> torch.Tensor:
+        completion_ids = batch["completion_ids"]
+        ids = torch.cat([batch["prompt_ids"], completion_ids], dim=1)
+        mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        logps, _, _ = self._get_per_token_logps_and_entropies(
+            self.ref_model, ids, mask, completion_ids.size(1), batch_size=self.args.per_device_train_batch_size
+        )
+        return logps
