@@ -6,9 +6,9 @@ Three setups on the built-in tiny model, the same prompts per step and the same 
   PODS 64->16  PODSGRPOTrainer, 64 generated per prompt, the 16 with the most reward variance trained
 
 Each setup runs `--warmup` untimed steps then `--steps` timed optimizer steps; with `--rounds 2` the order is
-reversed in the second round to cancel drift on a shared machine. Default runtime: under 3 minutes on 2 CPU cores.
+reversed in the second round to cancel drift on a shared machine. Default runtime: about 1 minute on 2 CPU cores.
 
-    python benchmarks/trl_step.py [--prompts 2] [--steps 2] [--max-new-tokens 16] [--rounds 2]
+    python benchmarks/trl_step.py [--prompts 2] [--steps 5] [--max-new-tokens 16] [--rounds 2] [--threads 1]
 """
 
 from __future__ import annotations
@@ -95,13 +95,14 @@ def machine() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=2, help="prompts per optimizer step (same in every setup)")
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per setup and round")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per setup and round")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    # One thread by default: on a small shared CPU, oversubscribed threads made generation times erratic.
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU (0: torch's default)")
     opts = parser.parse_args()
-    if opts.threads:
+    if opts.threads and not torch.cuda.is_available():
         torch.set_num_threads(opts.threads)
 
     dataset = Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(10, 40) for b in range(10, 20)],
