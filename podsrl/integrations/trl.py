@@ -182,7 +182,7 @@ class PODSGRPOTrainer(GRPOTrainer):
     def _defer_reference_logps(self, inputs) -> bool:
         """Whether the KL reference log-probs can wait until after selection (text-only, separate ref model)."""
         has_images = bool(inputs) and any(key in inputs[0] for key in ("image", "images"))
-        return self.beta != 0.0 and self.ref_model is not None and not self._is_vlm and not has_images
+        return self.beta != 0.0 and self.ref_model is not None and not getattr(self, "_is_vlm", False) and not has_images
 
     def _generate_and_score_completions(self, inputs):
         if not self.model.training:
