@@ -61,13 +61,13 @@ class TaskConfig:
 class WarmupConfig:
     steps: int = _f(2000, "Most supervised warm-up steps on reference completions (built-in tasks; 0 = none).")
     target_accuracy: float = _f(
-        0.3, "Stop the warm-up once greedy accuracy on a validation stream reaches this (0 = run all steps), so RL "
+        0.25, "Stop the warm-up once greedy accuracy on a validation stream reaches this (0 = run all steps), so RL "
         "starts part-way up rather than at 0% or 100%."
     )
     check_every: int = _f(50, "Warm-up steps between validation checks.")
     validation_size: int = _f(500, "Validation problems (from the training stream, never the held-out set).")
     batch_size: int = _f(128, "Warm-up batch size.")
-    lr: float = _f(3e-3, "Warm-up learning rate (AdamW, cosine decay).")
+    lr: float = _f(1e-3, "Warm-up learning rate (AdamW, 50 linear warm-up steps, then constant).")
     cache_dir: str = _f(".cache/podsrl/warmup", "Where warmed-up base checkpoints are cached, keyed by config.")
     seed: int = _f(0, "Warm-up seed; the same for every RL run so they start from the same checkpoint.")
 
@@ -146,7 +146,7 @@ class DynamoConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = _f(5e-5, "Policy learning rate (AdamW).")
+    lr: float = _f(1e-4, "Policy learning rate (AdamW). RL on tiny models is LR-sensitive: 2e-4 was unstable here.")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     betas: list[float] = _f([0.9, 0.999], "AdamW betas.")
     max_grad_norm: float = _f(1.0, "Gradient-norm clip (0 = off).")
@@ -162,7 +162,7 @@ class TrainConfig:
     max_steps: int = _f(200, "RL steps (the run also stops at max_seconds / max_rollouts if set).")
     max_seconds: float = _f(0.0, "Wall-clock training budget in seconds, eval excluded (0 = none).")
     max_rollouts: int = _f(0, "Budget of generated rollouts (0 = none).")
-    eval_every: int = _f(10, "Evaluate every N steps (and at the start and end).")
+    eval_every: int = _f(20, "Evaluate every N steps (and at the start and end).")
     save_every: int = _f(50, "Checkpoint every N steps (and at the end).")
     keep_checkpoints: int = _f(2, "Checkpoints kept on disk (older ones are deleted).")
     max_nonfinite_steps: int = _f(3, "Consecutive non-finite losses/gradients (each skipped) before the run stops.")
@@ -171,7 +171,7 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     size: int = _f(0, "Held-out problems used (0 = all of task.eval_size).")
-    samples: int = _f(8, "k of Avg@k / pass@k (sampled at the rollout temperature); 0 = greedy only.")
+    samples: int = _f(4, "k of Avg@k / pass@k (sampled at the rollout temperature); 0 = greedy only.")
     batch_size: int = _f(1024, "Rows per generation call during evaluation.")
 
 

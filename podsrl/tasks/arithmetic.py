@@ -1,7 +1,8 @@
-"""The built-in task: multi-operand integer sums, e.g. "47+8+93=" -> "148".
+"""The built-in task: sums of 2 or 3 integers of 1-2 digits, e.g. "47+8+93=" -> "148".
 
-Hard enough for the tiny model that a short supervised warm-up leaves it part-way (the carries across several operands
-are what it gets wrong), so RL has room to climb. Problems are a pure function of (seed, index): the data position
+Hard enough for the tiny model that a short supervised warm-up leaves it part-way (carries across three operands are
+what it gets wrong longest), so RL has room to climb; and mixed, so prompts differ in how often the model solves
+them, which is what variance-based selection and allocation feed on. Problems are a pure function of (seed, index): the data position
 of a run is one integer. Held-out problems come from a separate stream and never appear in training.
 """
 
@@ -18,13 +19,13 @@ class ArithmeticTask(Task):
     name = "arithmetic"
 
     def __init__(self, seed: int = 1234, eval_size: int = 2000, operands: int = 3, digits: int = 2,
-                 min_operands: int | None = None) -> None:
+                 min_operands: int = 2) -> None:
         if operands < 2:
             raise ConfigError("task.args.operands: must be >= 2")
         if not 1 <= digits <= 9:
             raise ConfigError("task.args.digits: must be in 1..9")
         self.seed, self.operands, self.digits = seed, operands, digits
-        self.min_operands = operands if min_operands is None else min_operands
+        self.min_operands = min_operands
         if not 2 <= self.min_operands <= operands:
             raise ConfigError("task.args.min_operands: must be in [2, task.args.operands]")
         self._eval = [self._make(random.Random(f"eval-{seed}-{i}"), f"eval-{i}") for i in range(eval_size)]
