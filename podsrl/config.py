@@ -299,7 +299,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"--config: no such file {path}")
+            raise ConfigError(f"--config: {path} is a directory, not a YAML file" if path.is_dir() else
+                              f"--config: no such file {path}")
         try:
             loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
         except (yaml.YAMLError, UnicodeDecodeError) as e:
@@ -381,6 +382,9 @@ def validate(cfg: Config) -> None:
     t = cfg.model.tiny
     need(t.hidden_size % t.num_heads == 0, "model.tiny.hidden_size", "must be divisible by model.tiny.num_heads")
     need(t.num_heads % 2 == 0 or t.num_heads == 1, "model.tiny.num_heads", "must be even (or 1)")
+    need(not (cfg.model.name_or_path == "tiny" and cfg.warmup.steps > 0 and cfg.task.name == "dataset"),
+         "warmup.steps", "the built-in model's warm-up needs reference completions, which a dataset task does not "
+         "have: set warmup.steps=0, or give model.name_or_path")
 
 
 def dump_config(cfg: Config, path: Path) -> None:
