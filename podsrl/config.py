@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -388,7 +389,9 @@ def validate(cfg: Config) -> None:
 
 
 def dump_config(cfg: Config, path: Path) -> None:
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+    tmp = Path(path).with_name(Path(path).name + ".tmp")  # replaced whole: a kill mid-write leaves the old file
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def config_help(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
