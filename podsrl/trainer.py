@@ -145,6 +145,8 @@ class Trainer:
         result = self.rewards.score(problems, batch.group_index, batch.completions)
         batch.rewards, batch.reward_components, batch.correct = result.rewards, result.components, result.correct
         if not bool(result.valid.all()):  # reward policy 'skip': those rollouts never reach the update
+            self._skipped[0] += int((~result.valid).sum())  # ... but were generated: they count as compute
+            self._skipped[1] += int(batch.completion_mask[~result.valid].sum())
             batch = batch.select_rows(result.valid)
         self._timers["time/generate"] += t1 - t0
         self._timers["time/score"] += time.perf_counter() - t1
@@ -224,6 +226,7 @@ class Trainer:
         self._reward_metrics: list[dict] = []
         self._collect_metrics: list[dict] = []
         self._generated: list[RolloutBatch] = []
+        self._skipped = [0, 0]  # rollouts and tokens generated, then dropped by the reward policy 'skip'
         t0 = time.perf_counter()
         faults.fire("step", self.step + 1)
         problems = self.next_problems(cfg.rollout.prompts_per_step)
@@ -265,7 +268,8 @@ class Trainer:
         metrics.update(select_metrics)
         metrics.update(update_metrics)
         metrics.update(self.accountant.step(
-            generated_rollouts=int(rewards.numel()), generated_tokens=int(lengths.sum()),
+            generated_rollouts=int(rewards.numel()) + self._skipped[0],
+            generated_tokens=int(lengths.sum()) + self._skipped[1],
             trained_rollouts=kept.num_rollouts, trained_tokens=int(kept.completion_mask.sum()),
             passes=self.cfg.optim.epochs,
         ))

@@ -33,3 +33,14 @@ def reference_run(tmp_path_factory, launcher, warm_cache):
     assert result.code == 0, result.stderr[-3000:]
     return run
 
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """In-process runs on one thread: faster on a shared 2-core machine, and restored for other tests."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
