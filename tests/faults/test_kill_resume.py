@@ -87,15 +87,16 @@ def test_sigkill_at_random_times(tmp_path, launcher, warm_cache, reference_run):
 
 def test_sigterm_and_sigint_save_exit_zero_and_resume(tmp_path, launcher, warm_cache, reference_run):
     run = tmp_path / "run"
-    # Injected SIGTERM at the start of step 3: that step finishes, is checkpointed, and the process exits 0.
-    result = launcher.run(train_argv(run, warm_cache), env={"PODSRL_FAULTS": "term@step:3"})
+    # Injected SIGTERM at the start of step 4 (not a save or eval step): that step finishes, is checkpointed at
+    # once without an extra eval record, and the process exits 0.
+    result = launcher.run(train_argv(run, warm_cache), env={"PODSRL_FAULTS": "term@step:4"})
     assert result.code == 0, result.stderr[-3000:]
-    assert "stopped by signal at step 3" in result.stderr
-    assert _resume_step(run) == last_step(run) == 3
+    assert "stopped by signal at step 4" in result.stderr
+    assert _resume_step(run) == last_step(run) == 4
     assert not (run / "summary.json").exists()
     # A real SIGINT from outside (Ctrl-C) while training: same outcome at whatever step was in flight.
-    child = launcher.start(resume_argv(run))
-    wait_for_step(run, 4, child)
+    child = launcher.start(resume_argv(run), env={"SPREAD_SLEEP": "0.2"})  # paced: the signal lands mid-run
+    wait_for_step(run, 5, child)
     child.signal(signal.SIGINT)
     result = child.wait()
     assert result.code == 0, result.stderr[-3000:]
