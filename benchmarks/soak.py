@@ -133,6 +133,7 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(args.seed)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="podsrl-soak-"))
+    work.mkdir(parents=True, exist_ok=True)
     cache, ref, run = work / "warmup", work / "reference", work / "soak"
     make = Proc
     if args.fast:
