@@ -174,8 +174,12 @@ def main() -> None:
             faults, how = f"{faults} kill@{site}:{step}", f"kill@{site}"
         p = make(argv, {**env, "PODSRL_FAULTS": faults}, work / f"attempt{attempts}.log")
         if interrupt and how is None:
-            # Somewhere in the next three checkpoint intervals, so the run takes several attempts to finish.
-            time.sleep(startup + rng.uniform(0, min(args.steps - start, 3 * args.save_every) * per_step))
+            if rng.random() < 0.2:  # while starting up or resuming (imports, loading, rewriting metrics)
+                time.sleep(rng.uniform(0, startup))
+            else:  # somewhere in the next three checkpoint intervals: the run takes several attempts to finish
+                while p.poll() is None and last_step(run) <= start:  # start-up time varies a lot: wait it out
+                    time.sleep(0.01)
+                time.sleep(rng.uniform(0, min(args.steps - start, 3 * args.save_every) * per_step))
             how = "sigterm" if rng.random() < 0.25 else "sigkill (random time)"
             p.signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
         code = p.wait()
