@@ -90,6 +90,7 @@ def test_pruning_keeps_the_new_checkpoint_not_a_corrupt_later_one(tmp_path, mode
     assert latest_checkpoint(tmp_path).name == "step-00000004"
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 def test_a_pickle_payload_is_refused_not_executed(tmp_path, launcher, reference_run):
     run = tmp_path / "run"
     shutil.copytree(reference_run, run)
