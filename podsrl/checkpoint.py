@@ -56,6 +56,17 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def prepare_run_dir(run_dir: Path, resume: bool) -> None:
+    """Create the run directory; a fresh start never mixes with (or prunes) an earlier run's checkpoints."""
+    if not resume and list_checkpoints(run_dir):
+        raise UserError(f"output_dir: {run_dir} already holds checkpoints of a run; continue it with "
+                        f"`podsrl train --resume {run_dir}`, or choose another output_dir")
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"output_dir: cannot create {run_dir} ({e.strerror or e})") from None
+
+
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state: dict, rng_state: dict,
                     state: dict, keep: int = 2) -> Path:
     root = checkpoint_dir(run_dir)

@@ -22,7 +22,7 @@ from podsrl.accounting import ComputeAccountant
 from podsrl.algo.advantages import group_mean_std
 from podsrl.algo.modulation import dynamo_modulation
 from podsrl.batch import Problem, RolloutBatch, concat_batches
-from podsrl.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint_files, save_checkpoint
+from podsrl.checkpoint import latest_checkpoint, load_checkpoint_files, prepare_run_dir, save_checkpoint
 from podsrl.config import Config, dump_config
 from podsrl.engines import SamplingParams, build_engine
 from podsrl.errors import UserError
@@ -60,7 +60,7 @@ class Trainer:
     def __init__(self, cfg: Config, resume: bool = False) -> None:
         self.cfg = cfg
         self.run_dir = Path(cfg.output_dir)
-        _prepare_run_dir(self.run_dir, resume)
+        prepare_run_dir(self.run_dir, resume)
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.device = resolve_device(cfg.model.device)
@@ -395,17 +395,6 @@ class Trainer:
             self._snapshot.load_state_dict(state["stats_snapshot"][1])
         if "cuda" in rng_state and torch.cuda.is_available() and len(rng_state["cuda"]) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(rng_state["cuda"])
-
-
-def _prepare_run_dir(run_dir: Path, resume: bool) -> None:
-    """Create the run directory; a fresh start never mixes with (or prunes) an earlier run's checkpoints."""
-    if not resume and list_checkpoints(run_dir):
-        raise UserError(f"output_dir: {run_dir} already holds checkpoints of a run; continue it with "
-                        f"`podsrl train --resume {run_dir}`, or choose another output_dir")
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"output_dir: cannot create {run_dir} ({e.strerror or e})") from None
 
 
 def _py_random_state() -> list:
