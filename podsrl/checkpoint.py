@@ -15,14 +15,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 
 import torch
 
+from podsrl import faults
 from podsrl.errors import UserError
 
 MANIFEST = "manifest.json"
+
+try:
+    from safetensors import SafetensorError as _SafetensorError
+except ImportError:  # older safetensors: its errors are OSError/RuntimeError subclasses or caught below anyway
+    class _SafetensorError(Exception):  # type: ignore[no-redef]
+        pass
 
 
 def _sha256(path: Path) -> str:
@@ -48,6 +56,17 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def prepare_run_dir(run_dir: Path, resume: bool) -> None:
+    """Create the run directory; a fresh start never mixes with (or prunes) an earlier run's checkpoints."""
+    if not resume and list_checkpoints(run_dir):
+        raise UserError(f"output_dir: {run_dir} already holds checkpoints of a run; continue it with "
+                        f"`podsrl train --resume {run_dir}`, or choose another output_dir")
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"output_dir: cannot create {run_dir} ({e.strerror or e})") from None
+
+
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state: dict, rng_state: dict,
                     state: dict, keep: int = 2) -> Path:
     root = checkpoint_dir(run_dir)
@@ -55,12 +74,14 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state:
     tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
     try:
         root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        for stale in root.glob(".tmp-step-*"):  # left by a save that was killed (one writer per run dir)
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
+        faults.fire("ckpt_begin", step)
         model.save_pretrained(tmp / "model", safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / "model")
+        faults.fire("ckpt_model", step)
         torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(rng_state, tmp / "rng.pt")
         (tmp / "state.json").write_text(json.dumps(state), encoding="utf-8")
@@ -69,18 +90,38 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state:
         for p in files:  # data on disk before the manifest that vouches for it
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
+        faults.fire("ckpt_manifest", step)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+        faults.fire("ckpt_rename", step)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(root)
-    except OSError as e:
+    except (OSError, RuntimeError, _SafetensorError) as e:  # torch.save and safetensors wrap OS errors
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"output_dir: cannot write checkpoint {final} ({e.strerror or e}); "
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0]
+        raise UserError(f"output_dir: cannot write checkpoint {final} ({reason}); "
                         "the previous checkpoint is kept") from None
-    for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    faults.fire("ckpt_prune", step)
+    prune_checkpoints(run_dir, step, keep)
     return final
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.name.removeprefix("step-"))
+    except ValueError:
+        return -1
+
+
+def prune_checkpoints(run_dir: Path, step: int, keep: int) -> None:
+    """Keep the newest `keep` checkpoints up to `step` (the one just written is always among them); delete
+    older ones, and any with a later step: those are leftovers of an attempt this run was resumed past, so
+    they are corrupt (else resume would have picked them) and must not outrank the new, good ones."""
+    existing = list_checkpoints(run_dir)
+    current = [p for p in existing if _step_of(p) <= step]
+    for old in [p for p in existing if _step_of(p) > step] + current[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -108,8 +149,19 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def load_checkpoint_files(path: Path) -> tuple[dict, dict, dict]:
-    """(optimizer_state, rng_state, state) of a verified checkpoint; tensors only, no pickled objects."""
-    optimizer_state = torch.load(path / "optimizer.pt", weights_only=True)
-    rng_state = torch.load(path / "rng.pt", weights_only=True)
-    state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    """(optimizer_state, rng_state, state) of a verified checkpoint; tensors only, no pickled objects.
+
+    weights_only=True refuses anything but tensors and plain containers, so a checkpoint received from someone
+    else cannot run code when loaded; such a file is reported, not loaded."""
+    try:
+        optimizer_state = torch.load(path / "optimizer.pt", weights_only=True)
+        rng_state = torch.load(path / "rng.pt", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"checkpoint {path}: optimizer.pt/rng.pt hold something other than tensors and plain "
+                        f"values; refusing to load it ({first[:200]})") from None
+    try:
+        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"checkpoint {path}: state.json is not valid JSON ({e})") from None
     return optimizer_state, rng_state, state

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -32,8 +33,6 @@ def _load(args):
 
 
 def cmd_train(args) -> int:
-    from podsrl.trainer import Trainer
-
     if args.resume:
         from podsrl.config import load_config
 
@@ -44,6 +43,8 @@ def cmd_train(args) -> int:
         cfg = load_config(saved, args.overrides + [f"output_dir={run_dir}"])
     else:
         cfg = _load(args)
+    from podsrl.trainer import Trainer  # after the config: a bad one is reported without importing torch
+
     summary = Trainer(cfg, resume=bool(args.resume)).train()
     print(json.dumps({k: v for k, v in summary.items() if k.startswith(("eval/", "step", "time/"))}))
     return 0
@@ -114,10 +115,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    # SIGTERM before training starts (loading, warm-up) ends like Ctrl-C; the trainer then takes it over and
+    # turns it into checkpoint-and-exit.
+    try:
+        signal.signal(signal.SIGTERM, _interrupt)
+    except ValueError:  # called from a thread other than the main one: leave signals to the host program
+        pass
     try:
         return args.func(args)
     except UserError as e:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -305,7 +306,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"--config: no such file {path}")
+            raise ConfigError(f"--config: {path} is a directory, not a YAML file" if path.is_dir() else
+                              f"--config: no such file {path}")
         try:
             loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
         except (yaml.YAMLError, UnicodeDecodeError) as e:
@@ -390,10 +392,15 @@ def validate(cfg: Config) -> None:
     t = cfg.model.tiny
     need(t.hidden_size % t.num_heads == 0, "model.tiny.hidden_size", "must be divisible by model.tiny.num_heads")
     need(t.num_heads % 2 == 0 or t.num_heads == 1, "model.tiny.num_heads", "must be even (or 1)")
+    need(not (cfg.model.name_or_path == "tiny" and cfg.warmup.steps > 0 and cfg.task.name == "dataset"),
+         "warmup.steps", "the built-in model's warm-up needs reference completions, which a dataset task does not "
+         "have: set warmup.steps=0, or give model.name_or_path")
 
 
 def dump_config(cfg: Config, path: Path) -> None:
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+    tmp = Path(path).with_name(Path(path).name + ".tmp")  # replaced whole: a kill mid-write leaves the old file
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def config_help(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -34,7 +35,9 @@ class MetricsLogger:
         if resume_step is not None:
             # Records written after the checkpoint we resume from will be produced again: drop them.
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+            tmp = self.path.with_name(self.path.name + ".tmp")  # a kill mid-rewrite must not lose the history
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+            os.replace(tmp, self.path)
         elif self.path.exists():
             self.path.unlink()
         self._file = open(self.path, "a", encoding="utf-8")
@@ -43,7 +46,9 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+                # purge_step: on resume, TensorBoard hides the events logged after the checkpoint step
+                purge = resume_step + 1 if resume_step is not None else None
+                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=purge)
             except ImportError:
                 self._tb = None
 

@@ -17,24 +17,25 @@ from pathlib import Path
 
 import torch
 
+from podsrl import faults
 from podsrl.accounting import ComputeAccountant
 from podsrl.algo.advantages import group_mean_std
 from podsrl.algo.modulation import dynamo_modulation
 from podsrl.batch import Problem, RolloutBatch, concat_batches
-from podsrl.checkpoint import latest_checkpoint, load_checkpoint_files, save_checkpoint
+from podsrl.checkpoint import latest_checkpoint, load_checkpoint_files, prepare_run_dir, save_checkpoint
 from podsrl.config import Config, dump_config
 from podsrl.engines import SamplingParams, build_engine
 from podsrl.errors import UserError
 from podsrl.evaluation import evaluate
 from podsrl.models import count_parameters, load_policy, resolve_device
 from podsrl.plotting import plot_run
-from podsrl.rewards import build_reward_manager
+from podsrl.rewards import RewardManager, build_reward_manager
 from podsrl.select.aero import collect_aero_rollouts
 from podsrl.select.downsample import zero_variance_groups
 from podsrl.select.prompt_stats import PromptStats
 from podsrl.stages import rollout_counts, select_for_update
 from podsrl.tasks import build_task
-from podsrl.tracking import MetricsLogger, StepProgress
+from podsrl.tracking import MetricsLogger, StepProgress, read_metrics
 from podsrl.update import PolicyUpdater
 from podsrl.warmup import needs_warmup, run_warmup
 
@@ -59,7 +60,7 @@ class Trainer:
     def __init__(self, cfg: Config, resume: bool = False) -> None:
         self.cfg = cfg
         self.run_dir = Path(cfg.output_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        prepare_run_dir(self.run_dir, resume)
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.device = resolve_device(cfg.model.device)
@@ -152,6 +153,8 @@ class Trainer:
         result = self.rewards.score(problems, batch.group_index, batch.completions)
         batch.rewards, batch.reward_components, batch.correct = result.rewards, result.components, result.correct
         if not bool(result.valid.all()):  # reward policy 'skip': those rollouts never reach the update
+            self._skipped[0] += int((~result.valid).sum())  # ... but were generated: they count as compute
+            self._skipped[1] += int(batch.completion_mask[~result.valid].sum())
             batch = batch.select_rows(result.valid)
         self._timers["time/generate"] += t1 - t0
         self._timers["time/score"] += time.perf_counter() - t1
@@ -231,10 +234,14 @@ class Trainer:
         self._reward_metrics: list[dict] = []
         self._collect_metrics: list[dict] = []
         self._generated: list[RolloutBatch] = []
+        self._skipped = [0, 0]  # rollouts and tokens generated, then dropped by the reward policy 'skip'
         t0 = time.perf_counter()
+        faults.fire("step", self.step + 1)
         problems = self.next_problems(cfg.rollout.prompts_per_step)
         kept, select_metrics = self.select_with_filter(problems)
         t_upd = time.perf_counter()
+        if faults.fire("loss", self.step + 1):  # injected numerical fault: a NaN loss and gradient
+            kept.advantages = torch.full_like(kept.advantages, float("nan"))
         update_metrics = self.updater.update(kept.trim_padding(), self.rng) if kept.num_rollouts else {}
         self.engine.sync_weights(self.model)
         self._timers["time/update"] = time.perf_counter() - t_upd
@@ -269,7 +276,8 @@ class Trainer:
         metrics.update(select_metrics)
         metrics.update(update_metrics)
         metrics.update(self.accountant.step(
-            generated_rollouts=int(rewards.numel()), generated_tokens=int(lengths.sum()),
+            generated_rollouts=int(rewards.numel()) + self._skipped[0],
+            generated_tokens=int(lengths.sum()) + self._skipped[1],
             trained_rollouts=kept.num_rollouts, trained_tokens=int(kept.completion_mask.sum()),
             passes=self.cfg.optim.epochs,
         ))
@@ -289,7 +297,12 @@ class Trainer:
         return True
 
     def verify(self, problems: list[Problem], group_index: torch.Tensor, completions: list[str]) -> torch.Tensor:
-        return self.rewards.score(problems, group_index, completions).correct
+        # Correctness is the `correct` reward alone: other (possibly faulty or costly) rewards play no part.
+        specs = [s for s in self.rewards.specs if s.name == "correct"]
+        if not specs:
+            return torch.zeros(len(completions), dtype=torch.bool)
+        manager = RewardManager(specs, self.task, self.rewards.on_error, self.rewards.timeout_s)
+        return manager.score(problems, group_index, completions).correct
 
     def run_eval(self) -> dict:
         cfg = self.cfg
@@ -310,12 +323,15 @@ class Trainer:
             if self.step == 0:
                 last_eval = self.run_eval()
                 progress.update(0, accuracy=last_eval["eval/accuracy"])
+            elif not self.budget_left():  # resumed after the last step: the summary needs its final eval
+                last_eval = self._logged_eval() or self.run_eval()
             while self.budget_left():
                 metrics = self.train_step()
                 self.logger.log(metrics)
                 progress.update(self.step, reward=metrics["reward"], step_time=metrics["time/step"])
                 finished = not self.budget_left()
-                if self.step % cfg.train.eval_every == 0 or finished:
+                # Stopped by a signal: checkpoint at once (a grace period may be short), no extra eval record.
+                if self.step % cfg.train.eval_every == 0 or self._budget_spent():
                     last_eval = self.run_eval()
                     progress.update(self.step, accuracy=last_eval["eval/accuracy"])
                 if self.step % cfg.train.save_every == 0 or finished:
@@ -326,7 +342,7 @@ class Trainer:
                 signal.signal(s, handler)
             self.logger.close()
             self.engine.close()
-        if self.stop_requested and self.step < cfg.train.max_steps:
+        if self.stop_requested and not self._budget_spent():
             log.warning("stopped by signal at step %d; resume with --resume %s", self.step, self.run_dir)
             return last_eval
         summary = {"step": self.step, "time/elapsed": self.elapsed, **last_eval,
@@ -341,8 +357,22 @@ class Trainer:
         return summary
 
     def _request_stop(self, signum, frame) -> None:
-        # Finish the step in flight, checkpoint, exit cleanly: nothing lost.
+        # Finish the step in flight, checkpoint, exit cleanly: nothing lost. A second Ctrl-C aborts at once.
+        if self.stop_requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
         self.stop_requested = True
+
+    def _budget_spent(self) -> bool:
+        """The run's own end (steps, seconds or rollouts), as opposed to a stop requested by a signal."""
+        requested, self.stop_requested = self.stop_requested, False
+        spent = not self.budget_left()
+        self.stop_requested = requested
+        return spent
+
+    def _logged_eval(self) -> dict:
+        """The eval metrics already logged at the current step (kept on resume), or {}."""
+        records = [r for r in read_metrics(self.logger.path) if r.get("step") == self.step and "eval/accuracy" in r]
+        return {k: v for k, v in records[-1].items() if k.startswith("eval/")} if records else {}
 
     # ------------------------------------------------------------------------------------------- state
 
@@ -352,8 +382,12 @@ class Trainer:
             "prompt_stats": self.stats.state_dict(), "accounting": self.accountant.state_dict(),
             "nonfinite_in_a_row": self.updater.nonfinite_in_a_row, "python_random": _py_random_state(),
         }
+        if getattr(self, "_snapshot", None) is not None:  # dynamo.refresh=epoch: the epoch-start statistics
+            state["stats_snapshot"] = [self._snapshot_epoch, self._snapshot.state_dict()]
         optimizer_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
         rng_state = {"trainer": self.rng.get_state(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng_state["cuda"] = torch.cuda.get_rng_state_all()
         save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, optimizer_state, rng_state, state,
                         keep=self.cfg.train.keep_checkpoints)
 
@@ -368,6 +402,11 @@ class Trainer:
         self.accountant.load_state_dict(state["accounting"])
         self.updater.nonfinite_in_a_row = state["nonfinite_in_a_row"]
         _set_py_random_state(state["python_random"])
+        if "stats_snapshot" in state:
+            self._snapshot_epoch, self._snapshot = state["stats_snapshot"][0], PromptStats()
+            self._snapshot.load_state_dict(state["stats_snapshot"][1])
+        if "cuda" in rng_state and torch.cuda.is_available() and len(rng_state["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(rng_state["cuda"])
 
 
 def _py_random_state() -> list:
