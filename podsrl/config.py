@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from podsrl.errors import ConfigError
+from podsrl.fileio import write_text_atomic
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -398,9 +398,7 @@ def validate(cfg: Config) -> None:
 
 
 def dump_config(cfg: Config, path: Path) -> None:
-    tmp = Path(path).with_name(Path(path).name + ".tmp")  # replaced whole: a kill mid-write leaves the old file
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def config_help(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:

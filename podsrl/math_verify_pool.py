@@ -114,7 +114,7 @@ class ProcessPool:
                             status, index, value = w.conn.recv()
                         except (EOFError, OSError):  # the worker died
                             if not w.ready:
-                                raise RuntimeError(f"a pool worker for {self._fn.__name__} died while starting")
+                                raise RuntimeError(f"a pool worker for {self._fn.__name__} died while starting") from None
                             if w.index is not None:
                                 results[w.index] = (CRASHED, None)
                             self._replace(w)

@@ -21,8 +21,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     if train:
         axes[0].plot([r["step"] for r in train], [r["reward"] for r in train], lw=1, label="train reward")
     axes[0].set(xlabel="step", ylabel="mean reward", title="Training reward")
-    for key, ax, x_key, x_label in (("eval", axes[1], "step", "step"),
-                                    ("eval", axes[2], "time/elapsed", "training wall-clock (s)")):
+    for ax, x_key, x_label in ((axes[1], "step", "step"), (axes[2], "time/elapsed", "training wall-clock (s)")):
         if evals:
             ax.plot([r[x_key] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label="greedy pass@1")
             avg = [k for k in evals[-1] if k.startswith("eval/avg@")]

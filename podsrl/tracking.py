@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from podsrl.fileio import write_text_atomic
 
 
 def _clean(value):
@@ -35,9 +36,8 @@ class MetricsLogger:
         if resume_step is not None:
             # Records written after the checkpoint we resume from will be produced again: drop them.
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-            tmp = self.path.with_name(self.path.name + ".tmp")  # a kill mid-rewrite must not lose the history
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-            os.replace(tmp, self.path)
+            # A kill mid-rewrite must not lose the history.
+            write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         elif self.path.exists():
             self.path.unlink()
         self._file = open(self.path, "a", encoding="utf-8")

@@ -27,6 +27,7 @@ from podsrl.config import Config, dump_config
 from podsrl.engines import SamplingParams, build_engine
 from podsrl.errors import UserError
 from podsrl.evaluation import evaluate
+from podsrl.fileio import write_text_atomic
 from podsrl.models import count_parameters, load_policy, resolve_device
 from podsrl.plotting import plot_run
 from podsrl.rewards import RewardManager, build_reward_manager
@@ -351,7 +352,7 @@ class Trainer:
             from podsrl.lora import export_merged
 
             export_merged(self.model, self.run_dir / "merged", self.tokenizer)
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+        write_text_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=1))
         if cfg.log.plot:
             plot_run(self.run_dir)
         return summary

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from podsrl.config import load_config
-from podsrl.trainer import Trainer
 from podsrl.tracking import read_metrics
+from podsrl.trainer import Trainer
 from tests.conftest import tiny_overrides
 
 FIXTURES = Path(__file__).parent / "fixtures"

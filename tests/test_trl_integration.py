@@ -260,7 +260,9 @@ def test_zero_variance_filtering_trains_survivors_and_pads_with_zero_advantage(t
 def test_everything_filtered_still_trains(tmp_path, monkeypatch):
     model, tok, ds = _model_data()
     args = _config(tmp_path, gradient_accumulation_steps=2, filter_zero_variance=True, max_steps=1)
-    constant = lambda prompts, completions, **kw: [0.5] * len(prompts)
+    def constant(prompts, completions, **kw):
+        return [0.5] * len(prompts)
+
     trainer = PODSGRPOTrainer(model=model, reward_funcs=constant, args=args, train_dataset=ds, processing_class=tok)
     _, loss_batches = _record(monkeypatch, trainer)
     trainer.train()

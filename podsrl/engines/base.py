@@ -59,10 +59,10 @@ class RolloutEngine(ABC):
         seeds: torch.Tensor,
     ) -> GenerationOutput: ...
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
+    def sync_weights(self, model: torch.nn.Module) -> None:  # noqa: B027 (optional hook)
         """Called after each update. In-process engines share the trainer's module, so nothing to do."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional hook)
         """Release workers, processes, GPU memory."""
 
 

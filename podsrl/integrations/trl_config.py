@@ -42,7 +42,7 @@ def require_trl() -> str:
 require_trl()
 
 # Only after the version check, so an unsupported TRL fails with the message above.
-from trl import GRPOConfig
+from trl import GRPOConfig  # noqa: E402
 
 PODS_RULES = ("max_variance", "max_reward", "random", "none")
 NORMALIZE_OVER = ("subset", "group")
