@@ -23,6 +23,7 @@ from podsrl.algo.modulation import dynamo_modulation
 from podsrl.batch import Problem, RolloutBatch, concat_batches
 from podsrl.checkpoint import latest_checkpoint, load_checkpoint_files, save_checkpoint
 from podsrl.config import Config, dump_config
+from podsrl.distributed import NullLogger, init_distributed
 from podsrl.engines import SamplingParams, build_engine
 from podsrl.errors import UserError
 from podsrl.evaluation import evaluate
@@ -62,11 +63,13 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        self.device = resolve_device(cfg.model.device)
+        self.dist = init_distributed(resolve_device(cfg.model.device))  # torchrun: this rank's place and device
+        self.device = self.dist.device
         checkpoint = latest_checkpoint(self.run_dir) if resume else None
         if resume and checkpoint is None:
             log.warning("no valid checkpoint in %s: starting from the beginning", self.run_dir)
-        base = str(run_warmup(cfg, progress=cfg.log.progress)) if needs_warmup(cfg) else None
+        with self.dist.main_first():
+            base = str(run_warmup(cfg, progress=cfg.log.progress)) if needs_warmup(cfg) else None
         self.base_path = base
         self.model, self.tokenizer = load_policy(
             cfg.model, str(checkpoint / "model") if checkpoint else base, seed=cfg.seed
@@ -78,7 +81,8 @@ class Trainer:
             self.ref_model.to(self.device).eval().requires_grad_(False)
         self.task = build_task(cfg.task, self.tokenizer)
         self.eval_problems = self.task.eval_set()[: cfg.eval.size or None]
-        self.engine = build_engine(cfg.rollout.engine, self.model, self.tokenizer, **cfg.rollout.engine_options)
+        self.engine = self.dist.wrap_engine(
+            build_engine(cfg.rollout.engine, self.model, self.tokenizer, **cfg.rollout.engine_options))
         self.rewards = build_reward_manager(
             cfg.rewards or list(self.task.default_rewards), self.task, cfg.reward_on_error, cfg.reward_timeout
         )
@@ -88,7 +92,7 @@ class Trainer:
         total_updates = cfg.train.max_steps * cfg.optim.epochs * cfg.optim.mini_batches
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_updates))
         self.updater = PolicyUpdater(self.model, self.optimizer, self.scheduler, cfg, self.device, self.ref_model,
-                                     modulation=self._modulation())
+                                     modulation=self._modulation(), data_parallel=self.dist.data_parallel(self.model))
         self.stats = PromptStats()
         self.accountant = ComputeAccountant(count_parameters(self.model))
         self.rng = torch.Generator().manual_seed(cfg.seed)
@@ -97,9 +101,11 @@ class Trainer:
         if checkpoint is not None:
             self._restore(checkpoint)
             log.info("resumed %s at step %d", self.run_dir, self.step)
-        dump_config(cfg, self.run_dir / "config.yaml")
-        self.logger = MetricsLogger(self.run_dir, cfg.log.tensorboard,
-                                    resume_step=self.step if checkpoint is not None else None)
+        if self.dist.is_main:
+            dump_config(cfg, self.run_dir / "config.yaml")
+        self.logger = (MetricsLogger(self.run_dir, cfg.log.tensorboard,
+                                     resume_step=self.step if checkpoint is not None else None)
+                       if self.dist.is_main else NullLogger())
 
     # ------------------------------------------------------------------------------------------- stages
 
@@ -226,6 +232,7 @@ class Trainer:
         t0 = time.perf_counter()
         problems = self.next_problems(cfg.rollout.prompts_per_step)
         kept, select_metrics = self.select_with_filter(problems)
+        kept = self.dist.agree_batch(kept, self.rng)
         t_upd = time.perf_counter()
         update_metrics = self.updater.update(kept.trim_padding(), self.rng) if kept.num_rollouts else {}
         self.engine.sync_weights(self.model)
@@ -295,18 +302,18 @@ class Trainer:
 
     def train(self) -> dict:
         cfg = self.cfg
-        progress = StepProgress(cfg.train.max_steps, cfg.log.progress, start=self.step)
+        progress = StepProgress(cfg.train.max_steps, cfg.log.progress and self.dist.is_main, start=self.step)
         previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
         last_eval: dict = {}
         try:
             if self.step == 0:
                 last_eval = self.run_eval()
                 progress.update(0, accuracy=last_eval["eval/accuracy"])
-            while self.budget_left():
+            while self.dist.agree(self.budget_left()):
                 metrics = self.train_step()
                 self.logger.log(metrics)
                 progress.update(self.step, reward=metrics["reward"], step_time=metrics["time/step"])
-                finished = not self.budget_left()
+                finished = not self.dist.agree(self.budget_left())
                 if self.step % cfg.train.eval_every == 0 or finished:
                     last_eval = self.run_eval()
                     progress.update(self.step, accuracy=last_eval["eval/accuracy"])
@@ -318,13 +325,15 @@ class Trainer:
                 signal.signal(s, handler)
             self.logger.close()
             self.engine.close()
+            self.dist.close()
         if self.stop_requested and self.step < cfg.train.max_steps:
             log.warning("stopped by signal at step %d; resume with --resume %s", self.step, self.run_dir)
             return last_eval
         summary = {"step": self.step, "time/elapsed": self.elapsed, **last_eval,
                    **self.accountant.total_metrics()}
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
-        if cfg.log.plot:
+        if self.dist.is_main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+        if cfg.log.plot and self.dist.is_main:
             plot_run(self.run_dir)
         return summary
 
@@ -335,6 +344,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- state
 
     def save(self) -> None:
+        if not self.dist.is_main:  # every rank holds the same state
+            return
         state = {
             "step": self.step, "data_position": self.data_position, "elapsed": self.elapsed,
             "prompt_stats": self.stats.state_dict(), "accounting": self.accountant.state_dict(),
