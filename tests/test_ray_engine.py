@@ -3,6 +3,7 @@ Also the sharding helpers it shares with data-parallel training (no Ray needed f
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -73,7 +74,7 @@ def test_shard_groups_cover_in_order_and_balance():
         shards = shard_groups(counts, k)
         assert len(shards) == k
         assert shards[0].start == 0 and shards[-1].end == len(counts)
-        for a, b in zip(shards, shards[1:]):
+        for a, b in itertools.pairwise(shards):
             assert a.end == b.start and a.row_end == b.row_start
         for s in shards:
             assert s.rows == sum(counts[s.start:s.end])
