@@ -98,6 +98,18 @@ def test_merged_shards_equal_one_call():
     assert_same(merge_outputs(parts, PAD, with_logprobs=True), whole)
 
 
+def test_vllm_engine_names_what_is_missing():
+    import importlib.util
+
+    from podsrl.engines.base import build_engine
+    from podsrl.errors import ConfigError
+
+    if importlib.util.find_spec("vllm") is not None and torch.cuda.is_available():
+        pytest.skip("vLLM and a GPU are present: nothing is missing")
+    with pytest.raises(ConfigError, match=r"'vllm' needs (vLLM and )?a CUDA GPU"):
+        build_engine("vllm", make_model(), Tok())
+
+
 # ----------------------------------------------------------------------------------------- the Ray pool
 
 ray = pytest.importorskip("ray")
