@@ -186,3 +186,12 @@ def test_a_shard_that_keeps_failing_stops_at_the_bound(pool):
     params = SamplingParams(max_new_tokens=6)
     assert_same(engine.generate(prompts, counts, params, seeds),
                 FastEngine(model, Tok()).generate(prompts, counts, params, seeds))
+
+
+def test_a_pool_larger_than_the_local_ray_is_refused_at_once(pool):
+    from podsrl.engines.ray import RayEngine
+    from podsrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"3 workers x 1 CPU exceed the local Ray's 2 CPUs"):
+        RayEngine(pool[1], Tok(), num_workers=3)
+    assert ray.is_initialized()  # the module's Ray (not started by this engine) is left running

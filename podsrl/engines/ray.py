@@ -12,7 +12,7 @@ Options (`rollout.engine_options`): num_workers (2), address (None: start a loca
 cluster), num_cpus (local Ray only), cpus_per_worker (1, also the actor's torch threads), gpus_per_worker (0),
 engine ("fast" | "hf"), engine_options (dict for the inner engine), max_retries (2), timeout_s (None: a shard may
 run forever; else a request with no shard finishing for that long counts as failed on every pending shard),
-init_options (extra `ray.init` keywords).
+init_options (extra `ray.init` keywords), startup_timeout_s (600: actors not up by then fail with a message).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class RayEngine(RolloutEngine):
                  address: str | None = None, num_cpus: int | None = None, cpus_per_worker: float = 1,
                  gpus_per_worker: float = 0, engine: str = "fast", engine_options: dict | None = None,
                  max_retries: int = 2, timeout_s: float | None = None, init_options: dict | None = None,
-                 **options: Any) -> None:
+                 startup_timeout_s: float = 600.0, **options: Any) -> None:
         try:
             import ray
         except ImportError as e:  # pragma: no cover - depends on the environment
@@ -141,11 +141,33 @@ class RayEngine(RolloutEngine):
         skeleton = model if model_device(model).type == "cpu" else copy.deepcopy(model).cpu()
         self._model_ref = ray.put(skeleton)  # pickled once: every (re)started actor is built from it
         self._weights_ref = None  # latest synced weights; None = those in the skeleton
+        self._check_resources(num_workers, cpus_per_worker, gpus_per_worker, local=address is None)
         self.workers = [self._spawn() for _ in range(num_workers)]
-        ray.get([w.digest.remote() for w in self.workers])  # wait until every actor is up (and fail here if not)
+        try:  # wait until every actor is up (and fail here, not in the first step, if they cannot start)
+            ray.get([w.digest.remote() for w in self.workers], timeout=startup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self.close()
+            raise WorkerFailure(
+                f"ray engine: {num_workers} actors ({cpus_per_worker} CPU, {gpus_per_worker} GPU each) did not "
+                f"start within startup_timeout_s={startup_timeout_s}; free resources: "
+                f"{ray.available_resources()}") from None
         self.restarts = 0
         self.startup_seconds = time.perf_counter() - t0
         self.last_sync_seconds = 0.0
+
+    def _check_resources(self, workers: int, cpus: float, gpus: float, local: bool) -> None:
+        """A local Ray never grows: a pool larger than it would wait forever, so say so now."""
+        if not local:
+            return  # a cluster may autoscale; the start-up timeout bounds the wait instead
+        total = self._ray.cluster_resources()
+        for name, each, key in (("CPU", cpus, "CPU"), ("GPU", gpus, "GPU")):
+            if workers * each > total.get(key, 0) + 1e-9:
+                from podsrl.errors import ConfigError
+
+                self.close()
+                raise ConfigError(
+                    f"rollout.engine_options: {workers} workers x {each} {name} exceed the local Ray's "
+                    f"{total.get(key, 0):g} {name}s; lower num_workers or the per-worker share, or raise num_cpus")
 
     def _spawn(self):
         return self._actor_cls.remote(self._model_ref, self._weights_ref, self.inner, self.inner_options,
