@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -46,7 +47,8 @@ def cmd_train(args) -> int:
     from podsrl.trainer import Trainer  # after the config: a bad one is reported without importing torch
 
     summary = Trainer(cfg, resume=bool(args.resume)).train()
-    print(json.dumps({k: v for k, v in summary.items() if k.startswith(("eval/", "step", "time/"))}))
+    if os.environ.get("RANK", "0") == "0":  # torchrun: one summary line, from rank 0
+        print(json.dumps({k: v for k, v in summary.items() if k.startswith(("eval/", "step", "time/"))}))
     return 0
 
 

@@ -24,6 +24,7 @@ from podsrl.algo.modulation import dynamo_modulation
 from podsrl.batch import Problem, RolloutBatch, concat_batches
 from podsrl.checkpoint import latest_checkpoint, load_checkpoint_files, prepare_run_dir, save_checkpoint
 from podsrl.config import Config, dump_config
+from podsrl.distributed import NullLogger, init_distributed
 from podsrl.engines import SamplingParams, build_engine
 from podsrl.errors import UserError
 from podsrl.evaluation import evaluate
@@ -64,11 +65,13 @@ class Trainer:
         prepare_run_dir(self.run_dir, resume)
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        self.device = resolve_device(cfg.model.device)
+        self.dist = init_distributed(resolve_device(cfg.model.device))  # torchrun: this rank's place and device
+        self.device = self.dist.device
         checkpoint = latest_checkpoint(self.run_dir) if resume else None
         if resume and checkpoint is None:
             log.warning("no valid checkpoint in %s: starting from the beginning", self.run_dir)
-        base = str(run_warmup(cfg, progress=cfg.log.progress)) if needs_warmup(cfg) else None
+        with self.dist.main_first():
+            base = str(run_warmup(cfg, progress=cfg.log.progress)) if needs_warmup(cfg) else None
         self.base_path = base
         if cfg.model.lora_rank > 0:  # base weights frozen; checkpoints hold the adapter alone
             from podsrl.lora import apply_lora, load_adapter
@@ -88,7 +91,8 @@ class Trainer:
             self.ref_model.to(self.device).eval().requires_grad_(False)
         self.task = build_task(cfg.task, self.tokenizer)
         self.eval_problems = self.task.eval_set()[: cfg.eval.size or None]
-        self.engine = build_engine(cfg.rollout.engine, self.model, self.tokenizer, **cfg.rollout.engine_options)
+        self.engine = self.dist.wrap_engine(
+            build_engine(cfg.rollout.engine, self.model, self.tokenizer, **cfg.rollout.engine_options))
         self.rewards = build_reward_manager(
             cfg.rewards or list(self.task.default_rewards), self.task, cfg.reward_on_error, cfg.reward_timeout
         )
@@ -98,7 +102,7 @@ class Trainer:
         total_updates = cfg.train.max_steps * cfg.optim.epochs * cfg.optim.mini_batches
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_updates))
         self.updater = PolicyUpdater(self.model, self.optimizer, self.scheduler, cfg, self.device, self.ref_model,
-                                     modulation=self._modulation())
+                                     modulation=self._modulation(), data_parallel=self.dist.data_parallel(self.model))
         self.stats = PromptStats()
         self.accountant = ComputeAccountant(count_parameters(self.model))
         self.rng = torch.Generator().manual_seed(cfg.seed)
@@ -107,9 +111,11 @@ class Trainer:
         if checkpoint is not None:
             self._restore(checkpoint)
             log.info("resumed %s at step %d", self.run_dir, self.step)
-        dump_config(cfg, self.run_dir / "config.yaml")
-        self.logger = MetricsLogger(self.run_dir, cfg.log.tensorboard,
-                                    resume_step=self.step if checkpoint is not None else None)
+        if self.dist.is_main:
+            dump_config(cfg, self.run_dir / "config.yaml")
+        self.logger = (MetricsLogger(self.run_dir, cfg.log.tensorboard,
+                                     resume_step=self.step if checkpoint is not None else None)
+                       if self.dist.is_main else NullLogger())
 
     # ------------------------------------------------------------------------------------------- stages
 
@@ -240,6 +246,7 @@ class Trainer:
         faults.fire("step", self.step + 1)
         problems = self.next_problems(cfg.rollout.prompts_per_step)
         kept, select_metrics = self.select_with_filter(problems)
+        kept = self.dist.agree_batch(kept, self.rng)
         t_upd = time.perf_counter()
         if faults.fire("loss", self.step + 1):  # injected numerical fault: a NaN loss and gradient
             kept.advantages = torch.full_like(kept.advantages, float("nan"))
@@ -317,22 +324,22 @@ class Trainer:
 
     def train(self) -> dict:
         cfg = self.cfg
-        progress = StepProgress(cfg.train.max_steps, cfg.log.progress, start=self.step)
+        progress = StepProgress(cfg.train.max_steps, cfg.log.progress and self.dist.is_main, start=self.step)
         previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
         last_eval: dict = {}
         try:
             if self.step == 0:
                 last_eval = self.run_eval()
                 progress.update(0, accuracy=last_eval["eval/accuracy"])
-            elif not self.budget_left():  # resumed after the last step: the summary needs its final eval
+            elif not self.dist.agree(self.budget_left()):  # resumed after the last step: needs its final eval
                 last_eval = self._logged_eval() or self.run_eval()
-            while self.budget_left():
+            while self.dist.agree(self.budget_left()):
                 metrics = self.train_step()
                 self.logger.log(metrics)
                 progress.update(self.step, reward=metrics["reward"], step_time=metrics["time/step"])
-                finished = not self.budget_left()
+                finished = not self.dist.agree(self.budget_left())
                 # Stopped by a signal: checkpoint at once (a grace period may be short), no extra eval record.
-                if self.step % cfg.train.eval_every == 0 or self._budget_spent():
+                if self.step % cfg.train.eval_every == 0 or self.dist.agree(self._budget_spent()):
                     last_eval = self.run_eval()
                     progress.update(self.step, accuracy=last_eval["eval/accuracy"])
                 if self.step % cfg.train.save_every == 0 or finished:
@@ -343,17 +350,19 @@ class Trainer:
                 signal.signal(s, handler)
             self.logger.close()
             self.engine.close()
+            self.dist.close()
         if self.stop_requested and not self._budget_spent():
             log.warning("stopped by signal at step %d; resume with --resume %s", self.step, self.run_dir)
             return last_eval
         summary = {"step": self.step, "time/elapsed": self.elapsed, **last_eval,
                    **self.accountant.total_metrics()}
-        if cfg.model.lora_rank > 0:
-            from podsrl.lora import export_merged
+        if self.dist.is_main:
+            if cfg.model.lora_rank > 0:
+                from podsrl.lora import export_merged
 
-            export_merged(self.model, self.run_dir / "merged", self.tokenizer)
-        write_text_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=1))
-        if cfg.log.plot:
+                export_merged(self.model, self.run_dir / "merged", self.tokenizer)
+            write_text_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=1))
+        if cfg.log.plot and self.dist.is_main:
             plot_run(self.run_dir)
         return summary
 
@@ -378,6 +387,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- state
 
     def save(self) -> None:
+        if not self.dist.is_main:  # every rank holds the same state
+            return
         state = {
             "step": self.step, "data_position": self.data_position, "elapsed": self.elapsed,
             "prompt_stats": self.stats.state_dict(), "accounting": self.accountant.state_dict(),

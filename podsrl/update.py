@@ -45,15 +45,22 @@ class PolicyUpdater:
     """Owns the optimiser step; the trainer hands it a batch with advantages and gets metrics back."""
 
     def __init__(self, model, optimizer, scheduler, cfg: Config, device: torch.device, ref_model=None,
-                 modulation: Callable | None = None, grad_sync: Callable[[], None] | None = None) -> None:
+                 modulation: Callable | None = None, grad_sync: Callable[[], None] | None = None,
+                 data_parallel=None) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.cfg, self.device, self.ref_model = cfg, device, ref_model
         self.modulation = modulation  # f(advantages, log_ratio, logprobs, entropy, mask) -> (factor, metrics)
         self.grad_sync = grad_sync  # data-parallel all-reduce of gradients (None in one process)
+        # podsrl.distributed.DataParallel: splits each mini-batch across ranks, sums what they computed
+        self.dp = data_parallel
+        if data_parallel is not None and grad_sync is None:
+            self.grad_sync = data_parallel.grad_sync
         self.aggregate = LOSS_AGGREGATIONS[cfg.algo.loss_agg]
         self.nonfinite_in_a_row = 0
 
     def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        if self.dp is not None:  # this rank's share; the same number of micro-batches on every rank
+            return self.dp.micro_batches(rows, self.cfg.optim.micro_batch_size)
         return list(rows.split(self.cfg.optim.micro_batch_size))
 
     def _forward(self, model, batch: RolloutBatch, rows: torch.Tensor):
@@ -74,6 +81,8 @@ class PolicyUpdater:
         for rows in self._micro_batches(torch.arange(batch.num_rollouts)):
             (logp, _), width = self._forward(model, batch, rows)
             out[rows, :width] = logp.float().cpu()
+        if self.dp is not None:  # each rank filled its rows, zeros elsewhere
+            self.dp.all_reduce_(out)
         return out
 
     def update(self, batch: RolloutBatch, generator: torch.Generator, global_stats: Callable | None = None) -> dict:
@@ -104,6 +113,8 @@ class PolicyUpdater:
                     for k, (v, w) in m.items():
                         sums[k] += v
                         weight_sums[k] += w
+                if self.dp is not None:  # global, so every rank takes the same skip decision
+                    loss_total = self.dp.sum(loss_total)
                 sums["loss"] += loss_total
                 weight_sums["loss"] += 1
                 if self.grad_sync is not None:
@@ -120,6 +131,8 @@ class PolicyUpdater:
                 sums["grad_norm"] += grad_norm
                 weight_sums["grad_norm"] += 1
         self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skipped == passes else 0
+        if self.dp is not None:  # micro-batch metrics were summed per rank; loss and grad_norm are global
+            self.dp.reduce_metrics(sums, weight_sums, exclude=("loss", "grad_norm"))
         metrics = {k: sums[k] / weight_sums[k] for k in sums if weight_sums[k] > 0}
         metrics["train/nonfinite_skipped"] = float(skipped)
         metrics["learning_rate"] = self.scheduler.get_last_lr()[0]

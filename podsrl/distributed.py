@@ -1,0 +1,233 @@
+"""Data-parallel training under `torchrun --nproc_per_node N -m podsrl train ...` (gloo on CPU, nccl on GPU).
+
+Design: every rank runs the same loop with the same seed, so prompt order, prompt statistics, selection and the RNG
+stay identical on every rank without being sent anywhere, and a checkpoint written by rank 0 resumes every rank.
+- Generation is not repeated: the engine is wrapped so each rank generates a contiguous shard of each request's
+  prompt groups and the shards are all-gathered; every rank then holds the same rollouts, bit for bit. With the fast
+  engine (per-row seeds) they equal a one-process run's, for any number of ranks.
+- Scoring and selection run on every rank on identical inputs (cheap next to generation and the update). A
+  fingerprint of the selected batch and RNG is compared before each update as a guard (a reward function with a
+  timeout could disagree across ranks): on a mismatch rank 0's batch and RNG state are broadcast.
+- Update: every rank holds the whole selected batch, so the token-weight totals of each mini-batch (token and
+  sequence counts) are global by construction, with no collective. Each mini-batch (same permutation on every rank) is
+  split into equal row shares, each rank running the same number of micro-batches on its share; gradients are summed
+  (not averaged: the weights already normalise over the whole mini-batch) by one flat all-reduce per optimiser step,
+  so they equal the one-process gradient. No collective runs per micro-batch, so uneven shares (PODS down-sampling,
+  AERO's uneven groups, odd row counts) cannot hang a rank; the loss and metrics are summed for logging.
+- Decisions that depend on time or signals (time budget, SIGTERM) are rank 0's, broadcast.
+- Rank 0 alone writes metrics, config, checkpoints and the summary; every rank evaluates (sharded as above).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import logging
+import math
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from podsrl.batch import RolloutBatch
+from podsrl.engines.base import GenerationOutput, RolloutEngine, SamplingParams
+from podsrl.engines.rows import check_request
+from podsrl.engines.shards import merge_outputs, shard_groups
+
+log = logging.getLogger("podsrl")
+
+
+class DistContext:
+    """This process's place in the job; with world_size 1 every method is a no-op."""
+
+    def __init__(self, device: torch.device, rank: int = 0, world_size: int = 1, owns_group: bool = False,
+                 cpu_group=None) -> None:
+        self.device, self.rank, self.world_size = device, rank, world_size
+        self.owns_group = owns_group
+        self.cpu_group = cpu_group  # gloo group for CPU tensors and objects (the default group with gloo)
+        self._warned = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @contextlib.contextmanager
+    def main_first(self) -> Iterator[None]:
+        """Rank 0 runs the block first (e.g. a cached warm-up), the others after it finished (cache hit)."""
+        if self.enabled and not self.is_main:
+            dist.barrier(group=self.cpu_group)
+        yield
+        if self.enabled and self.is_main:
+            dist.barrier(group=self.cpu_group)
+
+    def agree(self, value: bool) -> bool:
+        """Rank 0's value, on every rank (for decisions taken from clocks or signals)."""
+        if not self.enabled:
+            return value
+        t = torch.tensor([int(value)])
+        dist.broadcast(t, src=0, group=self.cpu_group)
+        return bool(t.item())
+
+    def wrap_engine(self, engine: RolloutEngine) -> RolloutEngine:
+        return ShardedEngine(engine, self) if self.enabled else engine
+
+    def data_parallel(self, model: torch.nn.Module) -> DataParallel | None:
+        return DataParallel(self, model) if self.enabled else None
+
+    def agree_batch(self, batch: RolloutBatch, generator: torch.Generator) -> RolloutBatch:
+        """The batch to update on: the ranks' own when all are identical (the normal case), else rank 0's."""
+        if not self.enabled:
+            return batch
+        mine = batch_fingerprint(batch, generator)
+        prints: list = [None] * self.world_size
+        dist.all_gather_object(prints, mine, group=self.cpu_group)
+        if len(set(prints)) == 1:
+            return batch
+        if not self._warned:
+            log.warning("ranks selected different rollouts (non-deterministic rewards or generation?); "
+                        "using rank 0's batch from now on when they differ")
+            self._warned = True
+        box = [batch, generator.get_state()] if self.is_main else [None, None]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        generator.set_state(box[1])
+        return box[0]
+
+    def close(self) -> None:
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_distributed(device: torch.device, timeout_s: float = 3600.0) -> DistContext:
+    """The context of this process: joins the torchrun job when WORLD_SIZE > 1 (or an existing process group).
+
+    nccl when the policy is on CUDA (each rank on cuda:LOCAL_RANK), gloo otherwise.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not dist.is_initialized() and world <= 1:
+        return DistContext(device)
+    owns = not dist.is_initialized()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if owns:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    cpu_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+    return DistContext(device, dist.get_rank(), dist.get_world_size(), owns, cpu_group)
+
+
+def batch_fingerprint(batch: RolloutBatch, generator: torch.Generator) -> str:
+    h = hashlib.sha256()
+    for t in (batch.group_index, batch.completion_ids, batch.completion_mask, batch.advantages,
+              generator.get_state()):
+        if t is not None:
+            t = t.detach().cpu().contiguous()
+            h.update(str(tuple(t.shape)).encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+class ShardedEngine(RolloutEngine):
+    """Each rank generates its shard of whole prompt groups; the shards are all-gathered and merged in order."""
+
+    def __init__(self, inner: RolloutEngine, ctx: DistContext) -> None:
+        self.inner, self.ctx = inner, ctx
+        self.name = inner.name
+        self.pad_token_id = inner.pad_token_id
+
+    def generate(self, prompts: list[list[int]], counts: list[int], params: SamplingParams,
+                 seeds: torch.Tensor) -> GenerationOutput:
+        rows = check_request(prompts, counts, seeds)
+        if rows == 0 or params.max_new_tokens <= 0:
+            return self.inner.generate(prompts, counts, params, seeds)
+        shards = shard_groups(counts, self.ctx.world_size)
+        s = shards[self.ctx.rank]
+        local = None
+        if s.rows > 0:
+            local = self.inner.generate(prompts[s.start:s.end], counts[s.start:s.end], params,
+                                        seeds[s.row_start:s.row_end])
+        gathered: list = [None] * self.ctx.world_size
+        dist.all_gather_object(gathered, local, group=self.ctx.cpu_group)
+        parts = [(shards[r], out) for r, out in enumerate(gathered) if out is not None]
+        return merge_outputs(parts, self.pad_token_id, params.return_logprobs)
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        self.inner.sync_weights(model)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class DataParallel:
+    """What the policy updater needs from the other ranks (see the module docstring)."""
+
+    def __init__(self, ctx: DistContext, model: torch.nn.Module) -> None:
+        self.ctx = ctx
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        with torch.no_grad():  # identical starting weights whatever each rank loaded
+            for p in model.parameters():
+                dist.broadcast(p.data, src=0)
+
+    def micro_batches(self, rows: torch.Tensor, size: int) -> list[torch.Tensor]:
+        """This rank's micro-batches of a mini-batch: an equal row share (sizes differ by at most one), cut into
+        as many micro-batches as the largest share needs, on every rank (empty ones dropped)."""
+        share = rows.tensor_split(self.ctx.world_size)[self.ctx.rank]
+        count = max(1, math.ceil(math.ceil(rows.numel() / self.ctx.world_size) / size))
+        return [m for m in share.tensor_split(count) if m.numel() > 0]
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place sum over ranks (CPU tensors go through the gloo group)."""
+        dist.all_reduce(t, group=self.ctx.cpu_group if t.device.type == "cpu" else None)
+        return t
+
+    def sum(self, value: float) -> float:
+        return float(self.all_reduce_(torch.tensor([value], dtype=torch.float64)).item())
+
+    def grad_sync(self) -> None:
+        """Sum of the accumulated gradients over ranks: one flat all-reduce per dtype.
+
+        A rank with no rows in a mini-batch has no gradients: it sends zeros, and a parameter no rank produced a
+        gradient for keeps `grad = None` (so the optimiser skips it, as in one process)."""
+        if not self.params:
+            return
+        had = torch.tensor([float(p.grad is not None) for p in self.params], device=self.params[0].device)
+        dist.all_reduce(had)
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            by_dtype.setdefault(p.grad.dtype, []).append(p)
+        for params in by_dtype.values():
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat)
+            for p, g in zip(params, flat.split([p.numel() for p in params])):
+                p.grad.copy_(g.view_as(p))
+        for p, count in zip(self.params, had.tolist()):
+            if count == 0:
+                p.grad = None
+
+    def reduce_metrics(self, sums: dict, weight_sums: dict, exclude: tuple[str, ...] = ()) -> None:
+        """Sum the (value, weight) metric accumulators over ranks in place; `exclude` holds keys already global."""
+        local = {k: (sums[k], weight_sums[k]) for k in sums if k not in exclude}
+        gathered: list = [None] * self.ctx.world_size
+        dist.all_gather_object(gathered, local, group=self.ctx.cpu_group)
+        for k in {k for part in gathered for k in part}:
+            sums[k] = sum(part[k][0] for part in gathered if k in part)
+            weight_sums[k] = sum(part[k][1] for part in gathered if k in part)
+
+
+class NullLogger:
+    """Metrics logger of ranks other than 0."""
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

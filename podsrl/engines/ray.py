@@ -1,0 +1,254 @@
+"""`rollout.engine: ray`: a pool of Ray actors, each holding a copy of the policy and generating a shard of every
+request with an in-process engine (fast by default, hf when asked).
+
+- Sharding: whole prompt groups, contiguous, balanced by rows (shards.py); per-row seeds travel with their rows, so
+  with the fast engine the pool returns exactly what one in-process engine returns for the same seeds.
+- Weights: after each update the trainer's trainable parameters are put into the object store once (one `ray.put`)
+  and every actor receives the same reference; actors on one node read the shared copy.
+- Faults: a shard whose actor died or raised is retried on a fresh actor (built from the model put at start-up plus
+  the latest weights), at most `max_retries` times per shard and call, then `WorkerFailure` says what happened.
+
+Options (`rollout.engine_options`): num_workers (2), address (None: start a local Ray; "auto" or "host:port" joins a
+cluster), num_cpus (local Ray only), cpus_per_worker (1, also the actor's torch threads), gpus_per_worker (0),
+engine ("fast" | "hf"), engine_options (dict for the inner engine), max_retries (2), timeout_s (None: a shard may
+run forever; else a request with no shard finishing for that long counts as failed on every pending shard),
+init_options (extra `ray.init` keywords), startup_timeout_s (600: actors not up by then fail with a message).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from podsrl.engines.base import GenerationOutput, RolloutEngine, SamplingParams
+from podsrl.engines.hf import model_device
+from podsrl.engines.rows import check_request, no_token_output, special_ids
+from podsrl.engines.shards import merge_outputs, shard_groups
+
+logger = logging.getLogger("podsrl")
+
+
+class WorkerFailure(RuntimeError):
+    """A shard failed more often than the retry bound allows."""
+
+
+def state_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of every parameter and buffer (name, dtype, bytes): equal digests mean equal weights."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def trainable_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """CPU copies of the parameters an update can change (frozen ones, e.g. a LoRA base, never need resending)."""
+    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _with_package_path(runtime_env: dict | None) -> dict:
+    """Actors must import this very podsrl (a checkout may shadow an installed copy): put its parent directory
+    first on the workers' PYTHONPATH (a path missing on another node is ignored there)."""
+    env = dict(runtime_env or {})
+    env_vars = dict(env.get("env_vars", {}))
+    root = str(Path(__file__).resolve().parents[2])
+    current = env_vars.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    env_vars["PYTHONPATH"] = os.pathsep.join([root, current]) if current else root
+    env["env_vars"] = env_vars
+    return env
+
+
+class RolloutWorker:
+    """Body of one actor: a policy copy and an in-process engine over it."""
+
+    def __init__(self, model: torch.nn.Module, weights: dict[str, torch.Tensor] | None, engine: str,
+                 options: dict[str, Any], threads: int, device: str) -> None:
+        torch.set_num_threads(max(1, threads))
+        self.model = model.to(device).eval().requires_grad_(False)
+        if weights is not None:
+            self.load_weights(weights)
+        from podsrl.engines.base import build_engine
+
+        self.engine = build_engine(engine, self.model, None, **options)
+
+    def generate(self, prompts, counts, params, seeds) -> GenerationOutput:
+        return self.engine.generate(prompts, counts, params, seeds)
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        params = dict(self.model.named_parameters())
+        missing = sorted(set(weights) - set(params))
+        if missing:
+            raise KeyError(f"weights for parameters this worker's model lacks: {missing[:5]}")
+        for name, value in weights.items():
+            params[name].copy_(value)
+
+    def digest(self) -> str:
+        return state_digest(self.model)
+
+
+class RayEngine(RolloutEngine):
+    """Actor pool; see the module docstring."""
+
+    name = "ray"
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, num_workers: int = 2,
+                 address: str | None = None, num_cpus: int | None = None, cpus_per_worker: float = 1,
+                 gpus_per_worker: float = 0, engine: str = "fast", engine_options: dict | None = None,
+                 max_retries: int = 2, timeout_s: float | None = None, init_options: dict | None = None,
+                 startup_timeout_s: float = 600.0, **options: Any) -> None:
+        try:
+            import ray
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            from podsrl.errors import ConfigError
+
+            raise ConfigError("rollout.engine: 'ray' needs Ray: pip install 'podsrl[ray]'") from e
+        if engine not in ("fast", "hf"):
+            from podsrl.errors import ConfigError
+
+            raise ConfigError(f"rollout.engine_options.engine: {engine!r} (the ray pool runs 'fast' or 'hf')")
+        if num_workers < 1:
+            from podsrl.errors import ConfigError
+
+            raise ConfigError(f"rollout.engine_options.num_workers: must be >= 1, got {num_workers}")
+        self._ray = ray
+        t0 = time.perf_counter()
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            kwargs = {"include_dashboard": False, "logging_level": logging.WARNING, **(init_options or {})}
+            if address is None:
+                kwargs["num_cpus"] = num_cpus
+            kwargs["runtime_env"] = _with_package_path(kwargs.get("runtime_env"))
+            ray.init(address=address, **kwargs)
+        # Special ids resolved here so actors need no tokenizer; options win, as in the in-process engines.
+        eos, pad = special_ids(model, tokenizer, options)
+        self.pad_token_id = pad
+        self.inner, self.inner_options = engine, {**(engine_options or {}), "eos_token_id": eos, "pad_token_id": pad}
+        self.max_retries, self.timeout_s = max_retries, timeout_s
+        self.threads = max(1, int(cpus_per_worker))
+        self.device = "cuda" if gpus_per_worker > 0 else "cpu"
+        self._actor_cls = ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, max_restarts=0)(
+            RolloutWorker)
+        skeleton = model if model_device(model).type == "cpu" else copy.deepcopy(model).cpu()
+        self._model_ref = ray.put(skeleton)  # pickled once: every (re)started actor is built from it
+        self._weights_ref = None  # latest synced weights; None = those in the skeleton
+        self._check_resources(num_workers, cpus_per_worker, gpus_per_worker, local=address is None)
+        self.workers = [self._spawn() for _ in range(num_workers)]
+        try:  # wait until every actor is up (and fail here, not in the first step, if they cannot start)
+            ray.get([w.digest.remote() for w in self.workers], timeout=startup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self.close()
+            raise WorkerFailure(
+                f"ray engine: {num_workers} actors ({cpus_per_worker} CPU, {gpus_per_worker} GPU each) did not "
+                f"start within startup_timeout_s={startup_timeout_s}; free resources: "
+                f"{ray.available_resources()}") from None
+        self.restarts = 0
+        self.startup_seconds = time.perf_counter() - t0
+        self.last_sync_seconds = 0.0
+
+    def _check_resources(self, workers: int, cpus: float, gpus: float, local: bool) -> None:
+        """A local Ray never grows: a pool larger than it would wait forever, so say so now."""
+        if not local:
+            return  # a cluster may autoscale; the start-up timeout bounds the wait instead
+        total = self._ray.cluster_resources()
+        for name, each, key in (("CPU", cpus, "CPU"), ("GPU", gpus, "GPU")):
+            if workers * each > total.get(key, 0) + 1e-9:
+                from podsrl.errors import ConfigError
+
+                self.close()
+                raise ConfigError(
+                    f"rollout.engine_options: {workers} workers x {each} {name} exceed the local Ray's "
+                    f"{total.get(key, 0):g} {name}s; lower num_workers or the per-worker share, or raise num_cpus")
+
+    def _spawn(self):
+        return self._actor_cls.remote(self._model_ref, self._weights_ref, self.inner, self.inner_options,
+                                      self.threads, self.device)
+
+    def _kill(self, actor) -> None:
+        with contextlib.suppress(ValueError, self._ray.exceptions.RayError):  # already gone
+            self._ray.kill(actor, no_restart=True)
+
+    def _restart(self, index: int, reason: BaseException) -> None:
+        logger.warning("ray engine: worker %d failed (%s); starting a replacement", index,
+                       str(reason).splitlines()[0] if str(reason) else type(reason).__name__)
+        self._kill(self.workers[index])
+        self.workers[index] = self._spawn()
+        self.restarts += 1
+
+    def generate(self, prompts: list[list[int]], counts: list[int], params: SamplingParams,
+                 seeds: torch.Tensor) -> GenerationOutput:
+        rows = check_request(prompts, counts, seeds)  # bad requests fail here, not as retried worker errors
+        if rows == 0 or params.max_new_tokens <= 0:
+            return no_token_output(prompts, counts, rows, self.pad_token_id, params.return_logprobs)
+        seeds = seeds.long().cpu()
+        shards = shard_groups(counts, len(self.workers))
+        results: dict[int, GenerationOutput] = {}
+        attempts = [0] * len(shards)
+        pending: dict[Any, int] = {}  # object ref -> shard (= worker) index
+
+        def submit(k: int) -> None:
+            s = shards[k]
+            ref = self.workers[k].generate.remote(prompts[s.start:s.end], counts[s.start:s.end], params,
+                                                  seeds[s.row_start:s.row_end])
+            pending[ref] = k
+
+        def failed(k: int, error: BaseException) -> None:
+            attempts[k] += 1
+            if attempts[k] > self.max_retries:
+                raise WorkerFailure(
+                    f"ray engine: shard {k} (prompts {shards[k].start}-{shards[k].end - 1}) failed "
+                    f"{attempts[k]} times, the bound set by rollout.engine_options.max_retries="
+                    f"{self.max_retries}; last error: {error}") from error
+            self._restart(k, error)
+            submit(k)
+
+        for k, s in enumerate(shards):
+            if s.rows > 0:
+                submit(k)
+        while pending:
+            ready, _ = self._ray.wait(list(pending), num_returns=1, timeout=self.timeout_s)
+            if not ready:  # nothing finished in timeout_s: every pending shard counts as failed
+                stuck = list(pending.items())
+                pending.clear()
+                for _, k in stuck:
+                    failed(k, TimeoutError(f"no result within timeout_s={self.timeout_s}"))
+                continue
+            k = pending.pop(ready[0])
+            try:
+                results[k] = self._ray.get(ready[0])
+            except (self._ray.exceptions.RayActorError, self._ray.exceptions.RayTaskError) as e:
+                failed(k, e)
+        parts = [(shards[k], results[k]) for k in sorted(results)]
+        return merge_outputs(parts, self.pad_token_id, params.return_logprobs)
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """One `ray.put` of the trainable weights; every actor loads from that one object."""
+        t0 = time.perf_counter()
+        self._weights_ref = self._ray.put(trainable_weights(model))
+        calls = {self.workers[i].load_weights.remote(self._weights_ref): i for i in range(len(self.workers))}
+        for ref, i in calls.items():
+            try:
+                self._ray.get(ref)
+            except (self._ray.exceptions.RayActorError, self._ray.exceptions.RayTaskError) as e:
+                self._restart(i, e)  # the replacement is built with the new weights
+        self.last_sync_seconds = time.perf_counter() - t0
+
+    def worker_digests(self) -> list[str]:
+        """`state_digest` of every actor's model (compare with the trainer's)."""
+        return self._ray.get([w.digest.remote() for w in self.workers])
+
+    def close(self) -> None:
+        for w in getattr(self, "workers", []):
+            self._kill(w)
+        self.workers = []
+        if getattr(self, "_owns_ray", False) and self._ray.is_initialized():
+            self._ray.shutdown()

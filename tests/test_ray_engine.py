@@ -1,0 +1,197 @@
+"""The Ray rollout pool: same rollouts as the in-process fast engine, weight sync, actor replacement, retry bound.
+Also the sharding helpers it shares with data-parallel training (no Ray needed for those)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from podsrl.engines.base import SamplingParams
+from podsrl.engines.fast import FastEngine
+from podsrl.engines.shards import merge_outputs, shard_groups
+
+EOS, PAD, VOCAB = 1, 0, 64
+FIELDS = ("group_index", "prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated")
+
+
+class Tok:
+    eos_token_id = EOS
+    pad_token_id = PAD
+
+
+def make_model(seed: int = 0) -> Qwen2ForCausalLM:
+    """Tiny random policy; a scaled head gives varied, non-trivial samples and an EOS bias varied lengths."""
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, eos_token_id=EOS, pad_token_id=PAD))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)
+        bias = torch.zeros(VOCAB)
+        bias[EOS] = 1.0
+        model.lm_head.bias = torch.nn.Parameter(bias)
+    return model.eval()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run faster on one thread than on two contended ones (the actors also use one each)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def request(seed: int = 0):
+    g = random.Random(seed)
+    prompts = [[g.randrange(2, VOCAB) for _ in range(g.randrange(1, 7))] for _ in range(7)]
+    counts = [4, 3, 0, 5, 1, 2, 4]  # uneven groups and an empty one
+    seeds = torch.randint(0, 2**62, (sum(counts),), generator=torch.Generator().manual_seed(seed))
+    return prompts, counts, seeds
+
+
+def assert_same(a, b) -> None:
+    for f in FIELDS:
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    if b.logprobs is None:
+        assert a.logprobs is None
+    else:
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------- sharding (no Ray)
+
+
+def test_shard_groups_cover_in_order_and_balance():
+    g = random.Random(0)
+    for _ in range(200):
+        counts = [g.randrange(0, 9) for _ in range(g.randrange(0, 12))]
+        k = g.randrange(1, 5)
+        shards = shard_groups(counts, k)
+        assert len(shards) == k
+        assert shards[0].start == 0 and shards[-1].end == len(counts)
+        for a, b in itertools.pairwise(shards):
+            assert a.end == b.start and a.row_end == b.row_start
+        for s in shards:
+            assert s.rows == sum(counts[s.start:s.end])
+        # Each boundary is the group boundary nearest its target share, so a shard misses its ideal size by at
+        # most one largest group on each side.
+        ideal, largest = sum(counts) / k, max(counts, default=0)
+        assert all(abs(s.rows - ideal) <= 2 * largest for s in shards)
+    assert [s.rows for s in shard_groups([4] * 6, 2)] == [12, 12]
+    assert [s.rows for s in shard_groups([4] * 6, 3)] == [8, 8, 8]
+
+
+def test_merged_shards_equal_one_call():
+    model = make_model()
+    engine = FastEngine(model, Tok())
+    prompts, counts, seeds = request()
+    params = SamplingParams(max_new_tokens=10)
+    whole = engine.generate(prompts, counts, params, seeds)
+    shards = shard_groups(counts, 3)
+    parts = [(s, engine.generate(prompts[s.start:s.end], counts[s.start:s.end], params,
+                                 seeds[s.row_start:s.row_end])) for s in shards if s.rows > 0]
+    assert_same(merge_outputs(parts, PAD, with_logprobs=True), whole)
+
+
+def test_vllm_engine_names_what_is_missing():
+    import importlib.util
+
+    from podsrl.engines.base import build_engine
+    from podsrl.errors import ConfigError
+
+    if importlib.util.find_spec("vllm") is not None and torch.cuda.is_available():
+        pytest.skip("vLLM and a GPU are present: nothing is missing")
+    with pytest.raises(ConfigError, match=r"'vllm' needs (vLLM and )?a CUDA GPU"):
+        build_engine("vllm", make_model(), Tok())
+
+
+# ----------------------------------------------------------------------------------------- the Ray pool
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """One local Ray (2 CPUs) and one 2-actor pool for the whole module: Ray start-up is the slow part."""
+    from podsrl.engines.ray import RayEngine
+
+    model = make_model()
+    engine = RayEngine(model, Tok(), num_workers=2, num_cpus=2, max_retries=2)
+    yield engine, model
+    engine.close()
+    assert not ray.is_initialized()  # the pool started Ray, so it shut it down
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_pool_returns_the_in_process_rollouts(pool, greedy):
+    engine, model = pool
+    prompts, counts, seeds = request(1)
+    params = SamplingParams(max_new_tokens=12, greedy=greedy, return_logprobs=not greedy)
+    out = engine.generate(prompts, counts, params, seeds)
+    assert_same(out, FastEngine(model, Tok()).generate(prompts, counts, params, seeds))
+    assert out.completion_mask.sum(1).unique().numel() > 1  # varied lengths: the padding/merge is exercised
+
+
+def test_sync_weights_puts_the_trainer_weights_on_every_actor(pool):
+    from podsrl.engines.ray import state_digest
+
+    engine, model = pool
+    before = state_digest(model)
+    assert engine.worker_digests() == [before, before]
+    with torch.no_grad():  # what an optimiser step does: new values in the trainer's tensors
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    after = state_digest(model)
+    assert after != before and engine.worker_digests() == [before, before]
+    engine.sync_weights(model)
+    assert engine.worker_digests() == [after, after]
+    prompts, counts, seeds = request(2)
+    params = SamplingParams(max_new_tokens=10)
+    assert_same(engine.generate(prompts, counts, params, seeds),
+                FastEngine(model, Tok()).generate(prompts, counts, params, seeds))
+
+
+def test_killed_actor_is_replaced_and_its_shard_retried(pool):
+    from podsrl.engines.ray import state_digest
+
+    engine, model = pool
+    restarts = engine.restarts
+    ray.kill(engine.workers[0], no_restart=True)
+    prompts, counts, seeds = request(3)
+    params = SamplingParams(max_new_tokens=10)
+    out = engine.generate(prompts, counts, params, seeds)
+    assert engine.restarts == restarts + 1
+    assert_same(out, FastEngine(model, Tok()).generate(prompts, counts, params, seeds))
+    # The replacement was built from the latest synced weights, not the start-up ones.
+    assert engine.worker_digests() == [state_digest(model)] * 2
+
+
+def test_a_shard_that_keeps_failing_stops_at_the_bound(pool):
+    from podsrl.engines.ray import WorkerFailure
+
+    engine, model = pool
+    engine.max_retries = 1
+    try:
+        bad = [[VOCAB + 5]]  # out-of-vocabulary id: the actor's embedding lookup raises every time
+        with pytest.raises(WorkerFailure, match=r"failed 2 times.*max_retries=1"):
+            engine.generate(bad, [2], SamplingParams(max_new_tokens=4), torch.arange(2))
+    finally:
+        engine.max_retries = 2
+    prompts, counts, seeds = request(4)  # the pool still serves good requests afterwards
+    params = SamplingParams(max_new_tokens=6)
+    assert_same(engine.generate(prompts, counts, params, seeds),
+                FastEngine(model, Tok()).generate(prompts, counts, params, seeds))
+
+
+def test_a_pool_larger_than_the_local_ray_is_refused_at_once(pool):
+    from podsrl.engines.ray import RayEngine
+    from podsrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"3 workers x 1 CPU exceed the local Ray's 2 CPUs"):
+        RayEngine(pool[1], Tok(), num_workers=3)
+    assert ray.is_initialized()  # the module's Ray (not started by this engine) is left running
