@@ -129,6 +129,9 @@ class FastEngine(RolloutEngine):
     ) -> None:
         if cache not in ("static", "dynamic"):
             raise ValueError(f"FastEngine: cache must be 'static' or 'dynamic', got {cache!r}")
+        # A peft model wraps the transformers model whose layers carry the adapters in place: drive that one.
+        if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):
+            model = model.get_base_model()
         self.model = model
         self.tokenizer = tokenizer
         self.shared_prefill = shared_prefill
