@@ -12,6 +12,7 @@ from pathlib import Path
 
 from podsrl.checkpoint import latest_checkpoint, list_checkpoints
 from tests.faults.common import (
+    MAX_STEPS,
     SAVE_EVERY,
     assert_same_run,
     last_step,
@@ -66,13 +67,17 @@ def test_sigkill_at_random_times(tmp_path, launcher, warm_cache, reference_run):
     run = tmp_path / "run"
     rng = random.Random(2024)
     kills = 0
-    for _ in range(15):
-        # A paced reward (>= 0.1 s a step, same values) keeps the run longer than the kill delays on any machine.
+    # Each attempt is killed at a random moment *after* a random step of its own is logged, so the kills land
+    # mid-run however fast the machine is (a pure wall-clock delay let a fast machine finish early).
+    while kills < 6:
         child = launcher.start(_argv(run, warm_cache), env={"SPREAD_SLEEP": "0.1"})
-        time.sleep(rng.uniform(0.0, 0.8))
+        start = last_step(run)  # records of the killed attempt stay in the file until the child rewrites it
+        target = min(MAX_STEPS - 1, start + rng.randint(1, SAVE_EVERY + 1))
+        wait_for_step(run, target, child)
+        time.sleep(rng.uniform(0.0, 0.08))
         child.signal(signal.SIGKILL)
         result = child.wait()
-        if result.code == 0:  # finished before the kill landed
+        if result.code == 0:  # finished in the sleep before the kill landed
             break
         _killed(run, result)
         kills += 1
