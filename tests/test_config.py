@@ -1,0 +1,41 @@
+"""Config loading: YAML + dotted overrides, typed coercion, errors naming the key; the generated reference is current."""
+
+from pathlib import Path
+
+import pytest
+
+from podsrl.config import config_reference_markdown, load_config
+from podsrl.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_overrides_win_over_the_file_and_are_typed():
+    cfg = load_config(ROOT / "configs/pods.yaml", ["rollout.n=32", "optim.lr=3e-4", "select.m=8",
+                                                    "model.lora_target_modules=[q_proj, v_proj]"])
+    assert (cfg.rollout.n, cfg.select.m, cfg.optim.lr) == (32, 8, 3e-4)
+    assert cfg.model.lora_target_modules == ["q_proj", "v_proj"]
+    assert cfg.name == "pods"
+
+
+@pytest.mark.parametrize("override, key", [
+    ("rollout.nn=3", "rollout.nn"),
+    ("rollout.n=abc", "rollout.n"),
+    ("select.rule=best", "select.rule"),
+    ("select.m=99", "select.m"),
+    ("optim.lr=-1", "optim.lr"),
+    ("log.progress=maybe", "log.progress"),
+])
+def test_bad_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_every_preset_loads():
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        load_config(path)
+
+
+def test_docs_config_reference_is_current():
+    assert (ROOT / "docs/config.md").read_text() == config_reference_markdown(), (
+        "docs/config.md is stale: regenerate it with the command at its top")
