@@ -181,6 +181,12 @@ def test_selective_rejection_counts_by_hand():
     assert kept_counts(batch, kept) == ([2, 4, 4, 0, 2, 1], [4, 2, 4, 2, 0, 2])
     kept, _, _ = aero_select(batch, u, k=1.5, generator=torch.Generator().manual_seed(1))  # 1.5 -> 2, 3 -> 3
     assert kept_counts(batch, kept)[1] == [3, 2, 4, 4, 0, 2]
+    # half-up rounding (4.5 -> 5), k < 1 at u = 0.5 keeps everything, and a small k still keeps one failure
+    batch = grouped([(10, 3), (4, 2), (6, 1)])
+    kept, _, _ = aero_select(batch, torch.full((3,), 0.5), k=1.5, generator=torch.Generator().manual_seed(2))
+    assert kept_counts(batch, kept) == ([3, 2, 1], [5, 2, 2])
+    kept, _, _ = aero_select(batch, torch.full((3,), 0.5), k=0.25, generator=torch.Generator().manual_seed(2))
+    assert kept_counts(batch, kept) == ([3, 2, 1], [1, 2, 1])
 
 
 @settings(max_examples=60, deadline=None)
@@ -253,6 +259,10 @@ def test_grpo_advantages_by_hand_with_unequal_groups():
             expected.append((r - statistics.fmean(members)) / (statistics.stdev(members) + eps))
     assert adv.tolist() == pytest.approx(expected, abs=1e-6)
     assert adv.dtype == torch.float32 and adv[5] == 0 and adv[6] == 0 and adv[7] == 0
+    # a constant-reward group is exactly 0 even where the float mean does not reproduce the value
+    flat = torch.tensor([0.1, 0.1, 0.1, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7], dtype=torch.float64)
+    adv = group_advantages(flat, torch.tensor([0, 0, 0] + [1] * 7), 2, eps)
+    assert adv.dtype == torch.float64 and (adv == 0).all()
 
 
 def test_dead_zone_baseline_and_constant_by_hand():
