@@ -85,7 +85,7 @@ class PolicyUpdater:
             self.dp.all_reduce_(out)
         return out
 
-    def update(self, batch: RolloutBatch, generator: torch.Generator, global_stats: Callable | None = None) -> dict:
+    def update(self, batch: RolloutBatch, generator: torch.Generator) -> dict:
         cfg, model = self.cfg, self.model
         passes = cfg.optim.epochs * cfg.optim.mini_batches
         model.train()
@@ -103,8 +103,6 @@ class PolicyUpdater:
                 if mini.numel() == 0:
                     continue
                 stats = aggregation_stats(batch.completion_mask[mini], cfg.rollout.max_new_tokens)
-                if global_stats is not None:  # data parallel: totals over every rank's mini-batch
-                    stats = global_stats(stats)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss_total = 0.0
                 for rows in self._micro_batches(mini):
