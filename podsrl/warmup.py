@@ -24,8 +24,12 @@ from podsrl.tasks import build_task
 log = logging.getLogger("podsrl")
 
 
+# Bumped whenever the built-in task or warm-up code changes what a given config produces, so stale caches are ignored.
+WARMUP_VERSION = 2
+
+
 def warmup_key(cfg: Config) -> str:
-    shaping = {"tiny": to_dict(cfg.model.tiny), "task": to_dict(cfg.task), "warmup": to_dict(cfg.warmup)}
+    shaping = {"version": WARMUP_VERSION, "tiny": to_dict(cfg.model.tiny), "task": to_dict(cfg.task), "warmup": to_dict(cfg.warmup)}
     shaping["warmup"].pop("cache_dir")
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
 

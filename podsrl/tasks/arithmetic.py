@@ -3,11 +3,20 @@
 Hard enough for the tiny model that a short supervised warm-up leaves it part-way (carries across three operands are
 what it gets wrong longest), so RL has room to climb; and mixed, so prompts differ in how often the model solves
 them, which is what variance-based selection and allocation feed on. Problems are a pure function of (seed, index): the data position
-of a run is one integer. Held-out problems come from a separate stream and never appear in training.
+of a run is one integer.
+
+Held-out and training problems come from one distribution, split by a fixed partition of the prompt space: a prompt
+is held-out iff a hash of (seed, prompt) falls in the first `holdout_fraction` of its range. The hash ignores
+difficulty, so both sides keep the same mix of operand counts and sizes, and no held-out prompt is ever trained on.
+(Rejecting training draws that collide with a sampled eval list instead would skew training away from the small
+problem types the eval list covers almost completely, e.g. the 100 one-digit pairs.)
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import math
 import random
 
 from podsrl.batch import Problem
@@ -19,7 +28,7 @@ class ArithmeticTask(Task):
     name = "arithmetic"
 
     def __init__(self, seed: int = 1234, eval_size: int = 2000, operands: int = 3, digits: int = 2,
-                 min_operands: int = 2) -> None:
+                 min_operands: int = 2, holdout_fraction: float = 0.1) -> None:
         if operands < 2:
             raise ConfigError("task.args.operands: must be >= 2")
         if not 1 <= digits <= 9:
@@ -28,8 +37,16 @@ class ArithmeticTask(Task):
         self.min_operands = min_operands
         if not 2 <= self.min_operands <= operands:
             raise ConfigError("task.args.min_operands: must be in [2, task.args.operands]")
-        self._eval = [self._make(random.Random(f"eval-{seed}-{i}"), f"eval-{i}") for i in range(eval_size)]
-        self._eval_prompts = {p.prompt for p in self._eval}
+        if not 0.0 < holdout_fraction < 1.0:
+            raise ConfigError("task.args.holdout_fraction: must be in (0, 1)")
+        self.holdout_fraction = holdout_fraction
+        self._small_holdout: dict[tuple[int, ...], frozenset[str]] = {}
+        # One stream for the whole eval list; training draws are a pure function of their index instead.
+        rng, self._eval = random.Random(f"eval-{seed}"), []
+        while len(self._eval) < eval_size:
+            p = self._make(rng, f"eval-{len(self._eval)}")
+            if self.is_heldout(p.prompt):
+                self._eval.append(p)
 
     def _make(self, rng: random.Random, uid: str) -> Problem:
         k = rng.randint(self.min_operands, self.operands)
@@ -38,11 +55,33 @@ class ArithmeticTask(Task):
                   for d in (rng.randint(1, self.digits) for _ in range(k))]
         return Problem(uid=uid, prompt="+".join(map(str, values)) + "=", answer=str(sum(values)))
 
+    def _hash(self, prompt: str) -> int:
+        return int.from_bytes(hashlib.blake2b(f"{self.seed}:{prompt}".encode(), digest_size=8).digest(), "big")
+
+    def _small_shape_holdout(self, shape: tuple[int, ...]) -> frozenset[str]:
+        """Exactly round(fraction * K) held-out prompts of a shape with K <= 10^4 prompts (at least one).
+
+        A hash threshold alone leaves a binomial share of a small shape held out (6 of the 100 one-digit pairs, say),
+        which would skew the held-out mix; ranking the shape's prompts by hash makes the share exact.
+        """
+        if shape not in self._small_holdout:
+            ranges = [range(0, 10) if d == 1 else range(10 ** (d - 1), 10**d) for d in shape]
+            prompts = ["+".join(map(str, values)) + "=" for values in itertools.product(*ranges)]
+            take = max(1, round(self.holdout_fraction * len(prompts)))
+            self._small_holdout[shape] = frozenset(sorted(prompts, key=self._hash)[:take])
+        return self._small_holdout[shape]
+
+    def is_heldout(self, prompt: str) -> bool:
+        shape = tuple(len(x) for x in prompt.rstrip("=").split("+"))
+        if math.prod(10 if d == 1 else 9 * 10 ** (d - 1) for d in shape) <= 10**4:
+            return prompt in self._small_shape_holdout(shape)
+        return self._hash(prompt) < int(self.holdout_fraction * 2**64)
+
     def problem(self, index: int) -> Problem:
         attempt = 0
-        while True:  # skip the (rare) collisions with held-out problems
+        while True:  # rejection keeps the training side's distribution equal to the held-out side's
             p = self._make(random.Random(f"train-{self.seed}-{index}-{attempt}"), f"train-{index}")
-            if p.prompt not in self._eval_prompts:
+            if not self.is_heldout(p.prompt):
                 return p
             attempt += 1
 
