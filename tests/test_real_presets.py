@@ -10,8 +10,8 @@ import torch
 
 from podsrl.config import TinyModelConfig, load_config
 from podsrl.models import build_char_tokenizer, build_tiny_model
-from podsrl.trainer import Trainer
 from podsrl.tracking import read_metrics
+from podsrl.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
