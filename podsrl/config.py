@@ -181,6 +181,10 @@ class LogConfig:
     tensorboard: bool = _f(True, "Write TensorBoard event files in the run dir.")
     progress: bool = _f(True, "Show a rich progress bar.")
     plot: bool = _f(True, "Write plots.png (reward and held-out accuracy) in the run dir.")
+    grad_noise: bool = _f(False, "Log grad/noise_var (split-half estimate of the gradient's total variance), "
+                          "grad/signal (squared norm) and their ratio on each step's first mini-batch. No extra "
+                          "passes, one copy of the gradients; the update is the same up to floating-point "
+                          "summation order (micro-batches are formed within each half).")
 
 
 @dataclass
