@@ -53,7 +53,8 @@ class ModelConfig:
 @dataclass
 class TaskConfig:
     name: str = _f("arithmetic", "'arithmetic' (built-in), 'dataset' (jsonl/csv/parquet/HF), 'reasoning_gym'.")
-    args: dict[str, Any] = _f({}, "Task-specific arguments (e.g. operands/digits, dataset path and columns).")
+    args: dict[str, Any] = _f({}, "Task-specific arguments (e.g. operands/digits/train_size for arithmetic, "
+                              "dataset path and columns).")
     eval_size: int = _f(2000, "Held-out problems; fixed by the task seed.")
     seed: int = _f(1234, "Seed of the problem generator and held-out set (shared by every run of a comparison).")
 
@@ -181,6 +182,10 @@ class LogConfig:
     tensorboard: bool = _f(True, "Write TensorBoard event files in the run dir.")
     progress: bool = _f(True, "Show a rich progress bar.")
     plot: bool = _f(True, "Write plots.png (reward and held-out accuracy) in the run dir.")
+    grad_noise: bool = _f(False, "Log grad/noise_var (split-half estimate of the gradient's total variance), "
+                          "grad/signal (squared norm) and their ratio on each step's first mini-batch. No extra "
+                          "passes, one copy of the gradients; the update is the same up to floating-point "
+                          "summation order (micro-batches are formed within each half).")
 
 
 @dataclass

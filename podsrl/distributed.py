@@ -199,19 +199,24 @@ class DataParallel:
             return
         had = torch.tensor([float(p.grad is not None) for p in self.params], device=self.params[0].device)
         dist.all_reduce(had)
-        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            by_dtype.setdefault(p.grad.dtype, []).append(p)
-        for params in by_dtype.values():
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(flat)
-            for p, g in zip(params, flat.split([p.numel() for p in params])):
-                p.grad.copy_(g.view_as(p))
+        self.all_reduce_tensors_([p.grad for p in self.params])
         for p, count in zip(self.params, had.tolist()):
             if count == 0:
                 p.grad = None
+
+    def all_reduce_tensors_(self, tensors: list[torch.Tensor]) -> None:
+        """In-place sum over ranks of same-device tensors: one flat all-reduce per dtype."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            dist.all_reduce(flat)
+            for t, summed in zip(group, flat.split([t.numel() for t in group])):
+                t.copy_(summed.view_as(t))
 
     def reduce_metrics(self, sums: dict, weight_sums: dict, exclude: tuple[str, ...] = ()) -> None:
         """Sum the (value, weight) metric accumulators over ranks in place; `exclude` holds keys already global."""

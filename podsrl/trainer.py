@@ -188,7 +188,8 @@ class Trainer:
             return self.stats
         epoch_size = len(self.task) if hasattr(self.task, "__len__") else 0
         if not epoch_size:
-            raise UserError("dynamo.refresh: 'epoch' needs a finite dataset task; use 'step' for this task")
+            raise UserError("dynamo.refresh: 'epoch' needs a finite training set (a dataset task, or "
+                            "task.args.train_size for the arithmetic task); use 'step' for this task")
         epoch = self.data_position // epoch_size
         if getattr(self, "_snapshot_epoch", None) != epoch:
             self._snapshot_epoch, self._snapshot = epoch, PromptStats()

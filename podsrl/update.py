@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from podsrl.algo.grad_noise import make_probe
 from podsrl.algo.loss import (
     LOSS_AGGREGATIONS,
     aggregation_stats,
@@ -63,6 +64,11 @@ class PolicyUpdater:
             return self.dp.micro_batches(rows, self.cfg.optim.micro_batch_size)
         return list(rows.split(self.cfg.optim.micro_batch_size))
 
+    def _probe(self, batch: RolloutBatch, mini: torch.Tensor, generator: torch.Generator):
+        """Split-half gradient-noise probe of this mini-batch (None with fewer than two groups in it)."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return make_probe(params, batch.group_index[mini], generator)
+
     def _forward(self, model, batch: RolloutBatch, rows: torch.Tensor):
         b = batch
         width = int(b.completion_mask[rows].sum(dim=1).max().clamp(min=1))  # trim right padding of this slice
@@ -97,26 +103,27 @@ class PolicyUpdater:
         weight_sums: dict[str, float] = defaultdict(float)
         skipped = 0
         R = batch.num_rollouts
+        noise_metrics: dict[str, float] = {}
+        probe_pending = cfg.log.grad_noise  # once a step: the first mini-batch of the first pass
         for _ in range(cfg.optim.epochs):
             order = torch.randperm(R, generator=generator) if cfg.optim.mini_batches > 1 else torch.arange(R)
             for mini in order.tensor_split(cfg.optim.mini_batches):
                 if mini.numel() == 0:
                     continue
+                probe = self._probe(batch, mini, generator) if probe_pending else None
+                probe_pending = False
                 stats = aggregation_stats(batch.completion_mask[mini], cfg.rollout.max_new_tokens)
                 self.optimizer.zero_grad(set_to_none=True)
-                loss_total = 0.0
-                for rows in self._micro_batches(mini):
-                    loss, m = self._micro_step(batch, rows, stats, old_logprobs, ref_logprobs)
-                    loss_total += loss
-                    for k, (v, w) in m.items():
-                        sums[k] += v
-                        weight_sums[k] += w
+                loss_total = self._accumulate(batch, mini, stats, old_logprobs, ref_logprobs, sums, weight_sums,
+                                              probe)
                 if self.dp is not None:  # global, so every rank takes the same skip decision
                     loss_total = self.dp.sum(loss_total)
                 sums["loss"] += loss_total
                 weight_sums["loss"] += 1
                 if self.grad_sync is not None:
                     self.grad_sync()
+                if probe is not None:  # g summed over ranks, before clipping
+                    noise_metrics = probe.metrics(self.dp.all_reduce_tensors_ if self.dp is not None else None)
                 max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(
                     [p for p in model.parameters() if p.requires_grad], max_norm))
@@ -132,9 +139,25 @@ class PolicyUpdater:
         if self.dp is not None:  # micro-batch metrics were summed per rank; loss and grad_norm are global
             self.dp.reduce_metrics(sums, weight_sums, exclude=("loss", "grad_norm"))
         metrics = {k: sums[k] / weight_sums[k] for k in sums if weight_sums[k] > 0}
+        metrics.update(noise_metrics)
         metrics["train/nonfinite_skipped"] = float(skipped)
         metrics["learning_rate"] = self.scheduler.get_last_lr()[0]
         return metrics
+
+    def _accumulate(self, batch, mini, stats, old_logprobs, ref_logprobs, sums, weight_sums, probe) -> float:
+        """Backward over the mini-batch's micro-batches, adding metrics to `sums`; returns this rank's loss. With a
+        probe, half A's micro-batches run first and its gradient is snapshotted before half B's."""
+        loss_total = 0.0
+        for half, rows_of_half in enumerate(probe.halves(mini) if probe is not None else [mini]):
+            for rows in self._micro_batches(rows_of_half):
+                loss, m = self._micro_step(batch, rows, stats, old_logprobs, ref_logprobs)
+                loss_total += loss
+                for k, (v, w) in m.items():
+                    sums[k] += v
+                    weight_sums[k] += w
+            if probe is not None and half == 0:
+                probe.snapshot()
+        return loss_total
 
     def _micro_step(self, batch, rows, stats, old_logprobs, ref_logprobs):
         cfg = self.cfg

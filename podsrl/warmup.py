@@ -6,6 +6,7 @@ run of a comparison starts from byte-identical weights, and it is cached under a
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 from rich.progress import Progress
 
-from podsrl.config import Config, to_dict
+from podsrl.config import Config, TaskConfig, to_dict
 from podsrl.models import build_char_tokenizer, build_tiny_model
 from podsrl.tasks import build_task
 
@@ -28,8 +29,15 @@ log = logging.getLogger("podsrl")
 WARMUP_VERSION = 2
 
 
+def warmup_task_config(task: TaskConfig) -> TaskConfig:
+    """The task as the warm-up sees it: the whole problem stream, without a training pool (`train_size`), so runs
+    with and without a pool start from the same warmed-up weights."""
+    return dataclasses.replace(task, args={k: v for k, v in task.args.items() if k != "train_size"})
+
+
 def warmup_key(cfg: Config) -> str:
-    shaping = {"version": WARMUP_VERSION, "tiny": to_dict(cfg.model.tiny), "task": to_dict(cfg.task), "warmup": to_dict(cfg.warmup)}
+    task = to_dict(warmup_task_config(cfg.task))
+    shaping = {"version": WARMUP_VERSION, "tiny": to_dict(cfg.model.tiny), "task": task, "warmup": to_dict(cfg.warmup)}
     shaping["warmup"].pop("cache_dir")
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -79,7 +87,7 @@ def run_warmup(cfg: Config, progress: bool = True) -> Path:
     out = warmup_path(cfg)
     if (out / "config.json").is_file():
         return out
-    task = build_task(cfg.task)
+    task = build_task(warmup_task_config(cfg.task))
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(cfg.model.tiny, tokenizer, seed=cfg.warmup.seed)
     w = cfg.warmup

@@ -1,7 +1,7 @@
 """Data parallel: a 2-process gloo update equals the one-process update on the same batch (also with PODS
-down-sampling, several mini-batches and epochs, uneven groups, an odd row count, one row for two ranks); sharded
-generation equals one in-process call; rank agreement; and an end-to-end torchrun run (with resume) against one
-process."""
+down-sampling, several mini-batches and epochs, uneven groups, an odd row count, one row for two ranks, and the
+split-half gradient-noise metrics); sharded generation equals one in-process call; rank agreement; and an end-to-end
+torchrun run (with resume) against one process."""
 
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ SCENARIOS = {
     "uneven": (["optim.micro_batch_size=4", "optim.mini_batches=3", "algo.beta=0.05",
                 "algo.loss_agg=seq_mean_token_sum_norm", "select.rule=none"], [5, 1, 3, 2], None),
     "one_row": (["optim.micro_batch_size=4", "select.rule=none"], [1], [0.7]),
+    # split-half halves formed per rank and summed over ranks; one row of a half may leave a rank idle
+    "grad_noise": (["log.grad_noise=true", "optim.micro_batch_size=2", "optim.mini_batches=2",
+                    "select.rule=none"], [5, 1, 3, 2], None),
 }
 
 

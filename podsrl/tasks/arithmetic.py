@@ -2,8 +2,9 @@
 
 Hard enough for the tiny model that a short supervised warm-up leaves it part-way (carries across three operands are
 what it gets wrong longest), so RL has room to climb; and mixed, so prompts differ in how often the model solves
-them, which is what variance-based selection and allocation feed on. Problems are a pure function of (seed, index): the data position
-of a run is one integer.
+them, which is what variance-based selection and allocation feed on. Problems are a pure function of (seed, index):
+the data position of a run is one integer. Training draws from an unbounded stream, or with `train_size` N from a
+pool of its first N problems, visited in order epoch after epoch (so per-prompt statistics build up).
 
 Held-out and training problems come from one distribution, split by a fixed partition of the prompt space: a prompt
 is held-out iff a hash of (seed, prompt) falls in the first `holdout_fraction` of its range. The hash ignores
@@ -28,7 +29,12 @@ class ArithmeticTask(Task):
     name = "arithmetic"
 
     def __init__(self, seed: int = 1234, eval_size: int = 2000, operands: int = 3, digits: int = 2,
-                 min_operands: int = 2, holdout_fraction: float = 0.1) -> None:
+                 min_operands: int = 2, holdout_fraction: float = 0.1, train_size: int = 0) -> None:
+        if isinstance(train_size, bool) or not isinstance(train_size, int) or train_size < 0:
+            raise ConfigError(f"task.args.train_size: must be a whole number >= 0 (0 = an unbounded stream of "
+                              f"problems), got {train_size!r}")
+        # A finite pool: problem(i) is problem(i % train_size), so prompts recur (per-prompt history for DynaMO).
+        self.train_size = train_size
         if operands < 2:
             raise ConfigError("task.args.operands: must be >= 2")
         if not 1 <= digits <= 9:
@@ -77,7 +83,13 @@ class ArithmeticTask(Task):
             return prompt in self._small_shape_holdout(shape)
         return self._hash(prompt) < int(self.holdout_fraction * 2**64)
 
+    def __len__(self) -> int:
+        """Training problems in one epoch; 0 for the unbounded stream."""
+        return self.train_size
+
     def problem(self, index: int) -> Problem:
+        if self.train_size:
+            index %= self.train_size
         attempt = 0
         while True:  # rejection keeps the training side's distribution equal to the held-out side's
             p = self._make(random.Random(f"train-{self.seed}-{index}-{attempt}"), f"train-{index}")

@@ -30,6 +30,11 @@ CONFIGS = {
         "task.name": "dataset", "task.args": "{path: DATASET, eval_fraction: 0.2}", "warmup.steps": 0,
         "rollout.allocation": "variance", "dynamo.n_min": 2, "dynamo.n_max": 6, "dynamo.min_history": 1,
         "dynamo.refresh": "epoch", "algo.modulation": "dynamo", "rollout.prompts_per_step": 3},
+    # a pool of 6 at 4 prompts a step: epochs end mid-step; allocation history, snapshot and grad/* metrics
+    "dynamo_arithmetic_pool_grad_noise": {
+        "task.args": "{operands: 2, digits: 1, train_size: 6}", "rollout.allocation": "variance", "select.m": 0,
+        "dynamo.n_min": 2, "dynamo.n_max": 6, "dynamo.min_history": 1, "dynamo.refresh": "epoch",
+        "log.grad_noise": True},
     "filter_refill_kl": {"select.filter_zero_variance": True, "select.max_refill_rounds": 2, "algo.beta": 0.1},
 }
 
