@@ -31,7 +31,7 @@ from podsrl.engines.rows import (
     special_ids,
     stop_ids,
 )
-from podsrl.engines.sampling import sample_rows
+from podsrl.engines.sampling import row_uniforms, sample_with_uniforms
 
 logger = logging.getLogger("podsrl")
 
@@ -48,24 +48,29 @@ class SlotLayer(DynamicLayer):  # type: ignore[misc,valid-type]
         super().__init__()
         self.capacity = capacity
         self.length = 0
+        self.rows = 0  # live batch rows: the leading rows of the buffers
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         batch, heads, _, key_dim = key_states.shape
         self.key_buffer = key_states.new_zeros(batch, heads, self.capacity, key_dim)
         self.value_buffer = value_states.new_zeros(batch, heads, self.capacity, value_states.shape[-1])
+        self.rows = batch
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
-        self.key_buffer[:, :, self.length : end] = key_states
-        self.value_buffer[:, :, self.length : end] = value_states
+        self.key_buffer[: self.rows, :, self.length : end] = key_states
+        self.value_buffer[: self.rows, :, self.length : end] = value_states
         self.length = end
-        self.keys = self.key_buffer[:, :, :end]
-        self.values = self.value_buffer[:, :, :end]
+        self._view()
         return self.keys, self.values
+
+    def _view(self) -> None:
+        self.keys = self.key_buffer[: self.rows, :, : self.length]
+        self.values = self.value_buffer[: self.rows, :, : self.length]
 
     def get_seq_length(self) -> int:
         return self.length
@@ -75,10 +80,19 @@ class SlotLayer(DynamicLayer):  # type: ignore[misc,valid-type]
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
-            self.key_buffer = self.key_buffer.index_select(0, indices)
-            self.value_buffer = self.value_buffer.index_select(0, indices)
-            self.keys = self.key_buffer[:, :, : self.length]
-            self.values = self.value_buffer[:, :, : self.length]
+            self.key_buffer = self.key_buffer[: self.rows].index_select(0, indices)
+            self.value_buffer = self.value_buffer[: self.rows].index_select(0, indices)
+            self.rows = indices.numel()
+            self._view()
+
+    def fill_holes(self, holes: torch.Tensor, sources: torch.Tensor, rows: int) -> None:
+        """Keeps the first `rows` rows, the finished ones among them (`holes`) overwritten by the live rows past
+        the end (`sources`): only the filled prefix of as many rows as finished is copied, not the whole batch."""
+        if holes.numel():
+            self.key_buffer[holes, :, : self.length] = self.key_buffer[sources, :, : self.length]
+            self.value_buffer[holes, :, : self.length] = self.value_buffer[sources, :, : self.length]
+        self.rows = rows
+        self._view()
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -241,35 +255,58 @@ class FastEngine(RolloutEngine):
 
         stop_tensor = torch.tensor(stops, dtype=torch.long, device=device)
         live = torch.arange(rows, device=device)  # output row of each batch row
-        row_seeds = seeds.long().to(device)
+        uniforms = None  # [rows, steps]: every position's uniform hashed at once, not one hash per step
+        if not (params.greedy or params.temperature <= 0):
+            uniforms = row_uniforms(seeds.long().to(device)[:, None], torch.arange(steps, device=device)[None])
         finished = torch.zeros(rows, dtype=torch.bool, device=device)  # finished rows not yet compacted away
         out_tokens = torch.full((rows, steps), self.pad_token_id, dtype=torch.long, device=device)
         out_logprobs = torch.zeros((rows, steps), dtype=torch.float32, device=device)
-        threshold = self.compact_fraction
-        used = steps
+        n_finished, used = 0, steps
         for t in range(steps):
-            tokens, logprobs = sample_rows(
-                logits, row_seeds, t, params.temperature, params.top_k, params.top_p, params.greedy
+            step_uniforms = None if uniforms is None else uniforms[:, t]
+            tokens, logprobs = sample_with_uniforms(
+                logits, step_uniforms, params.temperature, params.top_k, params.top_p
             )
-            active = ~finished
-            out_tokens[live, t] = torch.where(active, tokens, out_tokens[live, t])
-            out_logprobs[live, t] = torch.where(active, logprobs, out_logprobs[live, t])
+            if n_finished:  # finished rows still in the batch emit padding and feed it back
+                tokens = tokens.masked_fill(finished, self.pad_token_id)
+                logprobs = logprobs.masked_fill(finished, 0.0)
+            out_tokens[live, t] = tokens
+            out_logprobs[live, t] = logprobs
             finished |= torch.isin(tokens, stop_tensor)
-            if t == steps - 1:
-                break
             n_finished = int(finished.sum())
-            if n_finished == finished.numel():
+            if t == steps - 1 or n_finished == finished.numel():
                 used = t + 1
                 break
-            if self.compaction and n_finished > threshold * finished.numel():
-                keep = (~finished).nonzero().squeeze(1)
-                cache.batch_select_indices(keep)
-                live, row_seeds, tokens = live[keep], row_seeds[keep], tokens[keep]
-                valid, next_pos, finished = valid[keep], next_pos[keep], finished[keep]
-            tokens = tokens.masked_fill(finished, self.pad_token_id)
+            if self.compaction and n_finished > self.compact_fraction * finished.numel():
+                order = compact(cache, finished, n_finished)
+                live, tokens, valid, next_pos = live[order], tokens[order], valid[order], next_pos[order]
+                uniforms = None if uniforms is None else uniforms[order]
+                finished, n_finished = finished[order], 0
+            elif n_finished:
+                tokens = tokens.masked_fill(finished, self.pad_token_id)
             valid[:, width + t] = True
             logits = self._forward(
                 tokens[:, None], valid[:, None, None, : width + t + 1], next_pos[:, None], cache
             )
             next_pos = next_pos + 1
         return out_tokens[:, :used].cpu(), out_logprobs[:, :used].cpu()
+
+
+def compact(cache, finished: torch.Tensor, n_finished: int) -> torch.Tensor:
+    """Drops the finished rows from the cache; returns the kept batch rows in their new order.
+
+    The live rows past the new batch end move into the finished rows' places before it, so a static cache copies
+    only as many rows as finished (other caches index-select the same order).
+    """
+    rows = finished.numel() - n_finished
+    holes = finished[:rows].nonzero().squeeze(1)
+    sources = (~finished[rows:]).nonzero().squeeze(1) + rows
+    order = torch.arange(rows, device=finished.device)
+    order[holes] = sources
+    layers = getattr(cache, "layers", None) or []
+    if layers and all(isinstance(layer, SlotLayer) for layer in layers):
+        for layer in layers:
+            layer.fill_holes(holes, sources, rows)
+    else:
+        cache.batch_select_indices(order)
+    return order
