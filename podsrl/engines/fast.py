@@ -53,8 +53,9 @@ class SlotLayer(DynamicLayer):  # type: ignore[misc,valid-type]
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         batch, heads, _, key_dim = key_states.shape
-        self.key_buffer = key_states.new_zeros(batch, heads, self.capacity, key_dim)
-        self.value_buffer = value_states.new_zeros(batch, heads, self.capacity, value_states.shape[-1])
+        # never read past the filled prefix, so left uninitialised
+        self.key_buffer = key_states.new_empty(batch, heads, self.capacity, key_dim)
+        self.value_buffer = value_states.new_empty(batch, heads, self.capacity, value_states.shape[-1])
         self.rows = batch
         self.is_initialized = True
 
@@ -80,8 +81,8 @@ class SlotLayer(DynamicLayer):  # type: ignore[misc,valid-type]
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
-            self.key_buffer = self.key_buffer[: self.rows].index_select(0, indices)
-            self.value_buffer = self.value_buffer[: self.rows].index_select(0, indices)
+            self.key_buffer = _select_prefix(self.key_buffer, indices, self.length)
+            self.value_buffer = _select_prefix(self.value_buffer, indices, self.length)
             self.rows = indices.numel()
             self._view()
 
@@ -93,6 +94,28 @@ class SlotLayer(DynamicLayer):  # type: ignore[misc,valid-type]
             self.value_buffer[holes, :, : self.length] = self.value_buffer[sources, :, : self.length]
         self.rows = rows
         self._view()
+
+
+def _select_prefix(buffer: torch.Tensor, indices: torch.Tensor, length: int) -> torch.Tensor:
+    """A buffer of the same capacity holding rows `indices` of `buffer`; only the filled prefix is copied."""
+    out = buffer.new_empty((indices.numel(), *buffer.shape[1:]))
+    torch.index_select(buffer[:, :, :length], 0, indices, out=out[:, :, :length])
+    return out
+
+
+# Models whose top-level forward is exactly embed -> rotary -> decoder layers -> norm -> lm_head (no embedding
+# scale, no logit soft-capping), so the loop can drive their layers itself and skip that forward's per-call work.
+LAYER_LOOP_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def layer_loop_body(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The inner decoder stack when the fast loop may call the layers directly, else None."""
+    inner = getattr(model, "model", None)
+    if getattr(model.config, "model_type", None) not in LAYER_LOOP_TYPES or not hasattr(model, "lm_head"):
+        return None
+    if inner is None or not all(hasattr(inner, n) for n in ("embed_tokens", "rotary_emb", "layers", "norm")):
+        return None
+    return inner
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -123,7 +146,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 class FastEngine(RolloutEngine):
     """Fast in-process sampler; see the module docstring.
 
-    Options: shared_prefill (True), compaction (True), compact_fraction (0.0: compact as soon as one row finishes;
+    Options: shared_prefill (True), compaction (True), layer_loop (True: call the decoder layers directly on
+    Llama/Mistral/Qwen2/Qwen3 models, the same modules and ops without the top-level forward's per-call work), compact_fraction (0.0: compact as soon as one row finishes;
     f > 0: wait until a fraction f of the batch has finished), cache ("static" pre-allocated buffers or "dynamic"
     transformers DynamicCache), eos_token_id, pad_token_id. Outputs are CPU tensors.
     """
@@ -139,6 +163,7 @@ class FastEngine(RolloutEngine):
         compaction: bool = True,
         compact_fraction: float = 0.0,
         cache: str = "static",
+        layer_loop: bool = True,
         **options: Any,
     ) -> None:
         if cache not in ("static", "dynamic"):
@@ -160,6 +185,7 @@ class FastEngine(RolloutEngine):
             self.fallback = HFEngine(model, tokenizer, **options)
             return
         self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._body = layer_loop_body(model) if layer_loop else None
 
     def generate(
         self,
@@ -220,6 +246,9 @@ class FastEngine(RolloutEngine):
         return torch.where(allowed, zero, torch.finfo(dtype).min)
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """Last-position logits [B, V]."""
+        if self._body is not None:
+            return self._layer_loop(ids, self._attention_mask(mask), positions, cache)
         extra = {"logits_to_keep": 1} if self._keep_arg else {}
         out = self.model(
             input_ids=ids,
@@ -230,6 +259,23 @@ class FastEngine(RolloutEngine):
             **extra,
         )
         return out.logits[:, -1]
+
+    def _layer_loop(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        body = self._body
+        hidden = body.embed_tokens(ids)
+        rotary = body.rotary_emb(hidden, positions)
+        for layer in body.layers[: self.model.config.num_hidden_layers]:
+            hidden = layer(
+                hidden,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                position_embeddings=rotary,
+            )
+            hidden = hidden[0] if isinstance(hidden, tuple) else hidden  # older layers return (hidden, ...)
+        # the norm is per position, so normalising only the last one gives the same logits
+        return self.model.lm_head(body.norm(hidden[:, -1:]))[:, -1]
 
     def _decode(self, prefill_ids, prefill_mask, expand, rows: int, params: SamplingParams, seeds, stops):
         """Tokens [R, Lc] (pad after a row's stop) and sampled-token log-probs [R, Lc]."""
@@ -272,7 +318,7 @@ class FastEngine(RolloutEngine):
                 logprobs = logprobs.masked_fill(finished, 0.0)
             out_tokens[live, t] = tokens
             out_logprobs[live, t] = logprobs
-            finished |= torch.isin(tokens, stop_tensor)
+            finished |= tokens == stop_tensor if stop_tensor.numel() == 1 else torch.isin(tokens, stop_tensor)
             n_finished = int(finished.sum())
             if t == steps - 1 or n_finished == finished.numel():
                 used = t + 1

@@ -94,8 +94,8 @@ def sample_with_uniforms(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample_rows` with the rows' uniforms [B] given (a decode loop hashes all positions at once); None = greedy."""
     logits = logits.float()
-    temp = temperature if temperature > 0 else 1.0
-    scaled = logits / temp
+    # dividing by 1 is exact, so skipping it changes nothing
+    scaled = logits / temperature if temperature > 0 and temperature != 1.0 else logits
     logp = scaled.log_softmax(dim=-1)
     if uniforms is None:
         tokens = logits.argmax(dim=-1)
