@@ -162,6 +162,7 @@ VARIANTS = {
     "compact only when 1/4 of the batch finished": {"compact_fraction": 0.25},
     "no compaction": {"compaction": False},
     "no shared prefill": {"shared_prefill": False},
+    "model's top-level forward (no layer loop)": {"layer_loop": False},
 }
 
 

@@ -224,6 +224,21 @@ def test_compaction_and_shared_prefill_change_no_output():
         assert torch.allclose(out.logprobs, base.logprobs, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["qwen", "llama"])
+def test_layer_loop_matches_the_model_forward(kind):
+    model = make_model(kind, peak=3.0, eos_bias=2.0)
+    prompts, counts, seeds = random_prompts([3, 8, 5]), [3, 2, 4], torch.arange(9) * 31
+    looped, full = FastEngine(model, Tok()), FastEngine(model, Tok(), layer_loop=False)
+    assert looped._body is not None and full._body is None
+    for params in (
+        SamplingParams(max_new_tokens=9, temperature=0.8, top_p=0.9),
+        SamplingParams(max_new_tokens=9, greedy=True),
+    ):
+        a, b = (e.generate(prompts, counts, params, seeds) for e in (looped, full))
+        assert torch.equal(a.completion_ids, b.completion_ids)
+        assert torch.allclose(a.logprobs, b.logprobs, atol=1e-6)
+
+
 def test_row_depends_only_on_its_seed():
     model = make_model("qwen", peak=3.0, eos_bias=1.5)
     a, b, c = random_prompts([4, 11, 2])

@@ -31,7 +31,7 @@ from podsrl.engines.rows import (
     special_ids,
     stop_ids,
 )
-from podsrl.engines.sampling import sample_rows
+from podsrl.engines.sampling import row_uniforms, sample_with_uniforms
 
 logger = logging.getLogger("podsrl")
 
@@ -48,24 +48,30 @@ class SlotLayer(DynamicLayer):  # type: ignore[misc,valid-type]
         super().__init__()
         self.capacity = capacity
         self.length = 0
+        self.rows = 0  # live batch rows: the leading rows of the buffers
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         batch, heads, _, key_dim = key_states.shape
-        self.key_buffer = key_states.new_zeros(batch, heads, self.capacity, key_dim)
-        self.value_buffer = value_states.new_zeros(batch, heads, self.capacity, value_states.shape[-1])
+        # never read past the filled prefix, so left uninitialised
+        self.key_buffer = key_states.new_empty(batch, heads, self.capacity, key_dim)
+        self.value_buffer = value_states.new_empty(batch, heads, self.capacity, value_states.shape[-1])
+        self.rows = batch
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
-        self.key_buffer[:, :, self.length : end] = key_states
-        self.value_buffer[:, :, self.length : end] = value_states
+        self.key_buffer[: self.rows, :, self.length : end] = key_states
+        self.value_buffer[: self.rows, :, self.length : end] = value_states
         self.length = end
-        self.keys = self.key_buffer[:, :, :end]
-        self.values = self.value_buffer[:, :, :end]
+        self._view()
         return self.keys, self.values
+
+    def _view(self) -> None:
+        self.keys = self.key_buffer[: self.rows, :, : self.length]
+        self.values = self.value_buffer[: self.rows, :, : self.length]
 
     def get_seq_length(self) -> int:
         return self.length
@@ -75,10 +81,41 @@ class SlotLayer(DynamicLayer):  # type: ignore[misc,valid-type]
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
-            self.key_buffer = self.key_buffer.index_select(0, indices)
-            self.value_buffer = self.value_buffer.index_select(0, indices)
-            self.keys = self.key_buffer[:, :, : self.length]
-            self.values = self.value_buffer[:, :, : self.length]
+            self.key_buffer = _select_prefix(self.key_buffer, indices, self.length)
+            self.value_buffer = _select_prefix(self.value_buffer, indices, self.length)
+            self.rows = indices.numel()
+            self._view()
+
+    def fill_holes(self, holes: torch.Tensor, sources: torch.Tensor, rows: int) -> None:
+        """Keeps the first `rows` rows, the finished ones among them (`holes`) overwritten by the live rows past
+        the end (`sources`): only the filled prefix of as many rows as finished is copied, not the whole batch."""
+        if holes.numel():
+            self.key_buffer[holes, :, : self.length] = self.key_buffer[sources, :, : self.length]
+            self.value_buffer[holes, :, : self.length] = self.value_buffer[sources, :, : self.length]
+        self.rows = rows
+        self._view()
+
+
+def _select_prefix(buffer: torch.Tensor, indices: torch.Tensor, length: int) -> torch.Tensor:
+    """A buffer of the same capacity holding rows `indices` of `buffer`; only the filled prefix is copied."""
+    out = buffer.new_empty((indices.numel(), *buffer.shape[1:]))
+    torch.index_select(buffer[:, :, :length], 0, indices, out=out[:, :, :length])
+    return out
+
+
+# Models whose top-level forward is exactly embed -> rotary -> decoder layers -> norm -> lm_head (no embedding
+# scale, no logit soft-capping), so the loop can drive their layers itself and skip that forward's per-call work.
+LAYER_LOOP_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def layer_loop_body(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The inner decoder stack when the fast loop may call the layers directly, else None."""
+    inner = getattr(model, "model", None)
+    if getattr(model.config, "model_type", None) not in LAYER_LOOP_TYPES or not hasattr(model, "lm_head"):
+        return None
+    if inner is None or not all(hasattr(inner, n) for n in ("embed_tokens", "rotary_emb", "layers", "norm")):
+        return None
+    return inner
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -109,7 +146,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 class FastEngine(RolloutEngine):
     """Fast in-process sampler; see the module docstring.
 
-    Options: shared_prefill (True), compaction (True), compact_fraction (0.0: compact as soon as one row finishes;
+    Options: shared_prefill (True), compaction (True), layer_loop (True: call the decoder layers directly on
+    Llama/Mistral/Qwen2/Qwen3 models, the same modules and ops without the top-level forward's per-call work), compact_fraction (0.0: compact as soon as one row finishes;
     f > 0: wait until a fraction f of the batch has finished), cache ("static" pre-allocated buffers or "dynamic"
     transformers DynamicCache), eos_token_id, pad_token_id. Outputs are CPU tensors.
     """
@@ -125,6 +163,7 @@ class FastEngine(RolloutEngine):
         compaction: bool = True,
         compact_fraction: float = 0.0,
         cache: str = "static",
+        layer_loop: bool = True,
         **options: Any,
     ) -> None:
         if cache not in ("static", "dynamic"):
@@ -146,6 +185,7 @@ class FastEngine(RolloutEngine):
             self.fallback = HFEngine(model, tokenizer, **options)
             return
         self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._body = layer_loop_body(model) if layer_loop else None
 
     def generate(
         self,
@@ -206,6 +246,9 @@ class FastEngine(RolloutEngine):
         return torch.where(allowed, zero, torch.finfo(dtype).min)
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """Last-position logits [B, V]."""
+        if self._body is not None:
+            return self._layer_loop(ids, self._attention_mask(mask), positions, cache)
         extra = {"logits_to_keep": 1} if self._keep_arg else {}
         out = self.model(
             input_ids=ids,
@@ -216,6 +259,23 @@ class FastEngine(RolloutEngine):
             **extra,
         )
         return out.logits[:, -1]
+
+    def _layer_loop(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        body = self._body
+        hidden = body.embed_tokens(ids)
+        rotary = body.rotary_emb(hidden, positions)
+        for layer in body.layers[: self.model.config.num_hidden_layers]:
+            hidden = layer(
+                hidden,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                position_embeddings=rotary,
+            )
+            hidden = hidden[0] if isinstance(hidden, tuple) else hidden  # older layers return (hidden, ...)
+        # the norm is per position, so normalising only the last one gives the same logits
+        return self.model.lm_head(body.norm(hidden[:, -1:]))[:, -1]
 
     def _decode(self, prefill_ids, prefill_mask, expand, rows: int, params: SamplingParams, seeds, stops):
         """Tokens [R, Lc] (pad after a row's stop) and sampled-token log-probs [R, Lc]."""
@@ -241,35 +301,58 @@ class FastEngine(RolloutEngine):
 
         stop_tensor = torch.tensor(stops, dtype=torch.long, device=device)
         live = torch.arange(rows, device=device)  # output row of each batch row
-        row_seeds = seeds.long().to(device)
+        uniforms = None  # [rows, steps]: every position's uniform hashed at once, not one hash per step
+        if not (params.greedy or params.temperature <= 0):
+            uniforms = row_uniforms(seeds.long().to(device)[:, None], torch.arange(steps, device=device)[None])
         finished = torch.zeros(rows, dtype=torch.bool, device=device)  # finished rows not yet compacted away
         out_tokens = torch.full((rows, steps), self.pad_token_id, dtype=torch.long, device=device)
         out_logprobs = torch.zeros((rows, steps), dtype=torch.float32, device=device)
-        threshold = self.compact_fraction
-        used = steps
+        n_finished, used = 0, steps
         for t in range(steps):
-            tokens, logprobs = sample_rows(
-                logits, row_seeds, t, params.temperature, params.top_k, params.top_p, params.greedy
+            step_uniforms = None if uniforms is None else uniforms[:, t]
+            tokens, logprobs = sample_with_uniforms(
+                logits, step_uniforms, params.temperature, params.top_k, params.top_p
             )
-            active = ~finished
-            out_tokens[live, t] = torch.where(active, tokens, out_tokens[live, t])
-            out_logprobs[live, t] = torch.where(active, logprobs, out_logprobs[live, t])
-            finished |= torch.isin(tokens, stop_tensor)
-            if t == steps - 1:
-                break
+            if n_finished:  # finished rows still in the batch emit padding and feed it back
+                tokens = tokens.masked_fill(finished, self.pad_token_id)
+                logprobs = logprobs.masked_fill(finished, 0.0)
+            out_tokens[live, t] = tokens
+            out_logprobs[live, t] = logprobs
+            finished |= tokens == stop_tensor if stop_tensor.numel() == 1 else torch.isin(tokens, stop_tensor)
             n_finished = int(finished.sum())
-            if n_finished == finished.numel():
+            if t == steps - 1 or n_finished == finished.numel():
                 used = t + 1
                 break
-            if self.compaction and n_finished > threshold * finished.numel():
-                keep = (~finished).nonzero().squeeze(1)
-                cache.batch_select_indices(keep)
-                live, row_seeds, tokens = live[keep], row_seeds[keep], tokens[keep]
-                valid, next_pos, finished = valid[keep], next_pos[keep], finished[keep]
-            tokens = tokens.masked_fill(finished, self.pad_token_id)
+            if self.compaction and n_finished > self.compact_fraction * finished.numel():
+                order = compact(cache, finished, n_finished)
+                live, tokens, valid, next_pos = live[order], tokens[order], valid[order], next_pos[order]
+                uniforms = None if uniforms is None else uniforms[order]
+                finished, n_finished = finished[order], 0
+            elif n_finished:
+                tokens = tokens.masked_fill(finished, self.pad_token_id)
             valid[:, width + t] = True
             logits = self._forward(
                 tokens[:, None], valid[:, None, None, : width + t + 1], next_pos[:, None], cache
             )
             next_pos = next_pos + 1
         return out_tokens[:, :used].cpu(), out_logprobs[:, :used].cpu()
+
+
+def compact(cache, finished: torch.Tensor, n_finished: int) -> torch.Tensor:
+    """Drops the finished rows from the cache; returns the kept batch rows in their new order.
+
+    The live rows past the new batch end move into the finished rows' places before it, so a static cache copies
+    only as many rows as finished (other caches index-select the same order).
+    """
+    rows = finished.numel() - n_finished
+    holes = finished[:rows].nonzero().squeeze(1)
+    sources = (~finished[rows:]).nonzero().squeeze(1) + rows
+    order = torch.arange(rows, device=finished.device)
+    order[holes] = sources
+    layers = getattr(cache, "layers", None) or []
+    if layers and all(isinstance(layer, SlotLayer) for layer in layers):
+        for layer in layers:
+            layer.fill_holes(holes, sources, rows)
+    else:
+        cache.batch_select_indices(order)
+    return order

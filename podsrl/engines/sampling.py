@@ -85,17 +85,25 @@ def sample_rows(
     Sampling is inverse-CDF: the row's uniform (from its seed and `position`) is scaled by the kept mass and located
     in the cumulative distribution, so no renormalisation pass and no global RNG are needed.
     """
+    uniforms = None if greedy or temperature <= 0 else row_uniforms(seeds, position)
+    return sample_with_uniforms(logits, uniforms, temperature, top_k, top_p)
+
+
+def sample_with_uniforms(
+    logits: torch.Tensor, uniforms: torch.Tensor | None, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_rows` with the rows' uniforms [B] given (a decode loop hashes all positions at once); None = greedy."""
     logits = logits.float()
-    temp = temperature if temperature > 0 else 1.0
-    scaled = logits / temp
+    # dividing by 1 is exact, so skipping it changes nothing
+    scaled = logits / temperature if temperature > 0 and temperature != 1.0 else logits
     logp = scaled.log_softmax(dim=-1)
-    if greedy or temperature <= 0:
+    if uniforms is None:
         tokens = logits.argmax(dim=-1)
     else:
         kept = filter_logits(scaled, top_k, top_p)
         cdf = (kept - kept.amax(dim=-1, keepdim=True)).exp().cumsum(dim=-1)
         total = cdf[..., -1:]
-        target = row_uniforms(seeds, position).to(cdf.dtype).unsqueeze(-1) * total
+        target = uniforms.to(cdf.dtype).unsqueeze(-1) * total
         # float rounding must not push the target onto the total (that would pick a trailing zero-mass token)
         target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
         tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
