@@ -12,7 +12,7 @@ from pathlib import Path
 
 from podsrl.errors import UserError
 
-DEFAULT_CONFIG = "pods"  # `podsrl train` with no --config trains PODS on the built-in task
+DEFAULT_CONFIG = "default"  # `podsrl train` with no --config: PODS on the built-in task (configs/default.yaml)
 
 
 def _preset(name: str) -> Path:
