@@ -315,10 +315,12 @@ class Trainer:
 
     def run_eval(self) -> dict:
         cfg = self.cfg
+        t0 = time.perf_counter()
         metrics = evaluate(self.engine, self.tokenizer, self.eval_problems, self.verify,
                            cfg.rollout.max_new_tokens, cfg.eval.samples, cfg.rollout.temperature,
                            cfg.rollout.top_p, cfg.eval.batch_size)
-        record = {"step": self.step, "time/elapsed": self.elapsed, **metrics}
+        # eval is outside the training clock (time/elapsed); its own cost is logged beside it
+        record = {"step": self.step, "time/elapsed": self.elapsed, "time/eval": time.perf_counter() - t0, **metrics}
         record.update(self.accountant.total_metrics())
         self.logger.log(record)
         return metrics
