@@ -38,3 +38,13 @@ def tiny_overrides(run_dir, warmup_cache, **extra) -> list[str]:
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run faster on one thread than on two contended ones; restored for the next test module.
+    Modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from podsrl.batch import Problem, RolloutBatch
 from podsrl.config import load_config
@@ -24,9 +23,12 @@ from podsrl.engines.fast import FastEngine
 from podsrl.select.prompt_stats import PromptStats
 from podsrl.stages import select_for_update
 from podsrl.update import PolicyUpdater
+from tests.tiny_lm import TokStub as Tok
+from tests.tiny_lm import tiny_causal_lm
 
-EOS, PAD, VOCAB = 1, 0, 48
+VOCAB = 48
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # name -> (config overrides, generated group sizes, fixed advantages or None = from the selection stage)
 SCENARIOS = {
@@ -42,19 +44,9 @@ SCENARIOS = {
 }
 
 
-class Tok:
-    eos_token_id = EOS
-    pad_token_id = PAD
 
-
-def make_model(seed: int = 0) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, eos_token_id=EOS, pad_token_id=PAD))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(3.0)
-    return model
+def make_model(seed: int = 0):
+    return tiny_causal_lm(VOCAB, hidden=32, intermediate=64, max_positions=64, peak=3.0, seed=seed)
 
 
 def make_batch(sizes: list[int], seed: int) -> RolloutBatch:
@@ -135,13 +127,6 @@ def two_ranks(tmp_path_factory):
     mp.spawn(_rank_main, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, join=True)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

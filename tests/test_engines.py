@@ -6,56 +6,22 @@ import logging
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from podsrl.engines.base import SamplingParams, build_engine
 from podsrl.engines.fast import FastEngine
 from podsrl.engines.hf import HFEngine
 from podsrl.engines.sampling import filter_logits, row_uniforms, sample_rows, splitmix64
+from tests.tiny_lm import EOS, PAD, tiny_causal_lm
+from tests.tiny_lm import TokStub as Tok
 
-EOS, PAD, VOCAB = 1, 0, 64
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run faster on one thread than on two contended ones; restored for other test files."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+VOCAB = 64
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-class Tok:
-    eos_token_id = EOS
-    pad_token_id = PAD
-
-
-def make_model(
-    kind: str = "qwen", peak: float = 1.0, eos_bias: float = 0.0, attn: str = "sdpa", seed: int = 0
-):
-    """Tiny random models; `peak` scales the output head (non-trivial, tie-free greedy paths), `eos_bias` shortens."""
-    torch.manual_seed(seed)
-    common = {
-        "vocab_size": VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 128,
-        "eos_token_id": EOS,
-        "pad_token_id": PAD,
-    }
-    if kind == "qwen":
-        model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=2, attn_implementation=attn, **common))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=4, attn_implementation=attn, **common))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(peak)
-        bias = torch.zeros(VOCAB)
-        bias[EOS] = eos_bias
-        model.lm_head.bias = torch.nn.Parameter(bias)
-    return model.eval()
+def make_model(kind: str = "qwen", peak: float = 1.0, eos_bias: float = 0.0, attn: str = "sdpa", seed: int = 0):
+    return tiny_causal_lm(VOCAB, kind=kind, peak=peak, eos_bias=eos_bias, attn=attn, seed=seed)
 
 
 def random_prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:

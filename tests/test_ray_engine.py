@@ -8,42 +8,21 @@ import random
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from podsrl.engines.base import SamplingParams
 from podsrl.engines.fast import FastEngine
 from podsrl.engines.shards import merge_outputs, shard_groups
+from tests.tiny_lm import PAD, tiny_causal_lm
+from tests.tiny_lm import TokStub as Tok
 
-EOS, PAD, VOCAB = 1, 0, 64
+VOCAB = 64
 FIELDS = ("group_index", "prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-class Tok:
-    eos_token_id = EOS
-    pad_token_id = PAD
-
-
-def make_model(seed: int = 0) -> Qwen2ForCausalLM:
-    """Tiny random policy; a scaled head gives varied, non-trivial samples and an EOS bias varied lengths."""
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, eos_token_id=EOS, pad_token_id=PAD))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(3.0)
-        bias = torch.zeros(VOCAB)
-        bias[EOS] = 1.0
-        model.lm_head.bias = torch.nn.Parameter(bias)
-    return model.eval()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run faster on one thread than on two contended ones (the actors also use one each)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def make_model(seed: int = 0):
+    """A scaled head gives varied, non-trivial samples and an EOS bias varied lengths."""
+    return tiny_causal_lm(VOCAB, peak=3.0, eos_bias=1.0, seed=seed)
 
 
 def request(seed: int = 0):
