@@ -37,7 +37,8 @@ from podsrl.select.downsample import zero_variance_groups
 from podsrl.select.prompt_stats import PromptStats
 from podsrl.stages import rollout_counts, select_for_update
 from podsrl.tasks import build_task
-from podsrl.tracking import MetricsLogger, StepProgress, read_metrics
+from podsrl.tasks.prompt_length import limit_task_prompts, model_context
+from podsrl.tracking import build_metrics_logger, build_progress, read_metrics
 from podsrl.update import PolicyUpdater
 from podsrl.warmup import needs_warmup, run_warmup
 
@@ -90,12 +91,17 @@ class Trainer:
             self.ref_model, _ = load_policy(cfg.model, base, seed=cfg.seed)
             self.ref_model.to(self.device).eval().requires_grad_(False)
         self.task = build_task(cfg.task, self.tokenizer)
+        # before any generation: prompt + completion must fit the model's context
+        limit_task_prompts(self.task, self.tokenizer, cfg.task.max_prompt_length, cfg.task.overlong_prompts,
+                           cfg.rollout.max_new_tokens, model_context(self.model))
         self.eval_problems = self.task.eval_set()[: cfg.eval.size or None]
+        if not self.eval_problems:
+            log.warning("no eval set (task %s): training without held-out evaluation", self.task.name)
         self.engine = self.dist.wrap_engine(
             build_engine(cfg.rollout.engine, self.model, self.tokenizer, **cfg.rollout.engine_options))
         self.rewards = build_reward_manager(
-            cfg.rewards or list(self.task.default_rewards), self.task, cfg.reward_on_error, cfg.reward_timeout
-        )
+            cfg.rewards or list(self.task.default_rewards), self.task, cfg.reward_on_error, cfg.reward_timeout,
+            max_faulty_calls=cfg.reward_max_faulty_steps)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                            weight_decay=cfg.optim.weight_decay)
@@ -113,8 +119,7 @@ class Trainer:
             log.info("resumed %s at step %d", self.run_dir, self.step)
         if self.dist.is_main:
             dump_config(cfg, self.run_dir / "config.yaml")
-        self.logger = (MetricsLogger(self.run_dir, cfg.log.tensorboard,
-                                     resume_step=self.step if checkpoint is not None else None)
+        self.logger = (build_metrics_logger(cfg, self.run_dir, self.step if checkpoint is not None else None)
                        if self.dist.is_main else NullLogger())
 
     # ------------------------------------------------------------------------------------------- stages
@@ -315,6 +320,8 @@ class Trainer:
 
     def run_eval(self) -> dict:
         cfg = self.cfg
+        if not self.eval_problems:
+            return {}
         t0 = time.perf_counter()
         metrics = evaluate(self.engine, self.tokenizer, self.eval_problems, self.verify,
                            cfg.rollout.max_new_tokens, cfg.eval.samples, cfg.rollout.temperature,
@@ -327,24 +334,24 @@ class Trainer:
 
     def train(self) -> dict:
         cfg = self.cfg
-        progress = StepProgress(cfg.train.max_steps, cfg.log.progress and self.dist.is_main, start=self.step)
+        progress = build_progress(cfg, cfg.train.max_steps, self.dist.is_main, start=self.step)
         previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
         last_eval: dict = {}
         try:
             if self.step == 0:
                 last_eval = self.run_eval()
-                progress.update(0, accuracy=last_eval["eval/accuracy"])
+                progress.update(0, eval_acc=last_eval.get("eval/accuracy"))
             elif not self.dist.agree(self.budget_left()):  # resumed after the last step: needs its final eval
                 last_eval = self._logged_eval() or self.run_eval()
             while self.dist.agree(self.budget_left()):
                 metrics = self.train_step()
                 self.logger.log(metrics)
-                progress.update(self.step, reward=metrics["reward"], step_time=metrics["time/step"])
                 finished = not self.dist.agree(self.budget_left())
                 # Stopped by a signal: checkpoint at once (a grace period may be short), no extra eval record.
                 if self.step % cfg.train.eval_every == 0 or self.dist.agree(self._budget_spent()):
                     last_eval = self.run_eval()
-                    progress.update(self.step, accuracy=last_eval["eval/accuracy"])
+                progress.update(self.step, reward=metrics["reward"], train_acc=metrics["correct"],
+                                eval_acc=last_eval.get("eval/accuracy"), step_time=metrics["time/step"])
                 if self.step % cfg.train.save_every == 0 or finished:
                     self.save()
         finally:
