@@ -139,3 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("podsrl: interrupted", file=sys.stderr)
         return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,6 +25,7 @@ from podsrl.extras import require
 from podsrl.fileio import write_text_atomic
 
 TRACKERS = ("tensorboard", "wandb", "trackio")
+_ORDER = {"reward": 0, "train_acc": 1, "eval_acc": 2, "loss": 0, "val_acc": 1}  # progress fields, in this order
 
 
 def _clean(value):
@@ -216,12 +217,10 @@ class StepProgress:
         self._stream.flush()
 
     def _info(self) -> str:
-        parts = []
-        for k, v in self.values.items():
-            if k == "step_time":
-                parts.append(f"{v:.2f} s/step")
-            else:
-                parts.append(f"{k} {v:.3f}")
+        parts = [f"{k} {v:.3f}" for k, v in sorted(self.values.items(), key=lambda kv: _ORDER.get(kv[0], 99))
+                 if k != "step_time"]
+        if "step_time" in self.values:
+            parts.append(f"{self.values['step_time']:.2f} s/step")
         return " | ".join(parts)
 
     def update(self, step: int, **values: float | None) -> None:
