@@ -69,6 +69,7 @@ def cmd_eval(args) -> int:
     from podsrl.models import load_policy, resolve_device
     from podsrl.rewards import build_reward_manager
     from podsrl.tasks import build_task
+    from podsrl.tasks.prompt_length import limit_task_prompts, model_context
     from podsrl.warmup import needs_warmup, run_warmup
 
     cfg = _load(args)
@@ -76,8 +77,13 @@ def cmd_eval(args) -> int:
     model, tokenizer = load_policy(cfg.model, path, seed=cfg.seed)
     model.to(resolve_device(cfg.model.device))
     task = build_task(cfg.task, tokenizer)
+    limit_task_prompts(task, tokenizer, cfg.task.max_prompt_length, cfg.task.overlong_prompts,
+                       cfg.rollout.max_new_tokens, model_context(model))
     engine = build_engine(cfg.rollout.engine, model, tokenizer, **cfg.rollout.engine_options)
     problems = task.eval_set()[: cfg.eval.size or None]
+    if not problems:
+        raise UserError(f"task {task.name}: no eval set to evaluate on (task.eval_size, task.eval_fraction, "
+                        "task.args.eval_split)")
     rewards = build_reward_manager(cfg.rewards or list(task.default_rewards), task, cfg.reward_on_error,
                                    cfg.reward_timeout)
     verify = lambda problems, index, texts: rewards.score(problems, index, texts).correct  # noqa: E731

@@ -18,6 +18,7 @@ from typing import Any
 
 from podsrl.batch import Problem
 from podsrl.errors import ConfigError
+from podsrl.extras import require
 from podsrl.tasks.base import Task
 from podsrl.tasks.datasets import epoch_permutation
 
@@ -43,6 +44,7 @@ def extract_completion_answer(completion: str) -> str:
 
 
 def _create(name: str, size: int, seed: int, params: dict[str, Any]) -> Any:
+    require("reasoning_gym", f"the reasoning_gym task {name!r}")
     import reasoning_gym
 
     try:
