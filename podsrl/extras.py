@@ -7,6 +7,7 @@ policy turning each failure into a zero reward), so every feature that needs an 
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 from podsrl.errors import UserError
 
@@ -24,7 +25,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
 
 def require(module: str, needed_for: str) -> None:
     """Raise UserError unless `module` can be imported (checked without importing it, so it stays cheap)."""
-    if importlib.util.find_spec(module) is not None:
+    if sys.modules.get(module, False) is not None and (module in sys.modules or importlib.util.find_spec(module)):
         return
     dist, extra = EXTRAS[module]
     raise UserError(f"{needed_for} needs the optional package {dist!r}, which is not installed: "

@@ -142,6 +142,8 @@ class DatasetTask(Task):
     ) -> None:
         if answer_format not in ANSWER_FORMATS:
             raise DataError(f"answer_format: {answer_format!r} is not one of {', '.join(ANSWER_FORMATS)}")
+        if eval_split is not None and eval_fraction:
+            raise DataError("give either eval_split or eval_fraction, not both")
         if not 0.0 <= eval_fraction < 1.0:
             raise DataError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
         self.name = f"dataset:{Path(source).name or source}"
@@ -156,13 +158,12 @@ class DatasetTask(Task):
                                 "eval_split is the path of the eval file)")
             eval_src = eval_split if local else source
             held, held_labels = self._problems(eval_src, read_rows(eval_src, eval_split, config, max_line_bytes))
-            seen = {p.uid for p in train}
-            both = [i for i, p in enumerate(held) if p.uid in seen]
-            if both:
+            seen = {p.prompt for p in train}
+            kept = [(p, lab) for p, lab in zip(held, held_labels) if p.prompt not in seen]
+            if len(kept) < len(held):
                 log.info("dataset %s: %d eval questions of %s also occur in training and were dropped",
-                         Path(source).name, len(both), eval_src)
-                held_labels = [lab for i, lab in enumerate(held_labels) if i not in set(both)]
-                held = [p for p in held if p.uid not in seen]
+                         Path(source).name, len(held) - len(kept), eval_src)
+            held, held_labels = [p for p, _ in kept], [lab for _, lab in kept]
         elif eval_fraction:
             train, train_labels, held, held_labels = self._hold_out(train, train_labels, eval_fraction, eval_limit)
         else:
@@ -172,25 +173,26 @@ class DatasetTask(Task):
         self._perm_epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
 
     def _hold_out(self, train: list[Problem], labels: list[str], fraction: float, limit: int | None):
-        """Hold out ceil(fraction * distinct questions) of them (at most `limit`), chosen by the seed alone."""
-        uids = list(dict.fromkeys(p.uid for p in train))  # distinct, in file order
-        k = min(math.ceil(fraction * len(uids)), limit if limit is not None else len(uids))
-        if k < 1 or k >= len(uids):
+        """Hold out ceil(fraction * distinct questions) of them (at most `limit`), chosen by the seed alone; a
+        question that occurs several times is held out with all its copies (one of them is evaluated)."""
+        questions = list(dict.fromkeys(p.prompt for p in train))  # distinct, in file order
+        k = min(math.ceil(fraction * len(questions)), limit if limit is not None else len(questions))
+        if k < 1 or k >= len(questions):
             log.warning("dataset %s: %d distinct questions are too few to hold out an eval set "
-                        "(task.eval_fraction=%g); training without evaluation", self.source, len(uids), fraction)
+                        "(task.eval_fraction=%g); training without evaluation", self.source, len(questions), fraction)
             return train, labels, [], []
-        order = epoch_permutation(len(uids), self.seed, -1)  # "epoch -1": never a training order
-        held_uids = {uids[int(i)] for i in order[:k]}
-        rows = [(p, lab) for p, lab in zip(train, labels) if p.uid not in held_uids]
+        order = epoch_permutation(len(questions), self.seed, -1)  # "epoch -1": never a training order
+        held = {questions[int(i)] for i in order[:k]}
+        rest = [(p, lab) for p, lab in zip(train, labels) if p.prompt not in held]
         first: dict[str, tuple[Problem, str]] = {}
         for p, lab in zip(train, labels):
-            if p.uid in held_uids:
-                first.setdefault(p.uid, (p, lab))
+            if p.prompt in held:
+                first.setdefault(p.prompt, (p, lab))
         log.info("dataset %s: no eval_split given, so %d of %d distinct questions (task.eval_fraction=%g, seed %d) "
-                 "are held out for evaluation and never trained on", Path(self.source).name, k, len(uids),
+                 "are held out for evaluation and never trained on", Path(self.source).name, k, len(questions),
                  fraction, self.seed)
-        return [p for p, _ in rows], [lab for _, lab in rows], [p for p, _ in first.values()], \
-            [lab for _, lab in first.values()]
+        evals = list(first.values())
+        return [p for p, _ in rest], [lab for _, lab in rest], [p for p, _ in evals], [lab for _, lab in evals]
 
     def _problems(self, source: str, rows: list[tuple[str, dict]]) -> tuple[list[Problem], list[str]]:
         prompt_col, answer_col, id_col, fmt = self._columns

@@ -96,11 +96,12 @@ def write_data(folder: Path, rows: list[dict]) -> dict[str, Path]:
     return out
 
 
-def podsrl(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+def podsrl(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None,
+           python_args: tuple[str, ...] = ("-m", "podsrl.cli")) -> subprocess.CompletedProcess:
     """The real CLI as a subprocess, from this checkout, offline, one thread per process (a 2-core CI box)."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                 "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "podsrl.cli", *args], cwd=cwd, env=full_env, capture_output=True,
+    return subprocess.run([sys.executable, *python_args, *args], cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
 
 
