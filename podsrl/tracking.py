@@ -89,10 +89,10 @@ class _TensorBoard:
         self.writer.close()
 
 
-def _tracker_id(run_dir: Path, name: str) -> str:
-    """A run id kept in the run dir, so a resumed run continues the same tracker run."""
+def _tracker_id(run_dir: Path, name: str, resume: bool) -> str:
+    """A run id kept in the run dir, so a resumed run continues the same tracker run (a fresh run gets a new one)."""
     path = run_dir / f".{name}_id"
-    if path.is_file():
+    if resume and path.is_file():
         return path.read_text(encoding="utf-8").strip()
     run_id = os.urandom(6).hex()
     write_text_atomic(path, run_id)
@@ -100,12 +100,12 @@ def _tracker_id(run_dir: Path, name: str) -> str:
 
 
 class _Wandb:
-    def __init__(self, run_dir: Path, run_name: str, project: str, config: dict) -> None:
+    def __init__(self, run_dir: Path, run_name: str, project: str, config: dict, resume: bool) -> None:
         require("wandb", "log.report_to: wandb")
         import wandb
 
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", project), name=run_name, config=config,
-                              dir=str(run_dir), id=_tracker_id(run_dir, "wandb"), resume="allow")
+                              dir=str(run_dir), id=_tracker_id(run_dir, "wandb", resume), resume="allow")
 
     def log(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)
@@ -115,13 +115,12 @@ class _Wandb:
 
 
 class _Trackio:
-    def __init__(self, run_dir: Path, run_name: str, project: str, config: dict) -> None:
+    def __init__(self, run_name: str, project: str, config: dict, resume: bool) -> None:
         require("trackio", "log.report_to: trackio")
         import trackio
 
-        self.trackio = trackio
         self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", project), name=run_name, config=config,
-                                resume="allow")
+                                resume="allow" if resume else "never")
 
     def log(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)
@@ -153,9 +152,9 @@ class MetricsLogger:
                 if tracker == "tensorboard":
                     self._trackers.append(_TensorBoard(run_dir, resume_step, name, config))
                 elif tracker == "wandb":
-                    self._trackers.append(_Wandb(run_dir, name, project, config))
+                    self._trackers.append(_Wandb(run_dir, name, project, config, resume_step is not None))
                 elif tracker == "trackio":
-                    self._trackers.append(_Trackio(run_dir, name, project, config))
+                    self._trackers.append(_Trackio(name, project, config, resume_step is not None))
                 else:
                     raise ValueError(f"unknown tracker {tracker!r}")
         except BaseException:

@@ -160,6 +160,19 @@ def test_plain_progress_lines_every_n_steps_and_at_the_end():
     assert early.getvalue().splitlines()[-1].startswith("warm-up step 7/100 | loss 1.000")
 
 
+def test_warm_up_prints_plain_lines_to_a_log_file(tmp_path, capsys):
+    from podsrl.warmup import run_warmup
+
+    cfg = load_config(None, [f"warmup.cache_dir={tmp_path}", "warmup.steps=4", "warmup.batch_size=4",
+                             "warmup.check_every=2", "warmup.validation_size=4", "log.log_every=2",
+                             "model.tiny.num_layers=1", "model.tiny.hidden_size=32", "model.tiny.intermediate_size=32",
+                             "warmup.target_accuracy=0"])
+    run_warmup(cfg, progress=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" | ")[0] for line in lines] == ["warm-up start", "warm-up step 2/4", "warm-up step 4/4"]
+    assert lines[-1].startswith("warm-up step 4/4 | loss ")
+
+
 def test_plain_progress_every_n_seconds(monkeypatch):
     now = [0.0]
     monkeypatch.setattr("podsrl.tracking.time.monotonic", lambda: now[0])
@@ -195,6 +208,9 @@ def test_wandb_offline_logs_run_name_config_and_metrics(tmp_path, monkeypatch):
     logger.close()
     files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1 and files[0].stat().st_size > 0
+    resumed = MetricsLogger(tmp_path, ["wandb"], resume_step=1, run_name="my-run")  # continues the same run
+    assert resumed._trackers[0].run.id == run.id
+    resumed.close()
     assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "reward": 0.5, "eval/accuracy": None}]
 
 

@@ -46,7 +46,9 @@ def test_lora_jsonl_train_eval_merged_resume(user_kit):
 
 def test_full_finetune_excel_csv_and_checkpoint_eval(user_kit):
     cfg = user_config(user_kit, "full", "data/train.csv")  # saved with a byte-order mark, as Excel does
-    ok(podsrl("train", "--config", str(cfg), cwd=user_kit))
-    checkpoint = user_kit / "runs" / "full" / "checkpoints" / "step-00000002" / "model"
+    ok(podsrl("train", "--config", str(cfg), "log.report_to=[tensorboard, wandb]", cwd=user_kit))  # WANDB_MODE=offline
+    run = user_kit / "runs" / "full"
+    assert list((run / "wandb").glob("offline-run-*/run-*.wandb")) and list((run / "tensorboard").glob("events.*"))
+    checkpoint = run / "checkpoints" / "step-00000002" / "model"
     done = ok(podsrl("eval", "--config", str(cfg), "--model", str(checkpoint), cwd=user_kit))
     assert "eval/accuracy" in json.loads(done.stdout.strip().splitlines()[-1])
