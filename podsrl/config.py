@@ -60,7 +60,7 @@ class TaskConfig:
     # Bring-your-own data (issue 17): held-out set of dataset tasks and prompt length.
     eval_fraction: float = _f(0.05, "Dataset tasks without task.args.eval_split: fraction of the distinct questions "
                               "held out for evaluation (seeded by task.seed, at most task.eval_size, never "
-                              "trained on); 0 = no eval set.")
+                              "trained on; task.args.eval_fraction wins); 0 = no eval set.")
     max_prompt_length: int = _f(0, "Longest prompt in tokens (TRL: max_prompt_length); 0 = the model's context "
                                 "minus rollout.max_new_tokens. Checked against the context at start-up.")
     overlong_prompts: Literal["filter", "truncate_left", "error"] = _f(
@@ -390,14 +390,6 @@ def validate(cfg: Config) -> None:
     need(cfg.train.save_every >= 1, "train.save_every", "must be >= 1")
     need(cfg.train.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
     need(cfg.task.eval_size >= 0, "task.eval_size", "must be >= 0")
-    need(0 <= cfg.task.eval_fraction < 1, "task.eval_fraction", "must be in [0, 1)")
-    need(cfg.task.max_prompt_length >= 0, "task.max_prompt_length", "must be >= 0 (0 = the model's context)")
-    need(cfg.reward_max_faulty_steps >= 1, "reward_max_faulty_steps", "must be >= 1")
-    need(cfg.log.log_every >= 1, "log.log_every", "must be >= 1")
-    need(cfg.log.log_every_seconds > 0, "log.log_every_seconds", "must be > 0")
-    from podsrl.tracking import normalize_report_to
-
-    cfg.log.report_to = normalize_report_to(cfg.log.report_to, cfg.log.tensorboard)
     need(cfg.eval.size >= 0, "eval.size", "must be >= 0")
     need(cfg.eval.samples >= 0, "eval.samples", "must be >= 0")
     need(cfg.eval.batch_size >= 1, "eval.batch_size", "must be >= 1")
@@ -429,6 +421,15 @@ def validate(cfg: Config) -> None:
     need(not (cfg.model.name_or_path == "tiny" and cfg.warmup.steps > 0 and cfg.task.name == "dataset"),
          "warmup.steps", "the built-in model's warm-up needs reference completions, which a dataset task does not "
          "have: set warmup.steps=0, or give model.name_or_path")
+    # bring-your-own data, rewards and logging (issue 17)
+    need(0 <= cfg.task.eval_fraction < 1, "task.eval_fraction", "must be in [0, 1)")
+    need(cfg.task.max_prompt_length >= 0, "task.max_prompt_length", "must be >= 0 (0 = the model's context)")
+    need(cfg.reward_max_faulty_steps >= 1, "reward_max_faulty_steps", "must be >= 1")
+    need(cfg.log.log_every >= 1, "log.log_every", "must be >= 1")
+    need(cfg.log.log_every_seconds > 0, "log.log_every_seconds", "must be > 0")
+    from podsrl.tracking import normalize_report_to
+
+    cfg.log.report_to = normalize_report_to(cfg.log.report_to, cfg.log.tensorboard)
 
 
 def dump_config(cfg: Config, path: Path) -> None:

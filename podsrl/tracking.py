@@ -11,6 +11,7 @@ Progress: a rich live display on a terminal; when stdout is a file (a cluster jo
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -258,6 +259,8 @@ def build_metrics_logger(cfg: Any, run_dir: Path, resume_step: int | None) -> Me
     from podsrl.config import to_dict
 
     name = cfg.log.run_name or f"{cfg.name or Path(run_dir).name}-seed{cfg.seed}"
+    logging.getLogger("podsrl").info("run %s: metrics to %s%s", name, Path(run_dir) / "metrics.jsonl",
+                                     "".join(f", {t}" for t in cfg.log.report_to))
     return MetricsLogger(run_dir, cfg.log.report_to, resume_step, name, cfg.log.project, to_dict(cfg))
 
 
