@@ -80,6 +80,13 @@ def test_eval_split_questions_seen_in_training_are_dropped(tmp_path):
     assert [p.answer for p in task.eval_set()] == [str(2 * i) for i in range(420, 425)]
 
 
+def test_reasoning_gym_without_eval_set():
+    pytest.importorskip("reasoning_gym")
+    from podsrl.tasks.reasoning_gym import ReasoningGymTask
+
+    assert ReasoningGymTask("chain_sum", size=10, eval_size=0).eval_set() == []
+
+
 def test_a_run_without_eval_set_trains_and_says_so(tmp_path, warmup_cache, caplog):
     path = write_jsonl(tmp_path / "d.jsonl", [{"question": f"{i}+1=", "answer": str(i + 1)} for i in range(8)])
     overrides = tiny_overrides(tmp_path / "run", warmup_cache, **{

@@ -110,8 +110,8 @@ def ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return done
 
 
-# The method section a user writes (the README uses the same keys).
-METHOD = {"select": {"m": 2, "rule": "max_variance"}}
+# Method sections a user writes for `podsrl compare` (the README uses the same keys); other runs use the default.
+PODS = {"select": {"m": 2, "rule": "max_variance"}}
 GRPO = {"select": {"m": 0, "rule": "none"}}
 SYSTEM_PROMPT = "Think step by step, then give the answer in <answer></answer>."
 
@@ -129,7 +129,7 @@ def user_config(home: Path, name: str, data: str, *, lora: bool = False, method:
         "rewards": ["correct", {"name": "format", "weight": 0.2},
                     {"name": "mine", "function": "my_rewards.py:length_penalty", "weight": 0.1}],
         "rollout": {"n": 4, "prompts_per_step": 2, "max_new_tokens": 12},
-        **(method or METHOD),
+        **(method or {}),
         "train": {"max_steps": 2, "eval_every": 2, "save_every": 1},
         "eval": {"samples": 0},
         "warmup": {"steps": 0},
