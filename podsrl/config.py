@@ -220,7 +220,7 @@ class Config:
     rewards: list[Any] = _f([], "Reward functions: names or {name, weight, function}; empty = the task's default.")
     reward_on_error: Literal["zero", "skip", "fail"] = _f("zero", "What a failing reward function's values become.")
     reward_timeout: float = _f(10.0, "Seconds a reward call may take before it counts as failed.")
-    reward_max_faulty_steps: int = _f(3, "Calls in a row in which every value of one reward function is faulty "
+    reward_max_faulty_steps: int = _f(5, "Calls in a row in which every value of one reward function is faulty "
                                       "before the run stops (exit 2) instead of training on filled-in values.")
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

@@ -240,7 +240,7 @@ class RewardManager:
     """Scores a step's completions with every reward function and applies the fault policy."""
 
     def __init__(self, specs: list[RewardSpec], task: Task, on_error: str = "zero", timeout_s: float = 60.0,
-                 max_faulty_calls: int = 3):
+                 max_faulty_calls: int = 5):
         if on_error not in ON_ERROR:
             raise ConfigError(f"rewards.on_error: {on_error!r} is not one of {', '.join(ON_ERROR)}")
         if not specs:
@@ -376,7 +376,7 @@ def build_reward_manager(
     on_error: str = "zero",
     timeout_s: float = 60.0,
     pool: MathVerifyPool | None = None,
-    max_faulty_calls: int = 3,
+    max_faulty_calls: int = 5,
 ) -> RewardManager:
     """Reward functions from config entries: "name", "module:function", or {name, weight=1.0, function?}.
 

@@ -45,12 +45,15 @@ def test_numeric_answers(tmp_path):
     assert [numeric_answer(v) for v in (42, 42.0, 3.5, "1,234", " 7 ", "x7", True)] == \
         ["42", "42", "3.5", "1234", "7", None, None]
     path = write_jsonl(tmp_path / "n.jsonl", [{"question": "a", "answer": 42}, {"question": "b", "answer": 2.5},
-                                              {"question": "c", "answer": "1,234"}])
-    task = DatasetTask(str(path), answer_format="gsm8k")  # numbers need no '####'
+                                              {"question": "c", "answer": "#### 1,234"}])
+    task = DatasetTask(str(path), answer_format="gsm8k")  # number cells need no '####'
     assert [p.answer for p in task.train_problems] == ["42", "2.5", "1234"]
-    bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": "a", "answer": 1}, {"question": "b", "answer": "no"}])
+    csv_path = tmp_path / "n.csv"  # CSV cells are text: a column of final answers reads with raw / auto
+    csv_path.write_text("question,answer\na,42\nb,\"1,234\"\nc,x+1\n")
+    assert [p.answer for p in DatasetTask(str(csv_path)).train_problems] == ["42", "1234", "x+1"]
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": "a", "answer": 1}, {"question": "b", "answer": "7"}])
     with pytest.raises(DataError, match=r"bad\.jsonl: line 2: no answer found in column 'answer'"):
-        DatasetTask(str(bad), answer_format="gsm8k")
+        DatasetTask(str(bad), answer_format="gsm8k")  # a text without '####' under gsm8k is a wrong mapping
 
 
 # ---------------------------------------------------------------- eval sets

@@ -61,8 +61,8 @@ def extract_boxed(text: str) -> str | None:
 
 
 def numeric_answer(value: Any) -> str | None:
-    """A gold answer that is just a number: an int/float cell (42, 42.0 -> "42") or a text such as "1,234"
-    (a CSV column of final answers). None for anything else."""
+    """A gold answer that is just a number, normalised: an int/float cell (42, 42.0 -> "42") or a text such as
+    "1,234" -> "1234". None for anything else."""
     if isinstance(value, bool):
         return None
     if isinstance(value, (int, float)):
@@ -113,7 +113,7 @@ class DatasetTask(Task):
     source: a local .jsonl/.json/.parquet/.csv path, or a Hugging Face dataset name (with `config`).
     prompt_column / answer_column: None picks the first present of PROMPT_COLUMNS / ANSWER_COLUMNS.
     id_column: a column to use as uid (else a hash of the question text). Other columns go to metadata.
-    answer_format: raw | gsm8k | boxed | auto (see `extract_answer`); a numeric answer cell is taken as is.
+    answer_format: raw | gsm8k | boxed | auto (see `extract_answer`) for text answers; a number cell is the answer.
     Eval set: `eval_split` (a hub split name or a local file), else `eval_fraction` of the distinct questions held
     out by seed (at most `eval_limit`), else none. Eval questions never occur in training: a question held out
     is held out with all its duplicates, and eval_split questions that also occur in training are dropped.
@@ -218,8 +218,11 @@ class DatasetTask(Task):
                                 f"{type(answer).__name__}")
             if isinstance(answer, float) and not math.isfinite(answer):
                 raise DataError(f"{where}: column {answer_col!r} is {answer!r}, not an answer")
-            gold = extract_answer(answer, fmt) if isinstance(answer, str) else None
-            gold = gold or numeric_answer(answer)  # 42 (a number cell) or "42" (a column of final answers)
+            if isinstance(answer, str):  # "1,234" as a whole answer is the number 1234
+                gold = extract_answer(answer, fmt)
+                gold = (numeric_answer(gold) or gold) if gold is not None else None
+            else:  # a number cell (jsonl / parquet) is the answer whatever the format: 42.0 -> "42"
+                gold = numeric_answer(answer)
             if gold is None:
                 raise DataError(f"{where}: no answer found in column {answer_col!r} with answer_format {fmt!r} "
                                 f"({str(answer)[-60:]!r})")
