@@ -45,7 +45,7 @@ def run_preset(preset: str, run_dir: str, warmup_cache: str) -> list[dict]:
                       overrides(run_dir, warmup_cache, preset))
     trainer = Trainer(cfg)
     try:
-        records = [trainer.train_step() for _ in range(STEPS)]
+        records = [trainer.train_step().metrics for _ in range(STEPS)]
     finally:
         trainer.engine.close()
         trainer.logger.close()
