@@ -435,8 +435,11 @@ def validate(cfg: Config) -> None:
     need(not (cfg.model.name_or_path == "tiny" and cfg.warmup.steps > 0 and cfg.task.name == "dataset"),
          "warmup.steps", "the built-in model's warm-up needs reference completions, which a dataset task does not "
          "have: set warmup.steps=0, or give model.name_or_path")
-    # The registry imports torch: only once the plain fields are known good.
+    # The registries import torch: only once the plain fields are known good.
+    from podsrl.engines import check_engine_options
     from podsrl.methods import METHODS
+
+    check_engine_options(cfg.rollout.engine, cfg.rollout.engine_options)
 
     need(cfg.method in METHODS, "method", f"unknown method {cfg.method!r}; choose one of {', '.join(METHODS)}")
     METHODS[cfg.method].validate(cfg)
