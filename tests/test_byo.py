@@ -303,4 +303,4 @@ def test_a_reward_that_recovers_resets_the_count():
 
 def test_one_rollout_per_prompt_cannot_learn():
     with pytest.raises(ConfigError, match="rollout.n: 1 rollout per prompt makes every group advantage zero"):
-        load_config(None, ["rollout.n=1", "select.m=0"])
+        load_config(None, ["rollout.n=1"])

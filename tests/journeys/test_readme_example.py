@@ -22,9 +22,9 @@ def test_readme_example_trains(user_kit):
     assert HUB_MODEL in example and "data/train.jsonl" in example and "my_rewards.py:length_penalty" in example
     config = user_kit / "my_run.yaml"
     config.write_text(example.replace(HUB_MODEL, str(user_kit / "model")))
-    cfg = yaml.safe_load(config.read_text())
+    assert yaml.safe_load(config.read_text())["method"] == "pods"
     small = ["rollout.n=4", "rollout.prompts_per_step=2", "rollout.max_new_tokens=12", "task.max_prompt_length=200",
-             f"{next(k for k in ('pods', 'select') if k in cfg)}.m=2", "model.lora_rank=4", "task.eval_size=4",
+             "pods.m=2", "model.lora_rank=4", "task.eval_size=4",
              "eval.samples=0", "train.max_steps=2", "train.eval_every=2", "output_dir=runs/readme", "log.plot=false"]
     ok(podsrl("train", "--config", str(config), *small, cwd=user_kit))
     records = read_metrics(user_kit / "runs" / "readme" / "metrics.jsonl")

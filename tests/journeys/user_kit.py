@@ -111,8 +111,8 @@ def ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 
 # Method sections a user writes for `podsrl compare` (the README uses the same keys); other runs use the default.
-PODS = {"select": {"m": 2, "rule": "max_variance"}}
-GRPO = {"select": {"m": 0, "rule": "none"}}
+PODS = {"method": "pods", "pods": {"m": 2, "rule": "max_variance"}}
+GRPO = {"method": "grpo"}
 SYSTEM_PROMPT = "Think step by step, then give the answer in <answer></answer>."
 
 
