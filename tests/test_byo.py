@@ -289,6 +289,20 @@ def test_reward_returning_one_value_for_the_batch_is_named_then_stops_the_run(ca
         manager.score(problems, group, ["a"] * 4)
 
 
+def test_training_with_a_batch_level_reward_is_told_at_once_and_stopped(tmp_path, warmup_cache, caplog):
+    rewards = "[{name: correct}, {name: batch_mean, function: 'tests/fixtures/rewards_batch_mean.py:batch_mean'}]"
+    overrides = tiny_overrides(tmp_path / "run", warmup_cache, **{
+        "rewards": rewards, "reward_max_faulty_steps": 3, "train.max_steps": 10, "train.save_every": 1})
+    trainer = Trainer(load_config(None, overrides))
+    with caplog.at_level(logging.WARNING, "podsrl"), pytest.raises(UserError) as info:
+        trainer.train()
+    first = [r for r in caplog.records if "batch_mean" in r.getMessage()]
+    assert len(first) == 1 and "returned float (one value for the whole batch)" in first[0].getMessage()
+    assert str(info.value).startswith("reward function 'batch_mean': every value was faulty in 3 calls in a row")
+    steps = [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "reward" in r]
+    assert steps == [1, 2]  # stopped during step 3, checkpoints of steps 1-2 kept
+
+
 def test_a_reward_that_recovers_resets_the_count():
     calls = [0]
 
