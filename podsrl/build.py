@@ -58,7 +58,7 @@ def rollout_engine(cfg: Config, model: torch.nn.Module, tokenizer) -> RolloutEng
 
 def reward_manager(cfg: Config, task: Task) -> RewardManager:
     return build_reward_manager(cfg.rewards or list(task.default_rewards), task, cfg.reward_on_error,
-                                cfg.reward_timeout, max_faulty_calls=cfg.reward_max_faulty_steps)
+                                cfg.reward_timeout, max_faulty_calls=cfg.reward_max_faulty_calls)
 
 
 def verifier(rewards: RewardManager, task: Task) -> Verify:

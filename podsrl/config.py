@@ -238,8 +238,9 @@ class Config:
     rewards: list[Any] = _f([], "Reward functions: names or {name, weight, function}; empty = the task's default.")
     reward_on_error: Literal["zero", "skip", "fail"] = _f("zero", "What a failing reward function's values become.")
     reward_timeout: float = _f(10.0, "Seconds a reward call may take before it counts as failed.")
-    reward_max_faulty_steps: int = _f(5, "Calls in a row in which every value of one reward function is faulty "
-                                      "before the run stops (exit 2) instead of training on filled-in values.")
+    reward_max_faulty_calls: int = _f(5, "Reward calls in a row (one per step; more with refills or AERO rounds) "
+                                      "in which every value of one reward function is faulty before the run stops "
+                                      "(exit 2) instead of training on filled-in values.")
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -459,7 +460,7 @@ def validate(cfg: Config) -> None:
     # bring-your-own data, rewards and logging (issue 17)
     need(0 <= cfg.task.eval_fraction < 1, "task.eval_fraction", "must be in [0, 1)")
     need(cfg.task.max_prompt_length >= 0, "task.max_prompt_length", "must be >= 0 (0 = the model's context)")
-    need(cfg.reward_max_faulty_steps >= 1, "reward_max_faulty_steps", "must be >= 1")
+    need(cfg.reward_max_faulty_calls >= 1, "reward_max_faulty_calls", "must be >= 1")
     need(cfg.log.log_every >= 1, "log.log_every", "must be >= 1")
     need(cfg.log.log_every_seconds > 0, "log.log_every_seconds", "must be > 0")
     from podsrl.tracking import normalize_report_to

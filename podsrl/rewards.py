@@ -354,7 +354,7 @@ class RewardManager:
         self._all_faulty_calls[name] = self._all_faulty_calls[name] + 1 if all_faulty else 0
         if self._all_faulty_calls[name] >= self.max_faulty_calls:
             raise UserError(f"reward function {name!r}: every value was faulty in {self._all_faulty_calls[name]} "
-                            f"calls in a row (last: {detail}); fix the function (reward_max_faulty_steps="
+                            f"calls in a row (last: {detail}); fix the function (reward_max_faulty_calls="
                             f"{self.max_faulty_calls})")
 
     def _raise(self, name: str, detail: str, kinds: list, values: list, completions: list[str],

@@ -292,7 +292,7 @@ def test_reward_returning_one_value_for_the_batch_is_named_then_stops_the_run(ca
 def test_training_with_a_batch_level_reward_is_told_at_once_and_stopped(tmp_path, warmup_cache, caplog):
     rewards = "[{name: correct}, {name: batch_mean, function: 'tests/fixtures/rewards_batch_mean.py:batch_mean'}]"
     overrides = tiny_overrides(tmp_path / "run", warmup_cache, **{
-        "rewards": rewards, "reward_max_faulty_steps": 3, "train.max_steps": 10, "train.save_every": 1})
+        "rewards": rewards, "reward_max_faulty_calls": 3, "train.max_steps": 10, "train.save_every": 1})
     trainer = Trainer(load_config(None, overrides))
     with caplog.at_level(logging.WARNING, "podsrl"), pytest.raises(UserError) as info:
         trainer.train()
