@@ -93,7 +93,7 @@ def weights(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad])
 
 
-def compare(make_model, batch: RolloutBatch, *overrides: str, ref=None, modulation=None) -> dict:
+def compare(make_model, batch: RolloutBatch, *overrides: str, ref=None, modulation=None, tol: float = TOL) -> dict:
     """Whole updates on two copies of a model, shared vs plain: metrics, last mini-batch's gradients, weights."""
     out = {}
     for shared in (True, False):
@@ -106,11 +106,11 @@ def compare(make_model, batch: RolloutBatch, *overrides: str, ref=None, modulati
     (m1, g1, w1), (m0, g0, w0) = out[True], out[False]
     assert m1.keys() == m0.keys()
     for k in m0:
-        assert abs(m1[k] - m0[k]) <= TOL * max(1.0, abs(m0[k])), (k, m1[k], m0[k])
-    assert rel(g1, g0) <= TOL, rel(g1, g0)
+        assert abs(m1[k] - m0[k]) <= tol * max(1.0, abs(m0[k])), (k, m1[k], m0[k])
+    assert rel(g1, g0) <= tol, rel(g1, g0)
     print(f"gradient rel. error {rel(g1, g0):.2e}, weight-change rel. error {rel(w1, w0):.2e}")
     # weight changes are differences of float32 weights (the norms' are near 1): rounded at ~1e-7 absolute
-    assert rel(w1, w0) <= 10 * TOL
+    assert rel(w1, w0) <= 10 * tol
     assert g0.abs().sum() > 0
     return m0
 
@@ -142,10 +142,14 @@ def test_several_passes_mini_batches_and_kl():
 
 
 def test_modulation():
+    """DynaMO's factor amplifies float32 rounding ~50x (its sigmoid has slope ~5 at the micro-batch's largest
+    entropy change): the plain path against itself with one extra left-padding column differs by 1.2e-5 on this
+    batch. So the 1e-5 check runs in float64, and float32 is held to 1e-4."""
     modulation = functools.partial(dynamo_modulation, epsilon_low=0.2, epsilon_high=0.28)
     batch = make_batch([6, 3, 2], 128, seed=3)
-    metrics = compare(tiny_model, batch, "optim.micro_batch_size=5", modulation=modulation)
+    metrics = compare(lambda: tiny_model().double(), batch, "optim.micro_batch_size=5", modulation=modulation)
     assert "modulation/stab_mean" in metrics
+    compare(tiny_model, batch, "optim.micro_batch_size=5", modulation=modulation, tol=1e-4)
 
 
 def test_lora():

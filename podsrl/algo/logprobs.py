@@ -19,33 +19,45 @@ from torch import Tensor
 DEFAULT_CHUNK = 1024
 
 
-def _stats(z: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(log-prob of targets, entropy, logsumexp) of [n, V] scaled logits in a float dtype of >= 32 bits."""
+def _stats_(z: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(log-prob of targets, entropy, logsumexp) of [n, V] scaled logits (float, >= 32 bits); overwrites `z`.
+
+    In place and with one fused reduction for the entropy (H = -sum p log p): these passes over [n, V], not the
+    matmuls, were most of the output layer's time on CPU."""
     lse = torch.logsumexp(z, dim=-1)
-    logp = z - lse[:, None]
-    p = logp.exp()
-    entropy = -torch.where(p > 0, p * logp, torch.zeros((), dtype=z.dtype, device=z.device)).sum(-1)
-    return z.gather(-1, targets[:, None])[:, 0] - lse, entropy, lse
+    target = z.gather(-1, targets[:, None])[:, 0] - lse
+    logp = z.sub_(lse[:, None])
+    p = torch.exp(logp)
+    logp.clamp_(min=torch.finfo(logp.dtype).min)  # -inf -> finite, so p = 0 contributes 0, not NaN
+    return target, -torch.einsum("nv,nv->n", p, logp), lse
 
 
-def _grad_z(z: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, g_logp: Tensor | None,
-            g_entropy: Tensor | None) -> Tensor:
-    """d(loss)/dz of one chunk: dlogp_t/dz = onehot(t) - p and dH/dz = -p (log p + H), p = 0 terms exactly 0."""
-    logp = z - lse[:, None]
-    p = logp.exp()
-    grad = torch.zeros_like(z)
-    if g_entropy is not None:
-        inner = torch.where(p > 0, p * (logp + entropy[:, None]), torch.zeros((), dtype=z.dtype, device=z.device))
-        grad -= g_entropy[:, None].to(z.dtype) * inner
+def _grad_z_(z: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, g_logp: Tensor | None,
+             g_entropy: Tensor | None) -> Tensor:
+    """d(loss)/dz of one chunk from its recomputed scaled logits (overwritten):
+    dlogp_t/dz = onehot(t) - p, dH/dz = -p (log p + H); tokens with p = 0 get exactly 0."""
+    logp = z.sub_(lse[:, None])
+    p = torch.exp(logp)
+    if g_entropy is None:
+        grad = p.mul_(-g_logp[:, None].to(p.dtype))
+    else:
+        grad = logp.clamp_(min=torch.finfo(logp.dtype).min).add_(entropy[:, None])
+        grad.mul_(-g_entropy[:, None].to(p.dtype))
+        if g_logp is not None:
+            grad.sub_(g_logp[:, None].to(p.dtype))
+        grad.mul_(p)
     if g_logp is not None:
-        g = g_logp[:, None].to(z.dtype)
-        grad -= g * p
-        grad.scatter_add_(-1, targets[:, None], g)
+        grad.scatter_add_(-1, targets[:, None], g_logp[:, None].to(p.dtype))
     return grad
 
 
 def _float(t: Tensor) -> Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _scaled(t: Tensor, temperature: float) -> Tensor:
+    """A float (>= 32-bit) copy of t / temperature that the caller owns."""
+    return _float(t) / temperature if temperature != 1.0 or t.dtype != _float(t).dtype else t.clone()
 
 
 class _FromLogits(torch.autograd.Function):
@@ -54,7 +66,7 @@ class _FromLogits(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         logp, ent, lse = [], [], []
         for z, t in zip(logits.split(chunk), targets.split(chunk)):
-            a, b, c = _stats(_float(z) / temperature, t)
+            a, b, c = _stats_(_scaled(z, temperature), t)
             logp.append(a)
             ent.append(b)
             lse.append(c)
@@ -72,51 +84,59 @@ class _FromLogits(torch.autograd.Function):
         c, temp = ctx.chunk, ctx.temperature
         for start in range(0, logits.shape[0], c):
             s = slice(start, start + c)
-            grad = _grad_z(_float(logits[s]) / temp, targets[s], lse[s], entropy[s],
-                           None if g_logp is None else g_logp[s], None if g_entropy is None else g_entropy[s])
+            grad = _grad_z_(_scaled(logits[s], temp), targets[s], lse[s], entropy[s],
+                            None if g_logp is None else g_logp[s], None if g_entropy is None else g_entropy[s])
             out[s] = grad / temp
         return out, None, None, None
 
 
 class _FromHidden(torch.autograd.Function):
+    """The temperature is folded into the [N, D] hidden states and the bias (z = (h / T) W^T + b / T), so no pass
+    over [n, V] divides by it."""
+
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,  # type: ignore[override]
                 temperature: float, chunk: int):
         ctx.set_materialize_grads(False)
+        scaled = hidden / temperature if temperature != 1.0 else hidden
+        scaled_bias = bias / temperature if bias is not None and temperature != 1.0 else bias
         logp, ent, lse = [], [], []
-        for h, t in zip(hidden.split(chunk), targets.split(chunk)):
-            a, b, c = _stats(_float(torch.nn.functional.linear(h, weight, bias)) / temperature, t)
+        for h, t in zip(scaled.split(chunk), targets.split(chunk)):
+            a, b, c = _stats_(_float(torch.nn.functional.linear(h, weight, scaled_bias)), t)
             logp.append(a)
             ent.append(b)
             lse.append(c)
         logp_t, entropy, lse_t = torch.cat(logp), torch.cat(ent), torch.cat(lse)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse_t, entropy)
+        ctx.save_for_backward(scaled, weight, scaled_bias, targets, lse_t, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
         return logp_t, entropy
 
     @staticmethod
     def backward(ctx, g_logp: Tensor | None, g_entropy: Tensor | None):  # type: ignore[override]
-        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        scaled, weight, scaled_bias, targets, lse, entropy = ctx.saved_tensors
         if g_logp is None and g_entropy is None:
             return None, None, None, None, None, None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        d_hidden = torch.empty_like(hidden) if need_h else None
+        d_hidden = torch.empty_like(scaled) if need_h else None
         d_weight = torch.zeros_like(weight) if need_w else None
-        d_bias = torch.zeros_like(bias) if need_b and bias is not None else None
+        d_bias = torch.zeros_like(scaled_bias) if need_b and scaled_bias is not None else None
         c, temp = ctx.chunk, ctx.temperature
-        for start in range(0, hidden.shape[0], c):
+        for start in range(0, scaled.shape[0], c):
             s = slice(start, start + c)
-            h = hidden[s]
-            z = _float(torch.nn.functional.linear(h, weight, bias)) / temp
-            grad = _grad_z(z, targets[s], lse[s], entropy[s], None if g_logp is None else g_logp[s],
-                           None if g_entropy is None else g_entropy[s])
-            grad = (grad / temp).to(hidden.dtype)
+            h = scaled[s]
+            z = _float(torch.nn.functional.linear(h, weight, scaled_bias))  # a fresh tensor: overwritten below
+            grad = _grad_z_(z, targets[s], lse[s], entropy[s], None if g_logp is None else g_logp[s],
+                            None if g_entropy is None else g_entropy[s]).to(scaled.dtype)
             if d_hidden is not None:
-                d_hidden[s] = grad @ weight
+                torch.mm(grad, weight, out=d_hidden[s])
             if d_weight is not None:
                 d_weight.addmm_(grad.t(), h)
             if d_bias is not None:
                 d_bias += grad.sum(0)
+        if temp != 1.0:
+            for g in (d_hidden, d_bias):
+                if g is not None:
+                    g /= temp
         return d_hidden, d_weight, d_bias, None, None, None
 
 
