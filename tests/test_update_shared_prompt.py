@@ -199,7 +199,7 @@ def test_training_run_matches_plain_path(tmp_path, warmup_cache):
     for shared in (True, False):
         overrides = tiny_overrides(tmp_path / str(shared), warmup_cache, **{
             "update.shared_prompt": str(shared).lower(), "train.max_steps": 3, "optim.mini_batches": 2,
-            "rollout.n": 8, "select.m": 4})
+            "rollout.n": 8, "method": "pods", "pods.m": 4})
         Trainer(load_config(None, overrides)).train()
         records[shared] = [r for r in read_metrics(tmp_path / str(shared) / "metrics.jsonl") if "loss" in r]
     assert len(records[True]) == len(records[False]) == 3
