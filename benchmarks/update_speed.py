@@ -5,7 +5,7 @@ Two workloads, each one whole `PolicyUpdater.update` per timed call (forwards, b
            micro-batches of 256, the built-in tiny model (podsrl/configs/default.yaml); prompts are the arithmetic
            task's, completions random digits of 2-6 tokens + EOS (the warmed-up model's lengths)
   gsm8k    a GSM8K-shaped synthetic step: a random-init Qwen2 with a 32k vocabulary (~13M parameters), 200-token
-           prompts, completions of 50-400 tokens (uniform), n = 16 rows per prompt, micro-batches of 16
+           prompts, completions of 50-400 tokens (uniform), one group of n = 16 rows, micro-batches of 16
 Arms are interleaved (shared, plain, plain, shared, ...) on two copies of the same model, `--repeats` timed updates
 each after one untimed; prints the median, min-max spread and the median of the per-repeat ratios. Then, per arm in a
 fresh process, the update's peak memory: CPU, peak resident set size sampled every 0.2 ms during one update minus
@@ -65,7 +65,7 @@ def default_workload(seed: int = 0):
     return model, DEFAULT_CONFIG, [], batch
 
 
-def gsm8k_workload(seed: int = 0, groups: int = 2):
+def gsm8k_workload(seed: int = 0, groups: int = 1):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     vocab, hidden, n = 32000, 256, 16
