@@ -14,7 +14,12 @@ torch.cuda.max_memory_allocated minus allocated before. FLOP/s: the work the upd
 parameters per token, each group's prompt counted once, plus 6 x vocabulary x width per predicted token; attention
 left out) over the median time, as a share of this machine's float32 GEMM rate measured here with the same threads.
 
+`--attention` times the attention layout choice alone (forward + backward of one GSM8K-shaped group, 4 query and
+2 key/value heads of dim 64): one packed sequence with a dense block mask vs the prompt's keys index-expanded to
+length-bucketed completion rows (what shared_prompt.py does).
+
     python benchmarks/update_speed.py [--workload default gsm8k] [--repeats 5] [--threads 1] [--device cpu]
+    python benchmarks/update_speed.py --attention
 """
 
 from __future__ import annotations
@@ -164,6 +169,59 @@ def time_arms(name: str, repeats: int, device: str) -> dict:
             "flops": flops}
 
 
+def attention_choice(repeats: int) -> None:
+    import torch.nn.functional as F
+
+    from podsrl.update.shared_prompt import build_plan
+
+    gen = torch.Generator().manual_seed(0)
+    lp, n, heads, kv_heads, dim = 200, 16, 4, 2, 64
+    lengths = torch.randint(50, 401, (n,), generator=gen)
+    width = int(lengths.max())
+    plan = build_plan(torch.randint(3, 1000, (1, lp), generator=gen).expand(n, lp), torch.ones(n, lp, dtype=torch.long),
+                      torch.randint(3, 1000, (n, width), generator=gen),
+                      (torch.arange(width) < lengths[:, None]).float(), torch.device("cpu"))
+    tokens = plan.ids.numel()
+
+    def sdpa(q, k, v, mask):
+        k, v = k.repeat_interleave(heads // kv_heads, dim=1), v.repeat_interleave(heads // kv_heads, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    # the packed stream's block mask: the prompt causal; completion r sees the prompt and its own earlier tokens
+    row = torch.full((tokens,), -1)
+    starts = lp + torch.cat([torch.zeros(1, dtype=torch.long), (lengths - 1).cumsum(0)[:-1]])
+    for r in range(n):
+        row[starts[r]: starts[r] + lengths[r] - 1] = r
+    pos = torch.arange(tokens)
+    block = (pos[:, None] >= pos[None, :]) & ((row[None, :] == -1) | (row[:, None] == row[None, :]))
+
+    def packed(q, k, v):
+        return sdpa(*(t.transpose(0, 1)[None] for t in (q, k, v)), block[None, None])[0].transpose(0, 1).flatten(1)
+
+    def expanded(q, k, v):
+        qp, kp, vp = (t[plan.prompt_index].transpose(1, 2) for t in (q, k, v))
+        out = [sdpa(qp, kp, vp, plan.prompt_mask).transpose(1, 2).flatten(2)[plan.prompt_real]]
+        for b in plan.buckets:
+            qc, kc, vc = (t[b.index].transpose(1, 2) for t in (q, k, v))
+            keys = torch.cat([kp[b.group, :, : b.prompt_width], kc], dim=2)
+            values = torch.cat([vp[b.group, :, : b.prompt_width], vc], dim=2)
+            out.append(sdpa(qc, keys, values, b.mask).transpose(1, 2).flatten(2)[b.real])
+        return torch.cat(out)[plan.restore]
+
+    arms = {"packed, dense block mask": packed, "expanded prompt keys + length buckets": expanded}
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    for r in range(repeats + 1):
+        for name in arms if r % 2 == 0 else list(arms)[::-1]:
+            q, k, v = (torch.randn(tokens, h, dim, requires_grad=True) for h in (heads, kv_heads, kv_heads))
+            t0 = time.perf_counter()
+            arms[name](q, k, v).sum().backward()
+            if r > 0:
+                times[name].append(time.perf_counter() - t0)
+    print(f"\n== attention layout, one group: {tokens} tokens, {len(plan.buckets)} length buckets, forward + backward")
+    for name, t in times.items():
+        print(f"  {name}: {spread(t)}")
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -215,6 +273,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU (0: torch's default)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--attention", action="store_true", help="only the attention layout comparison")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.threads:
@@ -224,6 +283,9 @@ def main() -> None:
         print(json.dumps({"peak": peak_memory(name, shared == "1", opts.device)}))
         return
     print(f"machine: {machine(torch.get_num_threads(), opts.device)}")
+    if opts.attention:
+        attention_choice(opts.repeats)
+        return
     rate = gemm_rate(opts.device)
     print(f"float32 GEMM rate (1024^3, best of 5): {rate / 1e9:.1f} GFLOP/s")
     for name in opts.workload:
