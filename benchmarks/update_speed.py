@@ -12,7 +12,8 @@ fresh process, the update's peak memory: CPU, peak resident set size sampled eve
 the resident size just before it (MALLOC_MMAP_THRESHOLD_ fixed at 64 KiB so freed tensors leave the RSS); CUDA,
 torch.cuda.max_memory_allocated minus allocated before. FLOP/s: the work the update needs (6 x non-embedding
 parameters per token, each group's prompt counted once, plus 6 x vocabulary x width per predicted token; attention
-left out) over the median time, as a share of this machine's float32 GEMM rate measured here with the same threads.
+left out) over the median time, as a share of this machine's float32 GEMM rate measured with the same threads
+once per round (the median of those).
 
 `--attention` times the attention layout choice alone (forward + backward of one GSM8K-shaped group, 4 query and
 2 key/value heads of dim 64): one packed sequence with a dense block mask vs the prompt's keys index-expanded to
@@ -154,7 +155,9 @@ def time_arms(name: str, repeats: int, device: str) -> dict:
     model, config, overrides, batch = WORKLOADS[name]()
     arms = {s: make_updater(copy.deepcopy(model), config, overrides, s, device) for s in (True, False)}
     times: dict[bool, list[float]] = {True: [], False: []}
+    rates = []  # the GEMM rate, re-measured every round: on a shared machine it moves with the load
     for r in range(repeats + 1):
+        rates.append(gemm_rate(device, repeats=2))
         for shared in (True, False) if r % 2 == 0 else (False, True):
             sync(device)
             t0 = time.perf_counter()
@@ -166,7 +169,7 @@ def time_arms(name: str, repeats: int, device: str) -> dict:
     ratios = [p / s for s, p in zip(times[True], times[False])]
     return {"rows": batch.num_rollouts, "tokens": float(batch.completion_mask.sum() + batch.prompt_mask.sum()),
             "params": sum(p.numel() for p in model.parameters()), "times": times, "ratios": ratios,
-            "flops": flops}
+            "flops": flops, "gemm_rate": statistics.median(rates)}
 
 
 def attention_choice(repeats: int) -> None:
@@ -286,12 +289,10 @@ def main() -> None:
     if opts.attention:
         attention_choice(opts.repeats)
         return
-    rate = gemm_rate(opts.device)
-    print(f"float32 GEMM rate (1024^3, best of 5): {rate / 1e9:.1f} GFLOP/s")
     for name in opts.workload:
         t0 = time.perf_counter()
         res = time_arms(name, opts.repeats, opts.device)
-        shared_t, plain_t = res["times"][True], res["times"][False]
+        shared_t, plain_t, rate = res["times"][True], res["times"][False], res["gemm_rate"]
         print(f"\n== {name}: {res['rows']} rows, {res['params'] / 1e6:.1f}M parameters, {opts.repeats} interleaved "
               f"repeats per arm")
         print(f"  shared-prompt update: {spread(shared_t)}  useful FLOP/s "
@@ -300,6 +301,7 @@ def main() -> None:
         print(f"  plain update:         {spread(plain_t)}  useful FLOP/s "
               f"{res['flops'] / statistics.median(plain_t) / 1e9:.1f} G = "
               f"{100 * res['flops'] / statistics.median(plain_t) / rate:.0f}% of GEMM rate")
+        print(f"  float32 GEMM rate (1024^3 matmul, best of 2, measured every round; median): {rate / 1e9:.1f} GFLOP/s")
         r = res["ratios"]
         print(f"  speed-up plain/shared: median {statistics.median(r):.2f}x (per-repeat {min(r):.2f}-{max(r):.2f}x); "
               f"target >= {2.0 if name == 'default' else 1.4}x")
