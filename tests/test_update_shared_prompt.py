@@ -130,6 +130,14 @@ def test_equals_plain_path(kind):
     compare(make, batch, "optim.micro_batch_size=4")
 
 
+def test_long_unequal_completions_in_several_length_buckets():
+    batch = make_batch([7, 5], 300, seed=8, max_len=150)
+    plan = build_plan(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
+                      torch.device("cpu"))
+    assert len(plan.buckets) >= 2
+    compare(functools.partial(hf_model, "llama", vocab=300, hidden=64), batch, "rollout.max_new_tokens=150")
+
+
 def test_several_passes_mini_batches_and_kl():
     ref = tiny_model()
     with torch.no_grad():

@@ -168,16 +168,18 @@ def build_plan(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, 
     )
 
 
-def _length_buckets(order: Tensor, n_in: Tensor, min_rows: int = 8, keep: float = 0.75) -> list[Tensor]:
-    """Rows sorted by length, cut where a row is shorter than `keep` x its bucket's longest (once the bucket holds
-    `min_rows` rows), so padding stays under ~1/keep of the real work without many tiny attention calls."""
+def _length_buckets(order: Tensor, n_in: Tensor, keep: float = 0.75, min_saving: int = 512) -> list[Tensor]:
+    """Rows sorted by length (longest first), cut where a row is shorter than `keep` x its bucket's longest and the
+    cut saves at least `min_saving` padded query slots: padding stays under ~1/keep of the real work, and short
+    completions (where an attention call costs more than the padding) stay in one call."""
     buckets, start = [], 0
     lengths = n_in[order].tolist()
     for i in range(1, len(lengths) + 1):
-        if i == len(lengths) or (i - start >= min_rows and lengths[i] < keep * lengths[start]):
+        if i == len(lengths) or (lengths[i] < keep * lengths[start]
+                                 and (lengths[start] - lengths[i]) * (len(lengths) - i) >= min_saving):
             buckets.append(order[start:i])
             start = i
-    return [b for b in buckets if b.numel()]
+    return buckets
 
 
 class SharedPromptForward:
