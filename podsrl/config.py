@@ -176,6 +176,15 @@ class OptimConfig:
 
 
 @dataclass
+class UpdateConfig:
+    shared_prompt: bool = _f(True, "Run each distinct prompt of a micro-batch once and the completions without "
+                             "padding (Llama/Mistral/Qwen2/Qwen3; other models use the plain path). Same loss and "
+                             "gradients as false, the plain per-row forward kept as the reference.")
+    logits_chunk: int = _f(1024, "Tokens per chunk of the log-prob/entropy computation: the float32 softmax of at "
+                           "most this many tokens x vocabulary exists at a time.")
+
+
+@dataclass
 class TrainConfig:
     max_steps: int = _f(200, "RL steps (the run also stops at max_seconds / max_rollouts if set).")
     max_seconds: float = _f(0.0, "Wall-clock training budget in seconds, eval excluded (0 = none).")
@@ -218,6 +227,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
     rewards: list[Any] = _f([], "Reward functions: names or {name, weight, function}; empty = the task's default.")
     reward_on_error: Literal["zero", "skip", "fail"] = _f("zero", "What a failing reward function's values become.")
     reward_timeout: float = _f(10.0, "Seconds a reward call may take before it counts as failed.")
@@ -410,6 +420,7 @@ def validate(cfg: Config) -> None:
     need(cfg.optim.epochs >= 1, "optim.epochs", "must be >= 1")
     need(cfg.optim.mini_batches >= 1, "optim.mini_batches", "must be >= 1")
     need(cfg.optim.micro_batch_size >= 1, "optim.micro_batch_size", "must be >= 1")
+    need(cfg.update.logits_chunk >= 1, "update.logits_chunk", "must be >= 1")
     need(cfg.optim.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
     need(cfg.optim.max_grad_norm >= 0, "optim.max_grad_norm", "must be >= 0")
     need(cfg.train.max_steps >= 1, "train.max_steps", "must be >= 1")
