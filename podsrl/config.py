@@ -55,8 +55,18 @@ class TaskConfig:
     name: str = _f("arithmetic", "'arithmetic' (built-in), 'dataset' (jsonl/csv/parquet/HF), 'reasoning_gym'.")
     args: dict[str, Any] = _f({}, "Task-specific arguments (e.g. operands/digits/train_size for arithmetic, "
                               "dataset path and columns).")
-    eval_size: int = _f(2000, "Held-out problems; fixed by the task seed.")
+    eval_size: int = _f(2000, "Held-out problems; fixed by the task seed (0 = no eval set: trains, says so).")
     seed: int = _f(1234, "Seed of the problem generator and held-out set (shared by every run of a comparison).")
+    # Bring-your-own data (issue 17): held-out set of dataset tasks and prompt length.
+    eval_fraction: float = _f(0.05, "Dataset tasks without task.args.eval_split: fraction of the distinct questions "
+                              "held out for evaluation (seeded by task.seed, at most task.eval_size, never "
+                              "trained on; task.args.eval_fraction wins); 0 = no eval set.")
+    max_prompt_length: int = _f(0, "Longest prompt in tokens (TRL: max_prompt_length); 0 = the model's context "
+                                "minus rollout.max_new_tokens. Checked against the context at start-up.")
+    overlong_prompts: Literal["filter", "truncate_left", "error"] = _f(
+        "filter", "Prompts longer than max_prompt_length: drop them (counted at start-up; verl: "
+        "filter_overlong_prompts), keep their last tokens, or stop naming the file and row."
+    )
 
 
 @dataclass
@@ -204,8 +214,15 @@ class EvalConfig:
 
 @dataclass
 class LogConfig:
-    tensorboard: bool = _f(True, "Write TensorBoard event files in the run dir.")
-    progress: bool = _f(True, "Show a rich progress bar.")
+    tensorboard: bool = _f(True, "false removes tensorboard from log.report_to (older spelling).")
+    progress: bool = _f(True, "Show progress: a live display on a terminal, plain lines when stdout is a file.")
+    # Trackers and progress for cluster jobs (issue 17).
+    report_to: Any = _f(["tensorboard"], "Trackers (TRL: report_to): a list of tensorboard, wandb, trackio, or "
+                        "'all' / 'none'. metrics.jsonl is always written. wandb/trackio are optional extras.")
+    run_name: str = _f("", "Run name shown by trackers (TRL: run_name); default: the config name and seed.")
+    project: str = _f("podsrl", "wandb/trackio project (WANDB_PROJECT / TRACKIO_PROJECT override it).")
+    log_every: int = _f(10, "When stdout is not a terminal: one plain progress line every N steps ...")
+    log_every_seconds: float = _f(60.0, "... or after this many seconds, whichever comes first (warm-up too).")
     plot: bool = _f(True, "Write plots.png (reward and held-out accuracy) in the run dir.")
     grad_noise: bool = _f(False, "Log grad/noise_var (split-half estimate of the gradient's total variance), "
                           "grad/signal (squared norm) and their ratio on each step's first mini-batch. No extra "
@@ -231,6 +248,8 @@ class Config:
     rewards: list[Any] = _f([], "Reward functions: names or {name, weight, function}; empty = the task's default.")
     reward_on_error: Literal["zero", "skip", "fail"] = _f("zero", "What a failing reward function's values become.")
     reward_timeout: float = _f(10.0, "Seconds a reward call may take before it counts as failed.")
+    reward_max_faulty_steps: int = _f(5, "Calls in a row in which every value of one reward function is faulty "
+                                      "before the run stops (exit 2) instead of training on filled-in values.")
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -406,6 +425,8 @@ def validate(cfg: Config) -> None:
 
     need(cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")
     need(cfg.rollout.n >= 1, "rollout.n", "must be >= 1")
+    need(cfg.rollout.n >= 2 or cfg.method == "aero", "rollout.n",
+         "1 rollout per prompt makes every group advantage zero, so nothing is learned; use >= 2")
     need(cfg.rollout.temperature > 0, "rollout.temperature", "must be > 0")
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     need(cfg.rollout.top_k >= 0, "rollout.top_k", "must be >= 0")
@@ -429,7 +450,7 @@ def validate(cfg: Config) -> None:
     need(cfg.train.eval_every >= 1, "train.eval_every", "must be >= 1")
     need(cfg.train.save_every >= 1, "train.save_every", "must be >= 1")
     need(cfg.train.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
-    need(cfg.task.eval_size >= 1, "task.eval_size", "must be >= 1")
+    need(cfg.task.eval_size >= 0, "task.eval_size", "must be >= 0")
     need(cfg.eval.size >= 0, "eval.size", "must be >= 0")
     need(cfg.eval.samples >= 0, "eval.samples", "must be >= 0")
     need(cfg.eval.batch_size >= 1, "eval.batch_size", "must be >= 1")
@@ -446,6 +467,15 @@ def validate(cfg: Config) -> None:
     need(not (cfg.model.name_or_path == "tiny" and cfg.warmup.steps > 0 and cfg.task.name == "dataset"),
          "warmup.steps", "the built-in model's warm-up needs reference completions, which a dataset task does not "
          "have: set warmup.steps=0, or give model.name_or_path")
+    # bring-your-own data, rewards and logging (issue 17)
+    need(0 <= cfg.task.eval_fraction < 1, "task.eval_fraction", "must be in [0, 1)")
+    need(cfg.task.max_prompt_length >= 0, "task.max_prompt_length", "must be >= 0 (0 = the model's context)")
+    need(cfg.reward_max_faulty_steps >= 1, "reward_max_faulty_steps", "must be >= 1")
+    need(cfg.log.log_every >= 1, "log.log_every", "must be >= 1")
+    need(cfg.log.log_every_seconds > 0, "log.log_every_seconds", "must be > 0")
+    from podsrl.tracking import normalize_report_to
+
+    cfg.log.report_to = normalize_report_to(cfg.log.report_to, cfg.log.tensorboard)
     # The registries import torch: only once the plain fields are known good.
     from podsrl.engines import check_engine_options
     from podsrl.methods import METHODS

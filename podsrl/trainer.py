@@ -36,7 +36,7 @@ from podsrl.methods import METHODS, StepContext
 from podsrl.models import count_parameters, load_policy, resolve_device
 from podsrl.plotting import plot_run
 from podsrl.prompt_stats import PromptStats
-from podsrl.tracking import MetricsLogger, StepProgress, read_metrics
+from podsrl.tracking import build_metrics_logger, build_progress, read_metrics
 from podsrl.update import PolicyUpdater
 
 log = logging.getLogger("podsrl")
@@ -92,7 +92,9 @@ class Trainer:
         if cfg.algo.beta > 0:  # frozen copy of the starting policy; not loaded at all when beta = 0
             self.ref_model, _ = load_policy(cfg.model, self.base_path, seed=cfg.seed)
             self.ref_model.to(self.device).eval().requires_grad_(False)
-        self.task, self.eval_problems = load_task(cfg, self.tokenizer)
+        self.task, self.eval_problems = load_task(cfg, self.tokenizer, self.model)
+        if not self.eval_problems:
+            log.warning("no eval set (task %s): training without held-out evaluation", self.task.name)
         self.epoch_size = len(self.task) if hasattr(self.task, "__len__") else 0  # 0: an unbounded stream
         self.engine = self.dist.wrap_engine(rollout_engine(cfg, self.model, self.tokenizer))
         self.rewards = reward_manager(cfg, self.task)
@@ -116,8 +118,7 @@ class Trainer:
             log.info("resumed %s at step %d", self.run_dir, self.step)
         if self.dist.is_main:
             dump_config(cfg, self.run_dir / "config.yaml")
-        self.logger = (MetricsLogger(self.run_dir, cfg.log.tensorboard,
-                                     resume_step=self.step if checkpoint is not None else None)
+        self.logger = (build_metrics_logger(cfg, self.run_dir, self.step if checkpoint is not None else None)
                        if self.dist.is_main else NullLogger())
 
     # ------------------------------------------------------------------------------------------- one step
@@ -280,6 +281,8 @@ class Trainer:
 
     def run_eval(self) -> dict:
         cfg = self.cfg
+        if not self.eval_problems:
+            return {}
         t0 = time.perf_counter()
         metrics = evaluate(self.engine, self.tokenizer, self.eval_problems, self.verify,
                            cfg.rollout.max_new_tokens, cfg.eval.samples, cfg.rollout.temperature,
@@ -292,24 +295,24 @@ class Trainer:
 
     def train(self) -> dict:
         cfg = self.cfg
-        progress = StepProgress(cfg.train.max_steps, cfg.log.progress and self.dist.is_main, start=self.step)
+        progress = build_progress(cfg, cfg.train.max_steps, self.dist.is_main, start=self.step)
         previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
         last_eval: dict = {}
         try:
             if self.step == 0:
                 last_eval = self.run_eval()
-                progress.update(0, accuracy=last_eval["eval/accuracy"])
+                progress.update(0, eval_acc=last_eval.get("eval/accuracy"))
             elif not self.dist.agree(self.budget_left()):  # resumed after the last step: needs its final eval
                 last_eval = self._logged_eval() or self.run_eval()
             while self.dist.agree(self.budget_left()):
                 metrics = self.train_step().metrics
                 self.logger.log(metrics)
-                progress.update(self.step, reward=metrics["reward"], step_time=metrics["time/step"])
                 finished = not self.dist.agree(self.budget_left())
                 # Stopped by a signal: checkpoint at once (a grace period may be short), no extra eval record.
                 if self.step % cfg.train.eval_every == 0 or self.dist.agree(self._budget_spent()):
                     last_eval = self.run_eval()
-                    progress.update(self.step, accuracy=last_eval["eval/accuracy"])
+                progress.update(self.step, reward=metrics["reward"], train_acc=metrics["correct"],
+                                eval_acc=last_eval.get("eval/accuracy"), step_time=metrics["time/step"])
                 if self.step % cfg.train.save_every == 0 or finished:
                     self.save()
         finally:
