@@ -142,4 +142,4 @@ def test_report_files_and_legend_carry_the_verdicts(tmp_path):
     lines = verdict_lines(rows)
     assert len(lines) == 5 and lines[0].startswith("pods vs grpo, final acc: +") and lines[0].endswith("better")
     legend = paired_legend(compare_runs(runs, "grpo").configs[1].paired)
-    assert legend.startswith("area under acc-vs-time / T: +") and legend.endswith("better")
+    assert legend.startswith("area under acc-vs-time / T vs baseline: +") and legend.endswith("better")

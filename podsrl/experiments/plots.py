@@ -38,10 +38,10 @@ def seed_band(
     return grid, stacked.mean(0), stacked.min(0), stacked.max(0)
 
 
-def paired_legend(cfg_paired: dict[str, PairedStat], metric: str = "auc") -> str:
-    """One line for a plot legend: the config's verdict on `metric` ('' for the baseline)."""
+def paired_legend(cfg_paired: dict[str, PairedStat], metric: str = "auc", baseline: str = "baseline") -> str:
+    """One line for a plot legend: the config's paired difference and verdict on `metric` ('' for the baseline)."""
     p = cfg_paired.get(metric)
-    return "" if p is None else f"{PAIRED_TITLES[metric]}: {p.short()}"
+    return "" if p is None else f"{PAIRED_TITLES[metric]} vs {baseline}: {p.short()}"
 
 
 def plot_comparison(comparison: Comparison, path: str | Path, title: str | None = None) -> Path:
@@ -67,7 +67,9 @@ def plot_comparison(comparison: Comparison, path: str | Path, title: str | None 
             grid, mean, low, high = band
             label = f"{cfg.label} ({len(cfg.runs)} seed{'s' if len(cfg.runs) != 1 else ''})"
             # The paired verdicts vs the baseline, so the figure carries its own evidence.
-            label += "".join(f"\n  {paired_legend(cfg.paired, m)}" for m in ("auc", "final") if m in cfg.paired)
+            label += "".join(
+                f"\n  {paired_legend(cfg.paired, m, comparison.baseline)}" for m in ("auc", "final") if m in cfg.paired
+            )
             if len(grid) == 1:
                 ax.plot(grid, mean, "o", color=color, label=label)
             else:
