@@ -41,7 +41,7 @@ def test_setting_parse_and_labels():
     assert Setting.parse("32x16") == Setting(32, 16, 16)
     assert Setting.parse("8x64:16") == Setting.parse("8x64->16") == Setting(8, 64, 16)
     assert Setting(8, 64, 16).label == "8x64->16" and Setting(32, 16, 16).label == "32x16"
-    for bad in ("32", "8x16:32", "0x4", "axb"):
+    for bad in ("32", "8x16:32", "0x4", "axb", "4x4:1"):
         with pytest.raises(UserError, match="candidate"):
             Setting.parse(bad)
 

@@ -29,7 +29,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -49,8 +49,8 @@ class Setting:
     m: int
 
     def __post_init__(self) -> None:
-        if self.prompts < 1 or self.n < 1 or not 1 <= self.m <= self.n:
-            raise UserError(f"candidate {self.label}: need prompts >= 1, n >= 1 and 1 <= m <= n")
+        if self.prompts < 1 or not 2 <= self.m <= self.n:
+            raise UserError(f"candidate {self.label}: need prompts >= 1 and 2 <= m <= n (a group needs 2 rollouts)")
 
     @property
     def label(self) -> str:
@@ -63,8 +63,8 @@ class Setting:
         if not match:
             raise UserError(f"candidate {text!r}: write PROMPTSxN (GRPO) or PROMPTSxN:M (train M of N)")
         p, n, m = match.groups()
-        if not (int(p) >= 1 and int(n) >= 1 and 1 <= int(m or n) <= int(n)):
-            raise UserError(f"candidate {text!r}: need prompts >= 1, n >= 1 and 1 <= m <= n")
+        if not (int(p) >= 1 and 2 <= int(m or n) <= int(n)):
+            raise UserError(f"candidate {text!r}: need prompts >= 1 and 2 <= m <= n (a group needs 2 rollouts)")
         return cls(int(p), int(n), int(m) if m else int(n))
 
 
@@ -75,15 +75,17 @@ def default_candidates(prompts: int, m: int) -> list[Setting]:
 
 def design(candidates: Sequence[Setting]) -> list[Setting]:
     """Four fit settings spanning the candidates: (P_hi, n_hi, m_hi), (P_hi, n_hi, m_lo), (P_lo, n_hi, m_hi),
-    (P_lo, n_lo, m_lo), with 'lo' a quarter of 'hi' where the candidates do not differ."""
+    (P_lo, n_lo, m_lo): highest and lowest values over the candidates, a quarter of the highest where they do not
+    differ; m_lo a quarter of the lowest m (at least 2), so trained work varies apart from generated work."""
     p_hi, n_hi, m_hi = (max(getattr(c, k) for c in candidates) for k in ("prompts", "n", "m"))
     p_lo = min(c.prompts for c in candidates)
     p_lo = p_lo if p_lo < p_hi else max(1, p_hi // 4)
     n_lo = min(c.n for c in candidates)
-    n_lo = n_lo if n_lo < n_hi else max(1, n_hi // 4)
-    m_lo = max(1, min(c.m for c in candidates) // 4)
-    if p_lo == p_hi or m_lo == min(m_hi, n_hi):
-        raise UserError("podsrl plan needs room to vary the step: prompts per step and m of at least 2")
+    n_lo = n_lo if n_lo < n_hi else max(2, n_hi // 4)
+    m_lo = max(2, min(c.m for c in candidates) // 4)
+    m_hi = m_hi if m_hi > m_lo else min(n_hi, 4 * m_lo)
+    if p_lo == p_hi or m_lo >= m_hi:
+        raise UserError("podsrl plan needs room to vary the step: prompts per step >= 2 and n >= 3")
     return [
         Setting(p_hi, n_hi, min(m_hi, n_hi)),
         Setting(p_hi, n_hi, m_lo),
@@ -169,32 +171,28 @@ class CostModel:
         return out
 
 
-def _method_overrides(setting: Setting, config_fields: set[str]) -> list[str]:
-    """Overrides making a config generate n and train m per prompt (GRPO for m = n), filtering off."""
-    size = [f"rollout.prompts_per_step={setting.prompts}", f"rollout.n={setting.n}"]
-    if "method" in config_fields:  # the method registry (issue 15)
-        method = ["method=grpo"] if setting.m == setting.n else [
-            "method=pods", f"pods.m={setting.m}", "pods.rule=max_variance"]
-        return size + method + ["filter.zero_variance=false"]
-    rule = "none" if setting.m == setting.n else "max_variance"
-    return size + [f"select.rule={rule}", f"select.m={setting.m}", "select.filter_zero_variance=false"]
+def _method_overrides(setting: Setting) -> list[str]:
+    """Overrides making a config generate n and train m per prompt (GRPO for m = n), zero-variance filter off."""
+    method = ["method=grpo"] if setting.m == setting.n else [
+        "method=pods", f"pods.m={setting.m}", "pods.rule=max_variance"]
+    return [f"rollout.prompts_per_step={setting.prompts}", f"rollout.n={setting.n}", *method,
+            "filter.zero_variance=false"]
 
 
 def measure(
     config: Path, overrides: Sequence[str], settings: Sequence[Setting], steps: int, warm: int = 1
 ) -> list[list[StepSample]]:
     """Run `warm + steps` training steps of each setting in a fresh trainer; keep the last `steps` of each."""
-    from podsrl.config import Config, load_config
+    from podsrl.config import load_config
     from podsrl.trainer import Trainer
 
-    names = {f.name for f in fields(Config)}
     out = []
     with tempfile.TemporaryDirectory(prefix="podsrl-plan-") as tmp:
         for i, setting in enumerate(settings):
-            cfg = load_config(config, [*overrides, *_method_overrides(setting, names), f"output_dir={tmp}/{i}"])
+            cfg = load_config(config, [*overrides, *_method_overrides(setting), f"output_dir={tmp}/{i}"])
             trainer = Trainer(cfg)
             try:
-                metrics = [trainer.train_step() for _ in range(warm + steps)][warm:]
+                metrics = [trainer.train_step().metrics for _ in range(warm + steps)][warm:]
             finally:
                 trainer.logger.close()
                 trainer.engine.close()
@@ -346,8 +344,8 @@ def plan_main(args: argparse.Namespace, config: Path) -> int:
         candidates = [Setting.parse(c) for c in args.candidates]
     else:
         cfg = load_config(config, args.overrides)
-        m = getattr(getattr(cfg, "pods", None), "m", None) or getattr(getattr(cfg, "select", None), "m", 0)
-        candidates = default_candidates(cfg.rollout.prompts_per_step, m or cfg.rollout.n)
+        m = (cfg.pods.m or cfg.rollout.n) if cfg.method == "pods" else cfg.rollout.n
+        candidates = default_candidates(cfg.rollout.prompts_per_step, m)
     result = run_plan(config, args.overrides, candidates, args.steps, not args.no_validate)
     print(render(result, args.config), end="")
     if args.json:
