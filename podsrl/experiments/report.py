@@ -242,8 +242,9 @@ def render_markdown(comparison: Comparison, header: str | None = None) -> str:
         "(time to target: lower is better), else inconclusive with the seeds a paired t-test would need to",
         f"resolve the observed difference at the observed spread (two-sided {ALPHA}, power {POWER}).",
         "Final = last eval point; area = trapezoid integral of accuracy over the seed's common wall-clock",
-        "[0, T] (T = earliest end among that seed's runs) divided by T. Time to target uses the pairs where",
-        "both reached it. With 3 seeds the interval is the range of the 3 differences (a verdict means all",
+        "[0, T] (T = earliest end among that seed's runs) divided by T; final, peak and plateau use each run's",
+        "whole curve, like for like only under an equal budget. Time to target uses the pairs where both",
+        "reached it. With 3 seeds the interval is the range of the 3 differences (a verdict means all",
         "three agree; ~25% chance under no effect): see docs/statistics.md.",
     ]
     parts = [header.strip() + "\n"] if header else []

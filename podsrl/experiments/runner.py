@@ -346,7 +346,7 @@ def run_compare(
         console.print(f"[bold red]report not written: {result.report_error}[/bold red]")
     else:
         for line in verdict_lines(result.rows or []):
-            console.print(line, markup=False, highlight=False)
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
         console.print(f"report: {out / 'results.md'}, {out / 'accuracy.png'}")
     if result.failures:
         console.print(
