@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import statistics
 import tempfile
@@ -36,7 +37,7 @@ import numpy as np
 
 from podsrl.errors import UserError
 
-PHASES = ("generate", "score_select", "update", "other")
+log = logging.getLogger("podsrl")
 ERROR_AIM = 0.15
 
 
@@ -189,6 +190,7 @@ def measure(
     out = []
     with tempfile.TemporaryDirectory(prefix="podsrl-plan-") as tmp:
         for i, setting in enumerate(settings):
+            log.info("plan: measuring %s, %d steps (%d of %d)", setting.label, warm + steps, i + 1, len(settings))
             cfg = load_config(config, [*overrides, *_method_overrides(setting), f"output_dir={tmp}/{i}"])
             trainer = Trainer(cfg)
             try:
