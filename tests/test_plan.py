@@ -82,7 +82,7 @@ def test_plan_measures_the_tiny_model(tmp_path, warmup_cache, capsys):
     code = main(["plan", "grpo", *overrides, "--candidates", "8x4", "8x8:2", "--steps", "2", "--json", str(out)])
     assert code == 0
     text = capsys.readouterr().out
-    assert "ms per generated token" in text and "| 8x8->2 | 64 / 16 |" in text
+    assert "ms per generated token" in text and "| 8x8->2 | 64 / 16 |" in text and "1 threads" in text
     saved = json.loads(out.read_text())
     assert [c["setting"] for c in saved["candidates"]] == ["8x4", "8x8->2"]
     assert len(saved["fit_steps"]) == 4 * 2
@@ -95,3 +95,16 @@ def test_plan_measures_the_tiny_model(tmp_path, warmup_cache, capsys):
 def test_plan_rejects_bad_candidates(capsys):
     assert main(["plan", "grpo", "--candidates", "8x4:9"]) == 2
     assert "candidate '8x4:9'" in capsys.readouterr().err
+
+
+def test_one_slow_step_barely_moves_the_fit():
+    """A step slowed 10x by the machine's load: each setting enters the fit as its median step."""
+    samples = []
+    for setting in design(default_candidates(32, 16)):
+        steps = [_sample(setting) for _ in range(3)]
+        slow = steps[0]
+        steps[0] = StepSample(setting, slow.generated_rollouts, slow.generated_tokens, slow.trained_tokens,
+                              slow.generate * 10, slow.score_select, slow.update * 10, slow.step * 10)
+        samples += steps
+    model = CostModel.fit(samples)
+    assert model.generate == pytest.approx(TRUE["g"]) and model.update == pytest.approx(TRUE["u"])

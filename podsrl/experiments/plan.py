@@ -8,8 +8,8 @@ in the work it does, with its own fixed cost:
     update        = u0 + u1 * trained tokens * epochs      (time/update)
     other         = the rest of time/step, a constant      (batch building, weight sync, bookkeeping)
 
-The coefficients are least-squares fits over real steps (the trainer's own `train_step`) at four settings that
-span the candidates: high and low prompts per step, n and m, so that generated and trained work vary apart.
+The coefficients are least-squares fits over the per-setting medians of real steps (the trainer's own
+`train_step`) at four settings that span the candidates: high and low prompts per step, n and m, so that generated and trained work vary apart.
 Tokens per rollout (generated and trained) are the measured means. Each setting runs in its own trainer, one
 after the other (a real model would not fit in memory several times); its first step is discarded (allocator
 and thread-pool warm-up). The prediction is then checked against the candidates' own measured steps: the
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import statistics
 import tempfile
@@ -147,15 +148,22 @@ class CostModel:
 
     @classmethod
     def fit(cls, samples: Sequence[StepSample]) -> CostModel:
-        rollouts = [s.generated_rollouts for s in samples]
-        trained_rollouts = [s.setting.prompts * s.setting.m for s in samples]
+        """Fit the phase lines over the settings, each entering as the medians of its steps: one step slowed by
+        the machine's load moves a median little, where it would pull a fit over every step."""
+        groups: dict[Setting, list[StepSample]] = {}
+        for s in samples:
+            groups.setdefault(s.setting, []).append(s)
+        keys = ("generated_rollouts", "generated_tokens", "trained_tokens", "generate", "score_select", "update",
+                "other")
+        med = [{k: float(np.median([getattr(s, k) for s in g])) for k in keys} for g in groups.values()]
+        trained_rollouts = [setting.prompts * setting.m for setting in groups]
         return cls(
-            generate=fit_line([s.generated_tokens for s in samples], [s.generate for s in samples]),
-            score_select=fit_line(rollouts, [s.score_select for s in samples]),
-            update=fit_line([s.trained_tokens for s in samples], [s.update for s in samples]),
-            other=float(np.mean([s.other for s in samples])),
-            tokens_per_generated=sum(s.generated_tokens for s in samples) / sum(rollouts),
-            tokens_per_trained=sum(s.trained_tokens for s in samples) / sum(trained_rollouts),
+            generate=fit_line([r["generated_tokens"] for r in med], [r["generate"] for r in med]),
+            score_select=fit_line([r["generated_rollouts"] for r in med], [r["score_select"] for r in med]),
+            update=fit_line([r["trained_tokens"] for r in med], [r["update"] for r in med]),
+            other=float(np.mean([r["other"] for r in med])),
+            tokens_per_generated=sum(r["generated_tokens"] for r in med) / sum(r["generated_rollouts"] for r in med),
+            tokens_per_trained=sum(r["trained_tokens"] for r in med) / sum(trained_rollouts),
         )
 
     def predict(self, setting: Setting) -> dict[str, float]:
@@ -220,6 +228,7 @@ class PlanResult:
     fit_samples: list[StepSample]
     rows: list[CandidateRow]
     seconds: float
+    machine: str  # cores, torch threads and version, load average: the conditions of the measurement
 
     @property
     def max_abs_error(self) -> float | None:
@@ -256,7 +265,19 @@ def run_plan(
     fit_samples = [s for runs in measured[: len(fit_settings)] for s in runs]
     model = CostModel.fit(fit_samples)
     validation = dict(zip(candidates, measured[len(fit_settings):])) if validate else None
-    return PlanResult(model, fit_samples, make_plan(model, candidates, validation), time.perf_counter() - t0)
+    rows = make_plan(model, candidates, validation)
+    return PlanResult(model, fit_samples, rows, time.perf_counter() - t0, machine_line())
+
+
+def machine_line() -> str:
+    import torch
+
+    try:
+        load = "/".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        load = "unknown"
+    return (f"machine: {os.cpu_count()} cores, torch {torch.__version__} with {torch.get_num_threads()} threads, "
+            f"load average {load} (1/5/15 min) at the end of the measurement")
 
 
 def render(result: PlanResult, config: str) -> str:
@@ -265,7 +286,8 @@ def render(result: PlanResult, config: str) -> str:
         f"podsrl plan {config}: {len(result.fit_samples)} fit steps at "
         + ", ".join(dict.fromkeys(s.setting.label for s in result.fit_samples))
         + f" ({result.seconds:.0f} s in all)",
-        "Fitted costs on this machine (least squares over the fit steps):",
+        result.machine,
+        "Fitted costs on this machine (least squares over each fit setting's median step):",
         f"  generation: {m.generate[1] * 1e3:.3f} ms per generated token + {m.generate[0]:.3f} s per step "
         f"({m.tokens_per_generated:.1f} tokens per rollout)",
         f"  update:     {m.update[1] * 1e3:.3f} ms per trained token-pass + {m.update[0]:.3f} s per step "
@@ -319,6 +341,7 @@ def to_json(result: PlanResult) -> dict:
             for r in result.rows
         ],
         "seconds": result.seconds,
+        "machine": result.machine,
     }
 
 
