@@ -76,10 +76,12 @@ def test_cost_model_recovers_known_costs_and_predicts_unseen_settings():
     assert pods.generation_share == pytest.approx(pods.predicted["generate"] / pods.predicted["step"])
 
 
-def test_plan_measures_the_tiny_model(tmp_path, warmup_cache, capsys):
+@pytest.mark.parametrize("interleave", [False, True])
+def test_plan_measures_the_tiny_model(tmp_path, warmup_cache, capsys, interleave):
     overrides = [o for o in tiny_overrides(tmp_path / "unused", warmup_cache) if not o.startswith("select.")]
     out = tmp_path / "plan.json"
-    code = main(["plan", "grpo", *overrides, "--candidates", "8x4", "8x8:2", "--steps", "2", "--json", str(out)])
+    code = main(["plan", "grpo", *overrides, "--candidates", "8x4", "8x8:2", "--steps", "2", "--json", str(out)]
+                + (["--interleave"] if interleave else []))
     assert code == 0
     text = capsys.readouterr().out
     assert "ms per generated token" in text and "| 8x8->2 | 64 / 16 |" in text and "1 threads" in text

@@ -189,26 +189,61 @@ def _method_overrides(setting: Setting) -> list[str]:
 
 
 def measure(
-    config: Path, overrides: Sequence[str], settings: Sequence[Setting], steps: int, warm: int = 1
+    config: Path,
+    overrides: Sequence[str],
+    settings: Sequence[Setting],
+    steps: int,
+    warm: int = 1,
+    interleave: bool = False,
 ) -> list[list[StepSample]]:
-    """Run `warm + steps` training steps of each setting in a fresh trainer; keep the last `steps` of each."""
+    """`warm + steps` training steps of each setting in a trainer of its own; the last `steps` of each are kept.
+
+    One setting after the other by default (one model in memory). `interleave`: every trainer is built first and
+    the steps go round-robin, in an order rotated each round, so a change in the machine's load falls on every
+    setting alike (benchmarks/timing.py's rule); it holds one model and optimiser per setting in memory.
+    """
     from podsrl.config import load_config
     from podsrl.trainer import Trainer
 
-    out = []
+    epochs = [1] * len(settings)  # update passes over the trained batch (optim.epochs), per setting
+
+    def build(i: int, setting: Setting):
+        log.info("plan: building %s (%d of %d)", setting.label, i + 1, len(settings))
+        cfg = load_config(config, [*overrides, *_method_overrides(setting), f"output_dir={tmp}/{i}"])
+        epochs[i] = cfg.optim.epochs
+        return Trainer(cfg)
+
+    def close(trainer) -> None:
+        trainer.logger.close()
+        trainer.engine.close()
+        trainer.dist.close()
+
+    metrics: list[list[dict]] = [[] for _ in settings]
     with tempfile.TemporaryDirectory(prefix="podsrl-plan-") as tmp:
-        for i, setting in enumerate(settings):
-            log.info("plan: measuring %s, %d steps (%d of %d)", setting.label, warm + steps, i + 1, len(settings))
-            cfg = load_config(config, [*overrides, *_method_overrides(setting), f"output_dir={tmp}/{i}"])
-            trainer = Trainer(cfg)
+        if not interleave:
+            for i, setting in enumerate(settings):
+                trainer = build(i, setting)
+                try:
+                    metrics[i] = [trainer.train_step().metrics for _ in range(warm + steps)]
+                finally:
+                    close(trainer)
+        else:
+            trainers = []
             try:
-                metrics = [trainer.train_step().metrics for _ in range(warm + steps)][warm:]
+                for i, setting in enumerate(settings):
+                    trainers.append(build(i, setting))
+                for r in range(warm + steps):
+                    log.info("plan: round %d of %d", r + 1, warm + steps)
+                    k = r % len(trainers)
+                    for i in [*range(k, len(trainers)), *range(k)]:
+                        metrics[i].append(trainers[i].train_step().metrics)
             finally:
-                trainer.logger.close()
-                trainer.engine.close()
-                trainer.dist.close()
-            out.append([StepSample.from_metrics(setting, m, cfg.optim.epochs) for m in metrics])
-    return out
+                for trainer in trainers:
+                    close(trainer)
+    return [
+        [StepSample.from_metrics(setting, m, passes) for m in ms[warm:]]
+        for setting, ms, passes in zip(settings, metrics, epochs)
+    ]
 
 
 @dataclass
@@ -255,13 +290,20 @@ def make_plan(
 
 
 def run_plan(
-    config: Path, overrides: Sequence[str], candidates: Sequence[Setting], steps: int = 3, validate: bool = True
+    config: Path,
+    overrides: Sequence[str],
+    candidates: Sequence[Setting],
+    steps: int = 3,
+    validate: bool = True,
+    interleave: bool = False,
 ) -> PlanResult:
     t0 = time.perf_counter()
     fit_settings = design(candidates)
     # The candidates run in trainers of their own after the fit's: their steps are out of sample even where a
     # candidate is also a fit setting.
-    measured = measure(config, overrides, [*fit_settings, *(candidates if validate else [])], steps)
+    measured = measure(
+        config, overrides, [*fit_settings, *(candidates if validate else [])], steps, interleave=interleave
+    )
     fit_samples = [s for runs in measured[: len(fit_settings)] for s in runs]
     model = CostModel.fit(fit_samples)
     validation = dict(zip(candidates, measured[len(fit_settings):])) if validate else None
@@ -357,6 +399,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--steps", type=int, default=3, help="measured steps per setting (default 3, +1 warm-up)")
     parser.add_argument("--no-validate", action="store_true", help="skip measuring the candidates themselves")
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="build every setting's trainer first and step them round-robin: steadier on a shared machine, "
+        "one model and optimiser per setting in memory",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the fit and the predictions as JSON")
 
 
@@ -371,7 +419,7 @@ def plan_main(args: argparse.Namespace, config: Path) -> int:
         cfg = load_config(config, args.overrides)
         m = (cfg.pods.m or cfg.rollout.n) if cfg.method == "pods" else cfg.rollout.n
         candidates = default_candidates(cfg.rollout.prompts_per_step, m)
-    result = run_plan(config, args.overrides, candidates, args.steps, not args.no_validate)
+    result = run_plan(config, args.overrides, candidates, args.steps, not args.no_validate, args.interleave)
     print(render(result, args.config), end="")
     if args.json:
         Path(args.json).write_text(json.dumps(to_json(result), indent=1), encoding="utf-8")
