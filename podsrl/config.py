@@ -197,7 +197,10 @@ class UpdateConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = _f(200, "RL steps (the run also stops at max_seconds / max_rollouts if set).")
-    max_seconds: float = _f(0.0, "Wall-clock training budget in seconds, eval excluded (0 = none).")
+    max_seconds: float = _f(0.0, "Wall-clock training budget in seconds, eval excluded (0 = none): the run stops "
+                            "there (`podsrl compare --budget-seconds` sets it for equal wall-clock).")
+    warn_seconds: float = _f(0.0, "Warn once when training passes this many seconds (eval excluded; 0 = never). "
+                             "A guard that never stops the run: its outcome stays set by max_steps.")
     max_rollouts: int = _f(0, "Budget of generated rollouts (0 = none).")
     eval_every: int = _f(20, "Evaluate every N steps (and at the start and end).")
     save_every: int = _f(50, "Checkpoint every N steps (and at the end).")
@@ -446,6 +449,7 @@ def validate(cfg: Config) -> None:
     need(cfg.optim.max_grad_norm >= 0, "optim.max_grad_norm", "must be >= 0")
     need(cfg.train.max_steps >= 1, "train.max_steps", "must be >= 1")
     need(cfg.train.max_seconds >= 0, "train.max_seconds", "must be >= 0")
+    need(cfg.train.warn_seconds >= 0, "train.warn_seconds", "must be >= 0")
     need(cfg.train.max_rollouts >= 0, "train.max_rollouts", "must be >= 0")
     need(cfg.train.eval_every >= 1, "train.eval_every", "must be >= 1")
     need(cfg.train.save_every >= 1, "train.save_every", "must be >= 1")

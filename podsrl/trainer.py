@@ -307,6 +307,7 @@ class Trainer:
             while self.dist.agree(self.budget_left()):
                 metrics = self.train_step().metrics
                 self.logger.log(metrics)
+                self._warn_if_slow()
                 finished = not self.dist.agree(self.budget_left())
                 # Stopped by a signal: checkpoint at once (a grace period may be short), no extra eval record.
                 if self.step % cfg.train.eval_every == 0 or self.dist.agree(self._budget_spent()):
@@ -336,6 +337,17 @@ class Trainer:
         if cfg.log.plot and self.dist.is_main:
             plot_run(self.run_dir)
         return summary
+
+    def _warn_if_slow(self) -> None:
+        """train.warn_seconds: say once that this machine is slower than expected; the run goes on to max_steps."""
+        limit = self.cfg.train.warn_seconds
+        if limit and self.elapsed > limit and not getattr(self, "_warned_slow", False) and self.dist.is_main:
+            self._warned_slow = True
+            eta = self.elapsed / self.step * (self.cfg.train.max_steps - self.step)
+            log.warning("training has taken %.0f s at step %d of %d, past train.warn_seconds=%g: this machine is "
+                        "slower or busier than expected. The run continues to max_steps (~%.0f s more), so its "
+                        "result does not depend on the machine's speed.", self.elapsed, self.step,
+                        self.cfg.train.max_steps, limit, eta)
 
     def _request_stop(self, signum, frame) -> None:
         # Finish the step in flight, checkpoint, exit cleanly: nothing lost. A second Ctrl-C aborts at once.
