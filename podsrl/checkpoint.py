@@ -107,6 +107,57 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state:
     return final
 
 
+# ------------------------------------------------------------------------------------------- sharded (FSDP2)
+
+# What a torch.distributed.checkpoint `.metadata` pickle may name: its own dataclasses, torch sizes and dtypes.
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                     "torch.distributed.checkpoint.planner")
+_METADATA_GLOBALS = {("torch", "Size"), ("torch", "device"), ("torch.serialization", "_get_layout"),
+                     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"),
+                     ("builtins", "set"), ("builtins", "frozenset"), ("enum", "Enum")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Loads DCP metadata without running arbitrary code: any other global is refused."""
+
+    def find_class(self, module: str, name: str):
+        if module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+
+def save_sharded_tensors(tensors: dict, path: Path) -> None:
+    """Every rank writes its shards of `tensors` (DTensors and plain tensors only) to `path` with
+    torch.distributed.checkpoint (collective); rank 0 adds `.metadata`. Values must be tensors, so loading never
+    unpickles anything but the metadata, and that through an allow-list."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(path)))
+
+
+def load_sharded_tensors(template: dict, path: Path) -> None:
+    """Fills `template` (this rank's shards, e.g. from get_state_dict) in place from `path` (collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    class Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(Path(self.path) / ".metadata", "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta
+
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    try:
+        dcp.load(template, storage_reader=Reader(str(path)))
+    except (pickle.UnpicklingError, RuntimeError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"checkpoint {path}: cannot load the sharded state ({first[:300]})") from None
+
+
 def _step_of(path: Path) -> int:
     try:
         return int(path.name.removeprefix("step-"))

@@ -71,7 +71,8 @@ class PolicyUpdater:
 
     def _forward(self, model, batch: RolloutBatch, rows: torch.Tensor):
         b = batch
-        width = int(b.completion_mask[rows].sum(dim=1).max().clamp(min=1))  # trim right padding of this slice
+        # trim right padding of this slice (FSDP runs empty micro-batches too: podsrl/fsdp.py)
+        width = max(1, int(b.completion_mask[rows].sum(dim=1).max())) if rows.numel() else 1
         return sequence_logprobs(
             model,
             b.prompt_ids[rows].to(self.device),
