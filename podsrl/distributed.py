@@ -74,6 +74,18 @@ class DistContext:
         dist.broadcast(t, src=0, group=self.cpu_group)
         return bool(t.item())
 
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier(group=self.cpu_group)
+
+    def from_main(self, value):
+        """Rank 0's `value` (any picklable object), on every rank."""
+        if not self.enabled:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
     def wrap_engine(self, engine: RolloutEngine) -> RolloutEngine:
         return ShardedEngine(engine, self) if self.enabled else engine
 

@@ -91,8 +91,10 @@ class FullyShardedDataParallel(DataParallel):
             for p in model.parameters():
                 dist.broadcast(p.data, src=0)
         dtype = compute_dtype(train_cfg.fsdp_param_dtype, ctx.device)
-        # One unsharded copy for the engines, in the compute dtype (see sync_generation_model).
-        self.generation_model = copy.deepcopy(model).to(generation_device or ctx.device, dtype).eval()
+        # One unsharded copy for the engines (see sync_generation_model); on CPU (the Ray pool's) in float32.
+        generation_device = generation_device or ctx.device
+        self.generation_model = copy.deepcopy(model).to(
+            generation_device, compute_dtype(train_cfg.fsdp_param_dtype, generation_device)).eval()
         self.mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         options: dict[str, Any] = {
             "mesh": self.mesh,
