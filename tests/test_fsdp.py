@@ -13,8 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from podsrl.config import load_config
-from podsrl.select.prompt_stats import PromptStats
-from podsrl.stages import select_for_update
+from podsrl.methods import METHODS, offline_context
 from podsrl.update import PolicyUpdater
 from tests.test_distributed import make_batch, make_model
 
@@ -23,15 +22,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 STRATEGY = ["train.strategy=fsdp", "optim.max_grad_norm=0.2"]
 # name -> (config overrides, generated group sizes, fixed advantages or None = from the selection stage)
 SCENARIOS = {
-    "grpo": (["select.rule=none", "algo.beta=0.05", "optim.mini_batches=2", "optim.micro_batch_size=2"],
-             [5, 1, 3, 2], None),
-    "pods": (["rollout.n=6", "select.m=3", "select.rule=max_variance", "optim.mini_batches=2", "optim.epochs=2",
+    "grpo": (["algo.beta=0.05", "optim.mini_batches=2", "optim.micro_batch_size=2"], [5, 1, 3, 2], None),
+    "pods": (["rollout.n=6", "method=pods", "pods.m=3", "optim.mini_batches=2", "optim.epochs=2",
               "optim.micro_batch_size=2", "algo.beta=0.05", "algo.loss_agg=seq_mean_token_mean"],
              [6, 4, 6, 2, 6], None),
-    "dynamo": (["select.rule=none", "algo.modulation=dynamo", "optim.micro_batch_size=1", "optim.mini_batches=2",
+    "dynamo": (["method=dynamo", "dynamo.modulation=true", "optim.micro_batch_size=1", "optim.mini_batches=2",
                 "optim.epochs=2"], [5, 1, 3, 2], None),
-    "lora": (["select.rule=none", "model.lora_rank=4", "optim.micro_batch_size=2"], [4, 3], None),
-    "one_row": (["select.rule=none", "optim.micro_batch_size=4"], [1], [0.7]),
+    "lora": (["model.lora_rank=4", "optim.micro_batch_size=2"], [4, 3], None),
+    "one_row": (["optim.micro_batch_size=4"], [1], [0.7]),
 }
 
 
@@ -41,7 +39,8 @@ def run_scenario(name: str, ctx=None) -> dict:
     overrides, sizes, advantages = SCENARIOS[name]
     cfg = load_config(None, [*STRATEGY, *overrides])
     batch = make_batch(sizes, seed=len(name))
-    kept, _ = select_for_update(cfg, batch, PromptStats(), torch.Generator().manual_seed(1))
+    method = METHODS[cfg.method](cfg)
+    kept, _ = method.select(batch, offline_context(cfg, torch.Generator().manual_seed(1)))
     if advantages is not None:
         kept.advantages = torch.tensor(advantages)
     model, ref = make_model().train(), (make_model() if cfg.algo.beta > 0 else None)
@@ -62,16 +61,8 @@ def run_scenario(name: str, ctx=None) -> dict:
     dp = ctx.data_parallel(model, ref, cfg.train) if ctx is not None else None
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    modulation = None
-    if cfg.algo.modulation == "dynamo":
-        from podsrl.algo.modulation import dynamo_modulation
-
-        a = cfg.algo
-
-        def modulation(*args):
-            return dynamo_modulation(*args, a.epsilon_low, a.epsilon_high)
-
-    updater = PolicyUpdater(model, optimizer, scheduler, cfg, torch.device("cpu"), ref, modulation=modulation,
+    updater = PolicyUpdater(model, optimizer, scheduler, cfg, torch.device("cpu"), ref,
+                            modulation=method.token_modulation(),
                             data_parallel=dp)
     metrics = updater.update(kept.trim_padding(), torch.Generator().manual_seed(2))
     out = {"rows": kept.num_rollouts, "metrics": metrics, "params": _full_params(model)}
