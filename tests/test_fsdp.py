@@ -186,3 +186,28 @@ def test_fsdp_micro_batches_have_equal_counts():
         assert torch.cat([m for share in shares for m in share]).tolist() == list(range(rows))
         assert len({len(share) for share in shares}) == 1  # same number of forward/backward passes everywhere
         assert all(m.numel() <= size for share in shares for m in share)
+
+
+def test_sharded_metadata_that_names_other_code_is_refused(tmp_path):
+    """A `.metadata` from someone else is unpickled through an allow-list: a global outside it is an error."""
+    import pickle
+
+    from podsrl.checkpoint import load_sharded_tensors
+    from podsrl.errors import UserError
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("ran code while loading a checkpoint",))
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(UserError, match="builtins.print is not allowed"):
+        load_sharded_tensors({"model": {"w": torch.zeros(2)}}, tmp_path)
+
+
+def test_fsdp_config_refuses_what_it_cannot_do():
+    from podsrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="log.grad_noise"):
+        load_config(None, ["train.strategy=fsdp", "log.grad_noise=true"])
+    with pytest.raises(ConfigError, match="train.cpu_offload"):
+        load_config(None, ["train.cpu_offload=true"])
