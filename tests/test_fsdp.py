@@ -15,7 +15,8 @@ import torch.multiprocessing as mp
 from podsrl.config import load_config
 from podsrl.methods import METHODS, offline_context
 from podsrl.update import PolicyUpdater
-from tests.test_distributed import make_batch, make_model
+from tests.test_distributed import generation_request, make_batch, make_model
+from tests.tiny_lm import TokStub
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -66,10 +67,19 @@ def run_scenario(name: str, ctx=None) -> dict:
                             data_parallel=dp)
     metrics = updater.update(kept.trim_padding(), torch.Generator().manual_seed(2))
     out = {"rows": kept.num_rollouts, "metrics": metrics, "params": _full_params(model)}
+    generation_model = model
     if dp is not None:
         dp.sync_generation_model()
-        out["generation"] = torch.cat([p.reshape(-1) for p in dp.generation_model.parameters()])
+        generation_model = dp.generation_model
+        out["generation"] = torch.cat([p.reshape(-1) for p in generation_model.parameters()])
         out["sharded"] = sum(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+    if name == "grpo":  # the in-process engine samples from the updated weights
+        from podsrl.engines.base import SamplingParams
+        from podsrl.engines.fast import FastEngine
+
+        prompts, counts, seeds = generation_request()
+        out["rollouts"] = FastEngine(generation_model, TokStub()).generate(
+            prompts, counts, SamplingParams(max_new_tokens=8, return_logprobs=True), seeds)
     return out
 
 
@@ -143,6 +153,10 @@ def test_fsdp_update_equals_one_process(two_ranks, name):
             assert out["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
         torch.testing.assert_close(out["params"], single["params"], rtol=0, atol=1e-5)
         torch.testing.assert_close(out["generation"], single["params"], rtol=0, atol=1e-5)
+        if name == "grpo":
+            got, want = out["rollouts"], single["rollouts"]
+            assert torch.equal(got.completion_ids, want.completion_ids)
+            torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-4)
     moved = (single["params"] - _full_params(_initial(name))).abs().max()
     assert moved > 1e-3  # the step did something the comparison could miss
 
