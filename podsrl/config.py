@@ -206,6 +206,18 @@ class TrainConfig:
     save_every: int = _f(50, "Checkpoint every N steps (and at the end).")
     keep_checkpoints: int = _f(2, "Checkpoints kept on disk (older ones are deleted).")
     max_nonfinite_steps: int = _f(3, "Consecutive non-finite losses/gradients (each skipped) before the run stops.")
+    # How the update is spread over torchrun ranks (docs/scale.md); one process ignores these.
+    strategy: Literal["ddp", "fsdp"] = _f(
+        "ddp", "ddp: every rank holds the whole model, gradients and optimiser state (fits one device); fsdp: "
+        "FSDP2, parameters, gradients and AdamW state sharded over ranks (fully_shard per decoder layer).")
+    cpu_offload: bool = _f(False, "fsdp: keep the sharded parameters, gradients and optimiser state in CPU memory.")
+    fsdp_param_dtype: Literal["auto", "bfloat16", "float32"] = _f(
+        "auto", "fsdp: dtype of the forward/backward compute (auto: bfloat16 on CUDA, float32 on CPU); the sharded "
+        "master weights and optimiser state stay in model.dtype.")
+    fsdp_reduce_dtype: Literal["float32", "bfloat16"] = _f("float32", "fsdp: dtype of the gradient reduce-scatter.")
+    fsdp_reshard_after_forward: bool = _f(
+        True, "fsdp: free each layer's gathered parameters after its forward (ZeRO-3, least memory); false keeps "
+        "them until the backward (ZeRO-2-like, one all-gather less per micro-batch).")
 
 
 @dataclass
@@ -464,6 +476,10 @@ def validate(cfg: Config) -> None:
     need(cfg.warmup.validation_size >= 1, "warmup.validation_size", "must be >= 1")
     need(cfg.reward_timeout > 0, "reward_timeout", "must be > 0")
     need(cfg.model.lora_rank >= 0, "model.lora_rank", "must be >= 0")
+    fsdp = cfg.train.strategy == "fsdp"
+    need(fsdp or not cfg.train.cpu_offload, "train.cpu_offload", "needs train.strategy=fsdp")
+    need(not (fsdp and cfg.log.grad_noise), "log.grad_noise", "is not available with train.strategy=fsdp (its "
+         "split-half gradients would be sharded); set log.grad_noise=false or train.strategy=ddp")
     need(bool(cfg.output_dir), "output_dir", "must not be empty")
     t = cfg.model.tiny
     need(t.hidden_size % t.num_heads == 0, "model.tiny.hidden_size", "must be divisible by model.tiny.num_heads")
