@@ -81,3 +81,114 @@ def test_decisions_deterministic_and_consistent(easy, seed, p_easy, p_hard):
     assert ((a != SKIPPED_EASY) | (easy_t > 0)).all() and ((a != SKIPPED_HARD) | (hard_t > 0)).all()
     easy_p, hard_p = skip_probabilities(easy_t, hard_t, p_easy, p_hard)
     assert float(easy_p.max()) <= 0.99 + 1e-12 and float(hard_p.max()) <= 0.99 + 1e-12
+
+
+# ------------------------------------------------------------------------------------------ the method
+
+
+def greso_config(**overrides):
+    from podsrl.methods.greso import Greso
+    from tests.method_helpers import method_config
+
+    return method_config(Greso, "rollout.n=8", "rollout.prompts_per_step=4",
+                         *[f"{k}={v}" for k, v in overrides.items()])
+
+
+def visit(stats, uid, bits):
+    stats.update_from_groups([uid], torch.zeros(len(bits), dtype=torch.long), torch.tensor(bits))
+
+
+def test_spec_example_streaks_from_prompt_stats():
+    from podsrl.select.prompt_stats import PromptStats
+
+    stats = PromptStats()
+    mixed, right, wrong = [True, False] * 4, [True] * 8, [False] * 8
+    for uid, visits in {"B": [mixed, right, right], "C": [wrong] * 3, "D": [right, mixed], "E": [right] * 8}.items():
+        for bits in visits:
+            visit(stats, uid, bits)
+    easy, hard = stats.streaks(["A", "B", "C", "D", "E"])
+    assert easy.tolist() == EASY.tolist() and hard.tolist() == HARD.tolist()
+    # checkpoint round trip, and an older checkpoint without streaks loads as "no streak"
+    again = PromptStats()
+    again.load_state_dict(stats.state_dict())
+    assert [t.tolist() for t in again.streaks(["B", "C"])] == [[2, 0], [0, 3]]
+    old = {k: v for k, v in stats.state_dict().items() if k in ("uids", "successes", "attempts")}
+    legacy = PromptStats()
+    legacy.load_state_dict(old)
+    assert legacy.streaks(["B"])[0].tolist() == [0] and legacy.recent("B") == []
+
+
+def test_method_skips_and_replaces_from_the_sampler():
+    from podsrl.methods.greso import Greso
+    from tests.method_helpers import ScriptedContext, problems
+
+    pool = problems(12)
+    cfg = greso_config()
+    ctx = ScriptedContext(cfg, lambda uid, k: True, seed=3, pool=pool[4:])
+    for p in pool[:4]:  # the step's four prompts were all-correct on their last 20 visits: p = 1 - 0.01 each
+        for _ in range(20):
+            visit(ctx.stats, p.uid, [True] * 8)
+    method = Greso(cfg)
+    batch, metrics = method.collect(pool[:4], ctx)
+    uids = [p.uid for p in batch.problems]
+    assert len(uids) == 4 and batch.num_rollouts == 32
+    assert ctx.calls == [(uids, [8] * 4)]
+    skipped = 4 - sum(u in {"p0", "p1", "p2", "p3"} for u in uids)
+    assert skipped >= 3, "skip probability 0.99 each"
+    assert metrics["examples/scan_exhausted"] == 0.0
+    out = method.end_step([batch], ctx)
+    assert out["examples/skipped_easy"] == skipped and out["examples/skipped_hard"] == 0
+    assert out["examples/kept"] == 4 and out["examples/too_easy_ratio"] == 1.0
+    # the same seed and history give the same decisions
+    ctx3 = ScriptedContext(cfg, lambda uid, k: True, seed=3, pool=pool[4:])
+    ctx3.stats.load_state_dict(ctx.stats.state_dict())
+    again, _ = Greso(cfg).collect(pool[:4], ctx3)
+    assert [p.uid for p in again.problems] == uids
+
+
+def test_method_scan_bound():
+    from podsrl.methods.greso import Greso
+    from tests.method_helpers import ScriptedContext, problems
+
+    pool = problems(4)
+    cfg = greso_config(**{"greso.max_scan": 0.5, "greso.min_keep": 0.0001})
+    ctx = ScriptedContext(cfg, lambda uid, k: False, pool=pool)
+    for p in pool:
+        for _ in range(30):
+            visit(ctx.stats, p.uid, [False] * 8)
+    batch, metrics = Greso(cfg).collect(pool, ctx)
+    assert ctx.position == 2, "at most max_scan * 4 = 2 replacement draws"
+    assert metrics["examples/scan_exhausted"] == 1.0 and batch.num_groups >= 1
+
+
+def test_method_adaptation_gate_and_state():
+    from podsrl.methods.greso import Greso
+    from tests.method_helpers import ScriptedContext, problems, scored_batch
+
+    cfg = greso_config()
+    # 100 groups of 8: 20 all-wrong, 5 all-correct, 75 mixed
+    bits = [False] * 8 * 20 + [True] * 8 * 5 + [True, False] * 4 * 75
+    batch = scored_batch(problems(100), list(range(100)), [8] * 100, bits)
+    method = Greso(cfg)
+    out = method.end_step([batch], ScriptedContext(cfg, lambda u, k: True, epoch=0))
+    assert (out["examples/p_easy"], out["examples/p_hard"]) == (0.5, 0.5)
+    assert out["examples/too_hard_ratio"] == 0.2 and out["examples/too_easy_ratio"] == 0.05
+    out = method.end_step([batch], ScriptedContext(cfg, lambda u, k: True, epoch=1))
+    assert (out["examples/p_easy"], out["examples/p_hard"]) == (0.51, 0.49)
+    restored = Greso(cfg)
+    restored.load_state_dict(method.state_dict())
+    assert (restored.p_easy, restored.p_hard) == (0.51, 0.49)
+
+
+def test_method_refill_count_and_config_errors():
+    from podsrl.errors import ConfigError
+    from podsrl.methods.greso import Greso
+
+    method = Greso(greso_config(**{"rollout.prompts_per_step": 32}))
+    assert method.refill_count(10, 0.5) == 25  # int(10 / 0.5 * 1.25), within [8, 48]
+    assert method.refill_count(30, 0.5) == 48 and method.refill_count(1, 0.0) == 8
+    assert method.refill_count(3, 1.0) == 48
+    with pytest.raises(ConfigError, match="greso.p_init"):
+        greso_config(**{"greso.p_init": 0.99})
+    with pytest.raises(ConfigError, match="greso.refill_min"):
+        greso_config(**{"greso.refill_min": 2.0})

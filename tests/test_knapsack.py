@@ -160,3 +160,77 @@ def test_effective_prompts_get_the_optimum_of_what_they_receive():
     best = brute_force([rates[i] for i in eff], placed, 2, 14)
     assert objective([rates[i] for i in eff], extra, 2) == pytest.approx(best)
     assert math.isclose(sum(out.counts), 48)
+
+
+# ------------------------------------------------------------------------------------------ the method
+
+
+def knapsack_config(**overrides):
+    from podsrl.methods.knapsack import Knapsack
+    from tests.method_helpers import method_config
+
+    return method_config(Knapsack, "rollout.n=4", "knapsack.max_n=8", *[f"{k}={v}" for k, v in overrides.items()])
+
+
+def test_method_allocation_from_prompt_stats():
+    import torch
+
+    from podsrl.methods.knapsack import Knapsack
+    from tests.method_helpers import ScriptedContext, problems
+
+    cfg = knapsack_config()
+    ctx = ScriptedContext(cfg, lambda uid, k: True)
+    rates = {"p0": [True] * 8, "p1": [False] * 8, "p2": [True, False] * 4, "p3": [True, False, False, False] * 2}
+    for uid, bits in rates.items():
+        ctx.stats.update_from_groups([uid], torch.zeros(8, dtype=torch.long), torch.tensor(bits))
+    method = Knapsack(cfg)
+    batch, metrics = method.collect(problems(4) + problems(1, start=9), ctx)
+    # p9 is new (gets n = 4); the other four are the spec's [1, 0, 0.5, 0.25] with B = 20 - 4 = 16 for them
+    assert ctx.calls[0][1] == [2, 2, 5, 7, 4]
+    assert metrics["allocation/max_budget"] == 7 and metrics["allocation/min_budget"] == 2
+    assert metrics["allocation/budget_fallback"] == 0.0 and metrics["allocation/covered_prompts"] == 5
+    kept, more = method.select(batch, ctx)
+    assert kept.num_rollouts == 20 and kept.advantages is not None
+    assert 0 <= more["training/effective_gradient_ratio"] <= 1
+
+
+def test_method_rate_uses_the_newest_window():
+    import torch
+
+    from podsrl.methods.knapsack import Knapsack
+    from tests.method_helpers import ScriptedContext, problems
+
+    cfg = knapsack_config(**{"knapsack.min_history": 4})
+    ctx = ScriptedContext(cfg, lambda uid, k: True)
+    # 12 failures then 4 successes for p0: the 16 newest give 0.25; p1's last visit has 16 rollouts, all correct
+    for bits in ([False] * 12, [True] * 4):
+        ctx.stats.update_from_groups(["p0"], torch.zeros(len(bits), dtype=torch.long), torch.tensor(bits))
+    for bits in ([False] * 16, [True] * 16):
+        ctx.stats.update_from_groups(["p1"], torch.zeros(16, dtype=torch.long), torch.tensor(bits))
+    counts, _ = Knapsack(cfg).allocate(problems(2), ctx)
+    assert counts == [6, 2]  # p1 (p = 1) gets positive_n, p0 takes the rest of B = 8
+
+
+def test_effectiveness_metrics_by_hand():
+    from podsrl.methods.knapsack import effectiveness_metrics
+    from tests.method_helpers import problems, scored_batch
+
+    bits = [True] * 4 + [True, True, True, False, True] + [True, False] + [False] * 3
+    batch = scored_batch(problems(4), [0, 1, 2, 3], [4, 5, 2, 3], bits)
+    m = effectiveness_metrics(batch)
+    assert m["training/effective_prompt_ratio"] == 0.5
+    assert m["training/effective_gradient_ratio"] == 7 / 14
+    assert m["prompt/extremely_easy_ratio"] == 0.25 and m["prompt/easy_ratio"] == 0.25
+    assert m["prompt/medium_ratio"] == 0.25 and m["prompt/extremely_hard_ratio"] == 0.25
+    assert m["prompt/hard_ratio"] == 0.0
+
+
+def test_method_config_errors():
+    from podsrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="knapsack.max_n"):
+        knapsack_config(**{"knapsack.max_n": 2})
+    with pytest.raises(ConfigError, match="knapsack.min_n"):
+        knapsack_config(**{"knapsack.min_n": 5})
+    with pytest.raises(ConfigError, match="knapsack.window"):
+        knapsack_config(**{"knapsack.window": 17})

@@ -123,3 +123,67 @@ def test_balanced_keep_matches_max_variance_on_binary_rewards(data, groups, n):
             rows = ((group_index == g) & ((rewards > 0.5) == sign)).nonzero().flatten().tolist()
             chosen = [r for r in kept.tolist() if r in rows]
             assert chosen == rows[: len(chosen)]
+
+
+# ------------------------------------------------------------------------------------------ the method
+
+
+def ada_config(**overrides):
+    from podsrl.methods.reinforce_ada import ReinforceAda
+    from tests.method_helpers import method_config
+
+    return method_config(ReinforceAda, "rollout.n=4", *[f"{k}={v}" for k, v in overrides.items()])
+
+
+def test_method_spec_example_end_to_end():
+    from podsrl.methods.reinforce_ada import ReinforceAda
+    from tests.method_helpers import ScriptedContext, problems
+
+    _, _, rounds = spec_pool()
+    script = {f"p{g}": [] for g in range(3)}
+    for r in rounds:
+        for g, values in r.items():
+            script[f"p{g}"] += values
+    ctx = ScriptedContext(ada_config(), lambda uid, k: script[uid][k] > 0.5)
+    method = ReinforceAda(ctx.cfg)
+    pool, metrics = method.collect(problems(3), ctx)
+    assert [c[0] for c in ctx.calls] == [["p0", "p1", "p2"], ["p1", "p2"], ["p1", "p2"], ["p2"]]
+    assert pool.num_rollouts == 64
+    assert metrics["sampling/total_samples"] == 64 and metrics["sampling/rounds"] == 4
+    assert metrics["sampling/prompts_active_only_1st_round"] == 1 and metrics["sampling/prompts_unfinished"] == 1
+    assert metrics["critic/real_reward"] == pytest.approx((6 + 0 + 8) / 24)
+    kept, more = method.select(pool, ctx)
+    assert kept.num_rollouts == 12 and more["sampling/kept_samples"] == 12
+    by_group = {g: sorted(kept.advantages[kept.group_index == g].tolist()) for g in range(3)}
+    assert by_group[0] == pytest.approx([-0.75, -0.75, 0.25, 0.25])
+    assert by_group[1] == pytest.approx([-1 / 12, -1 / 12, 11 / 12, 11 / 12])
+    assert by_group[2] == [0.0] * 4
+
+
+def test_method_positive_focused_and_round_cap():
+    from podsrl.methods.reinforce_ada import ReinforceAda
+    from tests.method_helpers import ScriptedContext, problems
+
+    # one success in 6: positive_focused exits after round 1 (M = 8); balanced needs a second positive
+    cfg = ada_config(**{"reinforce_ada.exit_rule": "positive_focused", "reinforce_ada.max_rounds": 2})
+    ctx = ScriptedContext(cfg, lambda uid, k: k % 6 == 5)
+    pool, metrics = ReinforceAda(cfg).collect(problems(2), ctx)
+    assert pool.num_rollouts == 16 and metrics["sampling/rounds"] == 1
+    kept, _ = ReinforceAda(cfg).select(pool, ctx)
+    assert kept.correct.sum().item() == 2 and kept.num_rollouts == 8  # 1 positive + 3 negatives each
+    # never solved: the round cap stops it, n failures kept with advantage 0
+    cfg = ada_config(**{"reinforce_ada.max_rounds": 3})
+    ctx = ScriptedContext(cfg, lambda uid, k: False)
+    pool, metrics = ReinforceAda(cfg).collect(problems(1), ctx)
+    assert pool.num_rollouts == 24 and metrics["sampling/prompts_unfinished"] == 1
+    kept, _ = ReinforceAda(cfg).select(pool, ctx)
+    assert kept.num_rollouts == 4 and kept.advantages.abs().sum().item() == 0.0
+
+
+def test_method_config_errors():
+    from podsrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="reinforce_ada.round_repeat"):
+        ada_config(**{"reinforce_ada.round_repeat": 0})
+    with pytest.raises(ConfigError, match="reinforce_ada.exit_rule"):
+        ada_config(**{"reinforce_ada.exit_rule": "greedy"})
