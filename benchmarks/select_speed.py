@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from podsrl.select.downsample import select_rollouts
+from podsrl.algo.selection import select_rollouts
 
 DEFAULT_SHAPES = ["1024,64,16", "8192,256,64"]
 

@@ -79,7 +79,7 @@ def overrides(run: Path, cache: Path, args) -> list[str]:
         "model.tiny.num_layers": 1, "model.tiny.hidden_size": 32, "model.tiny.num_heads": 2,
         "model.tiny.intermediate_size": 64, "task.args": "{operands: 2, digits: 1}", "task.eval_size": 16,
         "eval.samples": 0, "rollout.prompts_per_step": 4, "rollout.n": 8, "rollout.max_new_tokens": 6,
-        "select.m": 4, "select.rule": "max_variance", "optim.lr": 0.01,
+        "method": "pods", "pods.m": 4, "optim.lr": 0.01,
         "rewards": f"[{{name: correct}}, {{name: flaky, function: '{flaky}'}}]", "reward_on_error": "zero",
         "reward_timeout": 0.2, "train.max_steps": args.steps, "train.save_every": args.save_every,
         "train.eval_every": 10, "train.keep_checkpoints": 2, "train.max_nonfinite_steps": 3,

@@ -40,7 +40,7 @@ def podsrl_steps(overrides: list[str], steps: int, warmup: int = 1) -> dict:
                                          "log.plot=false", *overrides]))
     records = []
     for i in range(warmup + steps):
-        metrics = trainer.train_step()
+        metrics = trainer.train_step().metrics
         if i >= warmup:
             records.append(metrics)
     trainer.logger.close()
@@ -62,7 +62,7 @@ def part1(opts) -> None:
                                      "answer": [str(a + b) for a in range(10, 40) for b in range(10, 20)]})
     for rollouts in (64, 256):
         prompts = rollouts // 16
-        p = podsrl_steps([f"rollout.prompts_per_step={prompts}", "rollout.n=16", "select.m=16", "select.rule=none",
+        p = podsrl_steps([f"rollout.prompts_per_step={prompts}", "rollout.n=16", "method=grpo",
                           "rollout.max_new_tokens=16", "warmup.steps=0", "optim.lr=1e-4",
                           f"optim.micro_batch_size={rollouts}"], opts.steps)
         gen_tok = p["tokens/generated"] / p["time/generate"]
@@ -86,7 +86,7 @@ def part2(opts) -> None:
     print("\n== built-in task, warmed-up model, default engine: PODS 64->16 vs GRPO 16-16 (32 prompts/step)")
     results = {}
     for name, n, m in (("grpo 16-16", 16, 16), ("pods 64->16", 64, 16)):
-        results[name] = podsrl_steps([f"rollout.n={n}", f"select.m={m}", "select.rule=max_variance"], opts.steps)
+        results[name] = podsrl_steps([f"rollout.n={n}", "method=pods", f"pods.m={m}"], opts.steps)
     print(f"{'setup':<12} {'step s':>8} {'generate':>9} {'score':>7} {'select':>7} {'update':>7} "
           f"{'gen tokens':>10} {'trained tokens':>14}")
     for name, r in results.items():

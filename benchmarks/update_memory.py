@@ -33,17 +33,16 @@ def measure(n: int, m: int, prompts: int, length: int, layers: int, width: int, 
 
     from podsrl.batch import Problem, RolloutBatch
     from podsrl.config import load_config
+    from podsrl.methods import METHODS, offline_context
     from podsrl.models import build_char_tokenizer, build_tiny_model
-    from podsrl.select.prompt_stats import PromptStats
-    from podsrl.stages import select_for_update
     from podsrl.update import PolicyUpdater
 
     torch.manual_seed(0)
     rows = prompts * n
-    cfg = load_config(None, [f"rollout.n={n}", f"select.m={m}", f"rollout.max_new_tokens={length}",
+    cfg = load_config(None, [f"rollout.n={n}", "method=pods", f"pods.m={m}", f"rollout.max_new_tokens={length}",
                              f"optim.micro_batch_size={rows}", f"model.tiny.num_layers={layers}",
                              f"model.tiny.hidden_size={width}", f"model.tiny.intermediate_size={3 * width}",
-                             f"model.tiny.max_position_embeddings={length + 16}", "select.rule=max_variance"])
+                             f"model.tiny.max_position_embeddings={length + 16}"])
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(cfg.model.tiny, tokenizer).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -57,7 +56,7 @@ def measure(n: int, m: int, prompts: int, length: int, layers: int, width: int, 
         truncated=torch.zeros(rows, dtype=torch.bool), rewards=(torch.rand(rows) < 0.4).float(),
     )
     batch.correct = batch.rewards > 0.5
-    kept, _ = select_for_update(cfg, batch, PromptStats(), torch.Generator().manual_seed(0))
+    kept, _ = METHODS[cfg.method](cfg).select(batch, offline_context(cfg, torch.Generator().manual_seed(0)))
     # One warm-up update so optimiser state and allocator pools exist before we measure.
     updater.update(kept, torch.Generator().manual_seed(0))
     if device.startswith("cuda"):

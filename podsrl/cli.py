@@ -12,7 +12,7 @@ from pathlib import Path
 
 from podsrl.errors import UserError
 
-DEFAULT_CONFIG = "default"  # `podsrl train` with no --config: PODS on the built-in task (configs/default.yaml)
+DEFAULT_CONFIG = "default"  # no --config: PODS on the built-in task, tuned for a short CPU run (configs/default.yaml)
 
 
 def _preset(name: str) -> Path:
@@ -64,25 +64,22 @@ def cmd_warmup(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from podsrl.engines import build_engine
+    from podsrl.build import base_weights, load_model, load_task, reward_manager, rollout_engine, verifier
     from podsrl.evaluation import evaluate
-    from podsrl.models import load_policy, resolve_device
-    from podsrl.rewards import build_reward_manager
-    from podsrl.tasks import build_task
-    from podsrl.warmup import needs_warmup, run_warmup
+    from podsrl.models import resolve_device
 
     cfg = _load(args)
-    path = args.model or (str(run_warmup(cfg)) if needs_warmup(cfg) else None)
-    model, tokenizer = load_policy(cfg.model, path, seed=cfg.seed)
-    model.to(resolve_device(cfg.model.device))
-    task = build_task(cfg.task, tokenizer)
-    engine = build_engine(cfg.rollout.engine, model, tokenizer, **cfg.rollout.engine_options)
-    problems = task.eval_set()[: cfg.eval.size or None]
-    rewards = build_reward_manager(cfg.rewards or list(task.default_rewards), task, cfg.reward_on_error,
-                                   cfg.reward_timeout)
-    verify = lambda problems, index, texts: rewards.score(problems, index, texts).correct  # noqa: E731
-    metrics = evaluate(engine, tokenizer, problems, verify, cfg.rollout.max_new_tokens, cfg.eval.samples,
-                       cfg.rollout.temperature, cfg.rollout.top_p, cfg.eval.batch_size)
+    # The trainer's own builders: a LoRA run's --model is its adapter (on top of the warm-up or model.name_or_path)
+    model, tokenizer = load_model(cfg, args.model, base_weights(cfg), trainable=False)
+    model.to(resolve_device(cfg.model.device)).eval()
+    task, problems = load_task(cfg, tokenizer)
+    engine = rollout_engine(cfg, model, tokenizer)
+    verify = verifier(reward_manager(cfg, task), task)  # correctness is the `correct` reward alone, as in training
+    try:
+        metrics = evaluate(engine, tokenizer, problems, verify, cfg.rollout.max_new_tokens, cfg.eval.samples,
+                           cfg.rollout.temperature, cfg.rollout.top_p, cfg.eval.batch_size)
+    finally:
+        engine.close()
     print(json.dumps(metrics))
     return 0
 
@@ -93,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_config(p):
-        p.add_argument("--config", help="YAML config or bundled preset name (grpo, pods, ...); default: pods")
+        p.add_argument("--config", help="YAML config or bundled preset name (grpo, pods, aero, dynamo, ...); "
+                       "default: default (PODS tuned for a short CPU run)")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=16 optim.lr=1e-4")
         return p
 
@@ -103,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_config(sub.add_parser("warmup", help="supervised warm-up of the built-in model (cached)"))
     p.set_defaults(func=cmd_warmup)
     p = with_config(sub.add_parser("eval", help="held-out accuracy of a model"))
-    p.add_argument("--model", help="model dir to evaluate (e.g. RUN/checkpoints/step-N/model); default: warm-up")
+    p.add_argument("--model", help="model dir to evaluate (e.g. RUN/checkpoints/step-N/model: full weights, or the "
+                   "LoRA adapter of a model.lora_rank > 0 run); default: the warm-up or model.name_or_path")
     p.set_defaults(func=cmd_eval)
     from podsrl.experiments.report import add_report_arguments, report_main
     from podsrl.experiments.runner import add_compare_arguments, compare_main

@@ -83,21 +83,7 @@ class RolloutConfig:
     top_k: int = _f(0, "Top-k sampling (0 = off).")
     max_new_tokens: int = _f(8, "Completion length cap (TRL: max_completion_length).")
     engine: Literal["hf", "fast", "ray", "vllm"] = _f("fast", "Rollout engine.")
-    allocation: Literal["uniform", "variance"] = _f(
-        "uniform", "Rollouts per prompt: n each, or DynaMO's variance allocation of the budget P*n (see dynamo.*)."
-    )
     engine_options: dict[str, Any] = _f({}, "Engine-specific options (e.g. ray: num_workers, address).")
-
-
-@dataclass
-class SelectConfig:
-    m: int = _f(0, "Rollouts trained per prompt; 0 means m = n (no down-sampling).")
-    rule: Literal["max_variance", "max_reward", "random", "none", "aero"] = _f(
-        "max_variance", "Down-sampling rule when m < n (PODS), or 'aero' (adaptive rounds + rejection, see aero.*)."
-    )
-    normalize_over: Literal["subset", "group"] = _f("subset", "Advantage statistics over the kept subset or group.")
-    filter_zero_variance: bool = _f(False, "Drop groups whose kept rewards all agree (DAPO dynamic sampling).")
-    max_refill_rounds: int = _f(0, "Extra prompt draws to refill a filtered batch; when spent, train on what's there.")
 
 
 @dataclass
@@ -110,7 +96,22 @@ class AlgoConfig:
         "token_mean", "Loss aggregation (TRL: loss_type dapo/grpo/dr_grpo; verl: loss_agg_mode)."
     )
     beta: float = _f(0.0, "KL coefficient to a frozen reference (k3); 0 loads no reference model.")
-    modulation: Literal["none", "dynamo"] = _f("none", "Token-level advantage modulation (dynamo: see dynamo.*).")
+    advantage_clip: float = _f(0.0, "Clip every method's advantages to [-c, c] before the update (Knapsack-RL: 5); "
+                               "0 = off.")
+
+
+# ---------------------------------------------------------------------------------------------- methods
+# One section per method of podsrl.methods (chosen by the top-level `method` key); each method reads only its own.
+
+
+@dataclass
+class PodsConfig:
+    m: int = _f(0, "Rollouts trained per prompt, chosen from the rollout.n generated; 0 means m = n (no "
+                "down-sampling).")
+    rule: Literal["max_variance", "max_reward", "random"] = _f(
+        "max_variance", "Down-sampling rule when m < n: the m-subset of largest reward variance (the paper's), the "
+        "m largest rewards, or a uniform m-subset.")
+    normalize_over: Literal["subset", "group"] = _f("subset", "Advantage statistics over the kept subset or group.")
 
 
 @dataclass
@@ -126,18 +127,27 @@ class AeroConfig:
     )
     alpha0: float = _f(1.0, "Beta prior alpha of each prompt's success rate.")
     beta0: float = _f(1.0, "Beta prior beta of each prompt's success rate.")
+    reject_rescued: bool = _f(True, "Also apply selective rejection to groups that the rescue rounds turned from "
+                              "all-fail into minority-success (their u is recomputed after rescue).")
 
 
 @dataclass
 class DynamoConfig:
     n_min: int = _f(8, "Fewest rollouts a prompt gets under variance allocation.")
     n_max: int = _f(24, "Most rollouts a prompt gets under variance allocation.")
-    explore: int = _f(0, "Rollouts for prompts with too little history (0 = rollout.n).")
+    unknown_rule: Literal["reference", "rollout_n"] = _f(
+        "reference", "Base count of prompts with too little history: max(n_min, min_history) - attempts, at least "
+        "n_min, with the rest of the budget going to known prompts by priority (the reference code); or "
+        "`explore` rollouts each (rollout_n).")
+    explore: int = _f(0, "Rollouts for prompts with too little history under unknown_rule=rollout_n (0 = rollout.n).")
     weight: Literal["variance", "std"] = _f("variance", "Priority by Bernoulli variance (reference) or its root.")
     min_history: int = _f(4, "Rollouts seen before a prompt's variance is trusted.")
     mastered_rate: float = _f(0.85, "Success rate at which a prompt counts as mastered (priority = floor).")
     floor: float = _f(0.01, "Smallest priority.")
-    refresh: Literal["step", "epoch"] = _f("step", "Recompute priorities every step, or once per dataset epoch.")
+    refresh: Literal["step", "epoch"] = _f(
+        "step", "Recompute priorities every step, or once per dataset epoch (the epoch of the step's first prompt).")
+    modulation: bool = _f(True, "Token-level advantage modulation by entropy (the factors below); false leaves "
+                          "the allocation alone. Refuses log.grad_noise (the probe's micro-batches would change it).")
     lambda_min: float = _f(0.6, "Stabilisation floor of the modulation factor.")
     gamma: float = _f(50.0, "Stabilisation sharpness.")
     tau: float = _f(0.99, "Stabilisation threshold on the normalised entropy change.")
@@ -195,6 +205,12 @@ class ReinforceAdaConfig:
 
 
 @dataclass
+class FilterConfig:
+    zero_variance: bool = _f(False, "Drop groups whose kept rewards all agree (DAPO dynamic sampling), for any method.")
+    max_refill_rounds: int = _f(0, "Extra prompt draws to refill a filtered batch; when spent, train on what's there.")
+
+
+@dataclass
 class OptimConfig:
     lr: float = _f(1e-4, "Policy learning rate (AdamW). RL on tiny models is LR-sensitive: 2e-4 was unstable here.")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
@@ -233,7 +249,8 @@ class LogConfig:
     grad_noise: bool = _f(False, "Log grad/noise_var (split-half estimate of the gradient's total variance), "
                           "grad/signal (squared norm) and their ratio on each step's first mini-batch. No extra "
                           "passes, one copy of the gradients; the update is the same up to floating-point "
-                          "summation order (micro-batches are formed within each half).")
+                          "summation order (micro-batches are formed within each half), which is why DynaMO's "
+                          "per-micro-batch modulation refuses it.")
 
 
 @dataclass
@@ -241,11 +258,12 @@ class Config:
     name: str = _f("", "Label of this configuration in comparisons (default: the config file's stem).")
     seed: int = _f(0, "Seed of the RL run (sampling, prompt order, selection).")
     output_dir: str = _f("runs/default", "Run directory: config, metrics, checkpoints, plots.")
+    method: str = _f("grpo", "The method (podsrl.methods.METHODS): grpo, pods, aero, dynamo, greso, knapsack, "
+                     "reinforce_ada; its options are in the section of the same name.")
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    select: SelectConfig = field(default_factory=SelectConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     rewards: list[Any] = _f([], "Reward functions: names or {name, weight, function}; empty = the task's default.")
@@ -254,16 +272,13 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    pods: PodsConfig = field(default_factory=PodsConfig)
     aero: AeroConfig = field(default_factory=AeroConfig)
     dynamo: DynamoConfig = field(default_factory=DynamoConfig)
+    filter: FilterConfig = field(default_factory=FilterConfig)
     greso: GresoConfig = field(default_factory=GresoConfig)
     knapsack: KnapsackConfig = field(default_factory=KnapsackConfig)
     reinforce_ada: ReinforceAdaConfig = field(default_factory=ReinforceAdaConfig)
-
-    @property
-    def m(self) -> int:
-        """Rollouts trained per prompt (select.m, or n when 0)."""
-        return self.select.m or self.rollout.n
 
 
 # ---------------------------------------------------------------------------------------------- conversion
@@ -356,6 +371,40 @@ def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
+# Keys removed by the methods redesign -> what to write instead (docs/architecture.md has the table).
+_MOVED = {
+    "select.m": "pods.m (with method: pods)",
+    "select.normalize_over": "pods.normalize_over (with method: pods)",
+    "select.filter_zero_variance": "filter.zero_variance",
+    "select.max_refill_rounds": "filter.max_refill_rounds",
+    "select.rule=none": "method: grpo",
+    "select.rule=aero": "method: aero",
+    "select.rule=max_variance": "method: pods (pods.rule: max_variance)",
+    "select.rule=random": "method: pods with pods.rule: random",
+    "select.rule=max_reward": "method: pods with pods.rule: max_reward",
+    "rollout.allocation=variance": "method: dynamo (dynamo.modulation: false for the allocation alone)",
+    "algo.modulation=dynamo": "method: dynamo with dynamo.modulation: true",
+}
+
+
+def _reject_removed_keys(tree: dict) -> None:
+    """A ConfigError naming the replacement of any key of the pre-methods layout (select.*, rollout.allocation,
+    algo.modulation)."""
+    for section, keys in (("select", None), ("rollout", ("allocation",)), ("algo", ("modulation",))):
+        values = tree.get(section)
+        if not isinstance(values, dict):
+            if section == "select" and values is not None:
+                raise ConfigError("select: removed; choose `method: <name>` and set its own section")
+            continue
+        for key, value in values.items():
+            if keys is not None and key not in keys:
+                continue
+            dotted = f"{section}.{key}"
+            new = (_MOVED.get(dotted) or _MOVED.get(f"{dotted}={value}")
+                   or ("method: <name>" if dotted == "select.rule" else "nothing (leave it out: the default)"))
+            raise ConfigError(f"{dotted}: removed by the methods redesign; use {new}")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Defaults <- YAML file <- `key=value` overrides, then validated."""
     tree: dict = {}
@@ -381,6 +430,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     # Shorthand: `model: tiny` / `model=path`.
     if isinstance(tree.get("model"), str):
         tree["model"] = {"name_or_path": tree["model"]}
+    _reject_removed_keys(tree)
     cfg = _build(Config, tree)
     if not cfg.name and path is not None:
         cfg.name = Path(path).stem
@@ -401,8 +451,8 @@ def validate(cfg: Config) -> None:
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     need(cfg.rollout.top_k >= 0, "rollout.top_k", "must be >= 0")
     need(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
-    need(0 <= cfg.select.m <= cfg.rollout.n, "select.m", f"must be in [0, rollout.n={cfg.rollout.n}] (0 = n)")
-    need(cfg.select.max_refill_rounds >= 0, "select.max_refill_rounds", "must be >= 0")
+    need(cfg.filter.max_refill_rounds >= 0, "filter.max_refill_rounds", "must be >= 0")
+    need(cfg.algo.advantage_clip >= 0, "algo.advantage_clip", "must be >= 0 (0 = off)")
     need(cfg.algo.epsilon_low >= 0 and cfg.algo.epsilon_high >= 0, "algo.epsilon_low", "clip ranges must be >= 0")
     need(cfg.algo.beta >= 0, "algo.beta", "must be >= 0")
     need(cfg.algo.advantage_epsilon > 0, "algo.advantage_epsilon", "must be > 0")
@@ -430,27 +480,20 @@ def validate(cfg: Config) -> None:
     need(cfg.reward_timeout > 0, "reward_timeout", "must be > 0")
     need(cfg.model.lora_rank >= 0, "model.lora_rank", "must be >= 0")
     need(bool(cfg.output_dir), "output_dir", "must not be empty")
-    a = cfg.aero
-    need(1 <= a.n_explore <= a.n_max, "aero.n_explore", "must be in [1, aero.n_max]")
-    need(a.n_extra >= 1, "aero.n_extra", "must be >= 1")
-    need(a.k > 0, "aero.k", "must be > 0")
-    need(a.keep_dead >= 1, "aero.keep_dead", "must be >= 1")
-    need(a.alpha0 > 0 and a.beta0 > 0, "aero.alpha0", "Beta prior parameters must be > 0")
-    d = cfg.dynamo
-    if cfg.rollout.allocation == "variance":
-        need(1 <= d.n_min <= cfg.rollout.n <= d.n_max, "dynamo.n_min",
-             f"need 1 <= dynamo.n_min <= rollout.n <= dynamo.n_max (got {d.n_min}, {cfg.rollout.n}, {d.n_max})")
-        need(cfg.select.rule != "aero", "rollout.allocation", "variance allocation and select.rule=aero both "
-             "decide rollout counts; pick one")
-    need(0 < d.mastered_rate <= 1, "dynamo.mastered_rate", "must be in (0, 1]")
-    need(0 <= d.lambda_min <= 1, "dynamo.lambda_min", "must be in [0, 1]")
-    need(d.mu_max >= 1, "dynamo.mu_max", "must be >= 1")
     t = cfg.model.tiny
     need(t.hidden_size % t.num_heads == 0, "model.tiny.hidden_size", "must be divisible by model.tiny.num_heads")
     need(t.num_heads % 2 == 0 or t.num_heads == 1, "model.tiny.num_heads", "must be even (or 1)")
     need(not (cfg.model.name_or_path == "tiny" and cfg.warmup.steps > 0 and cfg.task.name == "dataset"),
          "warmup.steps", "the built-in model's warm-up needs reference completions, which a dataset task does not "
          "have: set warmup.steps=0, or give model.name_or_path")
+    # The registries import torch: only once the plain fields are known good.
+    from podsrl.engines import check_engine_options
+    from podsrl.methods import METHODS
+
+    check_engine_options(cfg.rollout.engine, cfg.rollout.engine_options)
+
+    need(cfg.method in METHODS, "method", f"unknown method {cfg.method!r}; choose one of {', '.join(METHODS)}")
+    METHODS[cfg.method].validate(cfg)
 
 
 def dump_config(cfg: Config, path: Path) -> None:

@@ -33,15 +33,15 @@ def apply_lora(
     from peft import LoraConfig, TaskType, get_peft_model
 
     if rank < 1:
-        raise ConfigError(f"lora.rank must be >= 1, got {rank}")
+        raise ConfigError(f"model.lora_rank must be >= 1, got {rank}")
     if not 0.0 <= dropout < 1.0:
-        raise ConfigError(f"lora.dropout must be in [0, 1), got {dropout}")
+        raise ConfigError(f"model.lora_dropout must be in [0, 1), got {dropout}")
     if target_modules != "all-linear":
         if isinstance(target_modules, str):
             target_modules = [target_modules]
         missing = sorted(set(target_modules) - _linear_names(model))
         if missing:
-            raise ConfigError(f"lora.target_modules: {missing} are not linear layers of this model "
+            raise ConfigError(f"model.lora_target_modules: {missing} are not linear layers of this model "
                               f"(it has {sorted(_linear_names(model))})")
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
                         task_type=TaskType.CAUSAL_LM, bias="none")

@@ -1,8 +1,10 @@
-"""The training loop, top to bottom:
+"""The training loop, top to bottom. One step:
 
-    prompts -> allocate -> generate -> score -> select -> advantages -> update -> (eval, log, checkpoint)
+    problems -> method.collect -> stats.record -> method.select -> zero-variance filter / refill
+             -> advantage clip -> update -> method.end_step -> (eval, log, checkpoint)
 
-Each stage is a function or registry entry chosen by config; this file only moves one batch through them.
+The method (podsrl/methods/) is looked up by name once and decides which prompts get how many rollouts and which
+rollouts train with which advantages; this file moves one batch through the stages and names no method.
 """
 
 from __future__ import annotations
@@ -13,35 +15,33 @@ import math
 import random
 import signal
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from podsrl import faults
 from podsrl.accounting import ComputeAccountant
-from podsrl.algo.advantages import group_mean_std
-from podsrl.algo.modulation import dynamo_modulation
+from podsrl.algo.group_stats import group_stats, zero_variance_groups
 from podsrl.batch import Problem, RolloutBatch, concat_batches
+from podsrl.build import base_weights, load_model, load_task, reward_manager, rollout_engine, verifier
 from podsrl.checkpoint import latest_checkpoint, load_checkpoint_files, prepare_run_dir, save_checkpoint
 from podsrl.config import Config, dump_config
 from podsrl.distributed import NullLogger, init_distributed
-from podsrl.engines import SamplingParams, build_engine
+from podsrl.engines import SamplingParams
 from podsrl.errors import UserError
 from podsrl.evaluation import evaluate
 from podsrl.fileio import write_text_atomic
+from podsrl.methods import METHODS, StepContext
 from podsrl.models import count_parameters, load_policy, resolve_device
 from podsrl.plotting import plot_run
-from podsrl.rewards import RewardManager, build_reward_manager
-from podsrl.select.aero import collect_aero_rollouts
-from podsrl.select.downsample import zero_variance_groups
-from podsrl.select.prompt_stats import PromptStats
-from podsrl.stages import rollout_counts, select_for_update
-from podsrl.tasks import build_task
+from podsrl.prompt_stats import PromptStats
 from podsrl.tracking import MetricsLogger, StepProgress, read_metrics
 from podsrl.update import PolicyUpdater
-from podsrl.warmup import needs_warmup, run_warmup
 
 log = logging.getLogger("podsrl")
+
+TIMERS = ("time/generate", "time/score", "time/select", "time/update")
 
 
 def lr_lambda(cfg: Config, total_updates: int):
@@ -58,6 +58,19 @@ def lr_lambda(cfg: Config, total_updates: int):
     return f
 
 
+@dataclass
+class StepRecord:
+    """What one step produced: its logged metrics, and the material they were computed from."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    timers: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIMERS, 0.0))
+    generated: list[RolloutBatch] = field(default_factory=list)  # every collected batch, before selection
+    reward_metrics: list[dict] = field(default_factory=list)  # one per generate call
+    collect_metrics: list[dict] = field(default_factory=list)  # one per method.collect
+    skipped_rollouts: int = 0  # generated, then dropped by the reward policy 'skip' (still compute spent)
+    skipped_tokens: int = 0
+
+
 class Trainer:
     def __init__(self, cfg: Config, resume: bool = False) -> None:
         self.cfg = cfg
@@ -71,38 +84,28 @@ class Trainer:
         if resume and checkpoint is None:
             log.warning("no valid checkpoint in %s: starting from the beginning", self.run_dir)
         with self.dist.main_first():
-            base = str(run_warmup(cfg, progress=cfg.log.progress)) if needs_warmup(cfg) else None
-        self.base_path = base
-        if cfg.model.lora_rank > 0:  # base weights frozen; checkpoints hold the adapter alone
-            from podsrl.lora import apply_lora, load_adapter
-
-            self.model, self.tokenizer = load_policy(cfg.model, base, seed=cfg.seed)
-            m = cfg.model
-            self.model = (load_adapter(self.model, checkpoint / "model", trainable=True) if checkpoint else
-                          apply_lora(self.model, m.lora_rank, m.lora_alpha, m.lora_dropout, m.lora_target_modules))
-        else:
-            self.model, self.tokenizer = load_policy(
-                cfg.model, str(checkpoint / "model") if checkpoint else base, seed=cfg.seed
-            )
+            self.base_path = base_weights(cfg, progress=cfg.log.progress)
+        self.model, self.tokenizer = load_model(cfg, checkpoint / "model" if checkpoint else None, self.base_path,
+                                                trainable=True)
         self.model.to(self.device)
         self.ref_model = None
         if cfg.algo.beta > 0:  # frozen copy of the starting policy; not loaded at all when beta = 0
-            self.ref_model, _ = load_policy(cfg.model, base, seed=cfg.seed)
+            self.ref_model, _ = load_policy(cfg.model, self.base_path, seed=cfg.seed)
             self.ref_model.to(self.device).eval().requires_grad_(False)
-        self.task = build_task(cfg.task, self.tokenizer)
-        self.eval_problems = self.task.eval_set()[: cfg.eval.size or None]
-        self.engine = self.dist.wrap_engine(
-            build_engine(cfg.rollout.engine, self.model, self.tokenizer, **cfg.rollout.engine_options))
-        self.rewards = build_reward_manager(
-            cfg.rewards or list(self.task.default_rewards), self.task, cfg.reward_on_error, cfg.reward_timeout
-        )
+        self.task, self.eval_problems = load_task(cfg, self.tokenizer)
+        self.epoch_size = len(self.task) if hasattr(self.task, "__len__") else 0  # 0: an unbounded stream
+        self.engine = self.dist.wrap_engine(rollout_engine(cfg, self.model, self.tokenizer))
+        self.rewards = reward_manager(cfg, self.task)
+        self.verify = verifier(self.rewards, self.task)
+        self.method = METHODS[cfg.method](cfg)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                            weight_decay=cfg.optim.weight_decay)
         total_updates = cfg.train.max_steps * cfg.optim.epochs * cfg.optim.mini_batches
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_updates))
         self.updater = PolicyUpdater(self.model, self.optimizer, self.scheduler, cfg, self.device, self.ref_model,
-                                     modulation=self._modulation(), data_parallel=self.dist.data_parallel(self.model))
+                                     modulation=self.method.token_modulation(),
+                                     data_parallel=self.dist.data_parallel(self.model))
         self.stats = PromptStats()
         self.accountant = ComputeAccountant(count_parameters(self.model))
         self.rng = torch.Generator().manual_seed(cfg.seed)
@@ -117,32 +120,94 @@ class Trainer:
                                      resume_step=self.step if checkpoint is not None else None)
                        if self.dist.is_main else NullLogger())
 
-    # ------------------------------------------------------------------------------------------- stages
+    # ------------------------------------------------------------------------------------------- one step
 
-    def _modulation(self):
-        """Token-level advantage modulation (DynaMO) as a closure over its config, or None."""
-        if self.cfg.algo.modulation == "none":
-            return None
-        d, a = self.cfg.dynamo, self.cfg.algo
+    def train_step(self) -> StepRecord:
+        cfg = self.cfg
+        record = StepRecord()
+        t0 = time.perf_counter()
+        faults.fire("step", self.step + 1)
+        ctx = self._context(record)  # before drawing: the epoch is that of the step's first problem
+        kept, select_metrics = self.collect_and_select(self.next_problems(cfg.rollout.prompts_per_step), ctx, record)
+        if cfg.algo.advantage_clip > 0:
+            kept.advantages = kept.advantages.clamp(-cfg.algo.advantage_clip, cfg.algo.advantage_clip)
+        kept = self.dist.agree_batch(kept, self.rng)
+        t_upd = time.perf_counter()
+        if faults.fire("loss", self.step + 1):  # injected numerical fault: a NaN loss and gradient
+            kept.advantages = torch.full_like(kept.advantages, float("nan"))
+        update_metrics = self.updater.update(kept.trim_padding(), self.rng) if kept.num_rollouts else {}
+        self.engine.sync_weights(self.model)
+        record.timers["time/update"] = time.perf_counter() - t_upd
+        method_metrics = self.method.end_step(record.generated, ctx)
+        step_time = time.perf_counter() - t0
+        self.elapsed += step_time
+        self.step += 1
+        if self.updater.nonfinite_in_a_row >= cfg.train.max_nonfinite_steps:
+            raise UserError(f"training stopped: {self.updater.nonfinite_in_a_row} consecutive steps with a "
+                            f"non-finite loss or gradient (step {self.step}); try a lower optim.lr. The last good "
+                            f"checkpoint is in {self.run_dir / 'checkpoints'}")
+        record.metrics = self._step_metrics(record, kept, {**select_metrics, **method_metrics}, update_metrics,
+                                            step_time)
+        return record
 
-        def modulate(advantages, log_ratio, logprobs, entropy, mask):
-            return dynamo_modulation(advantages, log_ratio, logprobs, entropy, mask, a.epsilon_low, a.epsilon_high,
-                                     lambda_min=d.lambda_min, gamma=d.gamma, tau=d.tau, mu_max=d.mu_max,
-                                     stabilize=d.stabilize, compensate=d.compensate)
-
-        return modulate
+    def _context(self, record: StepRecord) -> StepContext:
+        return StepContext(
+            cfg=self.cfg, stats=self.stats, rng=self.rng, step=self.step,
+            epoch=self.data_position // self.epoch_size if self.epoch_size else 0, epoch_size=self.epoch_size,
+            pad_token_id=self.tokenizer.pad_token_id,
+            generate=lambda problems, indices, counts: self.generate_and_score(problems, indices, counts, record),
+            draw=self.next_problems)
 
     def next_problems(self, count: int) -> list[Problem]:
         problems = [self.task.problem(self.data_position + i) for i in range(count)]
         self.data_position += count
         return problems
 
+    def collect_and_select(self, problems: list[Problem], ctx: StepContext,
+                           record: StepRecord) -> tuple[RolloutBatch, dict]:
+        """The method's collect + select; with filter.zero_variance, groups whose kept rewards all agree are dropped
+        and new prompts drawn (at most filter.max_refill_rounds times) until prompts_per_step groups carry signal."""
+        cfg = self.cfg
+        kept, metrics = self._collect_and_select_once(problems, ctx, record)
+        if not cfg.filter.zero_variance:
+            return kept, metrics
+        parts, live_groups, seen_groups, rounds = [], 0, 0, 0
+        while True:
+            dead = zero_variance_groups(kept.rewards, kept.group_index, kept.num_groups)
+            kept = kept.select_rows(~dead[kept.group_index])
+            live_groups += int((~dead & (kept.group_sizes() > 0)).sum())
+            seen_groups += kept.num_groups
+            parts.append(kept)
+            missing = cfg.rollout.prompts_per_step - live_groups
+            if missing <= 0 or rounds >= cfg.filter.max_refill_rounds:
+                break
+            rounds += 1
+            count = self.method.refill_count(missing, 1.0 - live_groups / max(seen_groups, 1))
+            kept, _ = self._collect_and_select_once(ctx.draw(count), ctx, record)
+        metrics["select/refill_rounds"] = float(rounds)
+        metrics["select/groups_trained"] = float(live_groups)
+        # Bound hit with too few informative groups: train on what there is, and say so.
+        metrics["select/refill_exhausted"] = float(live_groups < cfg.rollout.prompts_per_step)
+        return concat_batches(parts, self.tokenizer.pad_token_id, disjoint=True), metrics
+
+    def _collect_and_select_once(self, problems: list[Problem], ctx: StepContext,
+                                 record: StepRecord) -> tuple[RolloutBatch, dict]:
+        batch, collect_metrics = self.method.collect(problems, ctx)
+        record.collect_metrics.append(collect_metrics)
+        self.stats.record([p.uid for p in batch.problems], batch.group_index, batch.correct)
+        record.generated.append(batch)
+        t0 = time.perf_counter()
+        kept, metrics = self.method.select(batch, ctx)
+        record.timers["time/select"] += time.perf_counter() - t0
+        return kept, metrics
+
     def sampling_params(self) -> SamplingParams:
         r = self.cfg.rollout
         return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                               top_k=r.top_k, return_logprobs=self.cfg.optim.epochs * self.cfg.optim.mini_batches > 1)
 
-    def generate_and_score(self, problems: list[Problem], indices: list[int], counts: list[int]) -> RolloutBatch:
+    def generate_and_score(self, problems: list[Problem], indices: list[int], counts: list[int],
+                           record: StepRecord) -> RolloutBatch:
         """Sample counts[j] rollouts of problems[indices[j]] and score them; group_index refers to `problems`."""
         t0 = time.perf_counter()
         prompts = [self.tokenizer(problems[i].prompt, add_special_tokens=False).input_ids for i in indices]
@@ -160,115 +225,21 @@ class Trainer:
         result = self.rewards.score(problems, batch.group_index, batch.completions)
         batch.rewards, batch.reward_components, batch.correct = result.rewards, result.components, result.correct
         if not bool(result.valid.all()):  # reward policy 'skip': those rollouts never reach the update
-            self._skipped[0] += int((~result.valid).sum())  # ... but were generated: they count as compute
-            self._skipped[1] += int(batch.completion_mask[~result.valid].sum())
+            record.skipped_rollouts += int((~result.valid).sum())  # ... but were generated: they count as compute
+            record.skipped_tokens += int(batch.completion_mask[~result.valid].sum())
             batch = batch.select_rows(result.valid)
-        self._timers["time/generate"] += t1 - t0
-        self._timers["time/score"] += time.perf_counter() - t1
-        self._reward_metrics.append(result.metrics)
+        record.timers["time/generate"] += t1 - t0
+        record.timers["time/score"] += time.perf_counter() - t1
+        record.reward_metrics.append(result.metrics)
         return batch
 
-    def collect(self, problems: list[Problem]) -> RolloutBatch:
-        """Generate and score this step's rollouts: n each, DynaMO's allocation, or AERO's rounds."""
-        cfg = self.cfg
-        if cfg.select.rule == "aero":
-            a = cfg.aero
-            batch, metrics = collect_aero_rollouts(
-                len(problems), lambda idx, counts: self.generate_and_score(problems, idx, counts),
-                n_explore=a.n_explore, n_extra=a.n_extra, n_max=a.n_max, pad_token_id=self.tokenizer.pad_token_id)
-        else:
-            counts, metrics = rollout_counts(cfg, self._allocation_stats(), [p.uid for p in problems])
-            batch = self.generate_and_score(problems, list(range(len(problems))), counts)
-        self._collect_metrics.append(metrics)
-        return batch
-
-    def _allocation_stats(self) -> PromptStats:
-        """Statistics the allocation reads: live (refresh=step) or a snapshot taken at each epoch start."""
-        if self.cfg.dynamo.refresh == "step" or self.cfg.rollout.allocation == "uniform":
-            return self.stats
-        epoch_size = len(self.task) if hasattr(self.task, "__len__") else 0
-        if not epoch_size:
-            raise UserError("dynamo.refresh: 'epoch' needs a finite training set (a dataset task, or "
-                            "task.args.train_size for the arithmetic task); use 'step' for this task")
-        epoch = self.data_position // epoch_size
-        if getattr(self, "_snapshot_epoch", None) != epoch:
-            self._snapshot_epoch, self._snapshot = epoch, PromptStats()
-            self._snapshot.load_state_dict(self.stats.state_dict())
-        return self._snapshot
-
-    def select(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict]:
-        """The rollouts that enter the update (PODS rule or AERO), with their advantages."""
-        t0 = time.perf_counter()
-        kept, metrics = select_for_update(self.cfg, batch, self.stats, self.rng)
-        self._timers["time/select"] += time.perf_counter() - t0
-        return kept, metrics
-
-    def select_with_filter(self, problems: list[Problem]) -> tuple[RolloutBatch, dict]:
-        """Collect + select, dropping zero-variance groups and refilling with new prompts (bounded) if asked."""
-        cfg = self.cfg
-        batch = self.collect(problems)
-        self._update_stats(batch)
-        kept, metrics = self.select(batch)
-        if not cfg.select.filter_zero_variance:
-            return kept, metrics
-        parts, live_groups, rounds = [], 0, 0
-        while True:
-            dead = zero_variance_groups(kept.rewards, kept.group_index, kept.num_groups)
-            kept = kept.select_rows(~dead[kept.group_index])
-            live_groups += int((~dead & (kept.group_sizes() > 0)).sum())
-            parts.append(kept)
-            missing = cfg.rollout.prompts_per_step - live_groups
-            if missing <= 0 or rounds >= cfg.select.max_refill_rounds:
-                break
-            rounds += 1
-            extra = self.collect(self.next_problems(missing))
-            self._update_stats(extra)
-            kept, _ = self.select(extra)
-        metrics["select/refill_rounds"] = float(rounds)
-        metrics["select/groups_trained"] = float(live_groups)
-        # Bound hit with too few informative groups: train on what there is, and say so.
-        metrics["select/refill_exhausted"] = float(live_groups < cfg.rollout.prompts_per_step)
-        return concat_batches(parts, self.tokenizer.pad_token_id, disjoint=True), metrics
-
-    def _update_stats(self, batch: RolloutBatch) -> None:
-        self.stats.update_from_groups([p.uid for p in batch.problems], batch.group_index, batch.correct)
-        self._generated.append(batch)
-
-    # ------------------------------------------------------------------------------------------- loop
-
-    def train_step(self) -> dict:
-        cfg = self.cfg
-        self._timers = {k: 0.0 for k in ("time/generate", "time/score", "time/select", "time/update")}
-        self._reward_metrics: list[dict] = []
-        self._collect_metrics: list[dict] = []
-        self._generated: list[RolloutBatch] = []
-        self._skipped = [0, 0]  # rollouts and tokens generated, then dropped by the reward policy 'skip'
-        t0 = time.perf_counter()
-        faults.fire("step", self.step + 1)
-        problems = self.next_problems(cfg.rollout.prompts_per_step)
-        kept, select_metrics = self.select_with_filter(problems)
-        kept = self.dist.agree_batch(kept, self.rng)
-        t_upd = time.perf_counter()
-        if faults.fire("loss", self.step + 1):  # injected numerical fault: a NaN loss and gradient
-            kept.advantages = torch.full_like(kept.advantages, float("nan"))
-        update_metrics = self.updater.update(kept.trim_padding(), self.rng) if kept.num_rollouts else {}
-        self.engine.sync_weights(self.model)
-        self._timers["time/update"] = time.perf_counter() - t_upd
-        step_time = time.perf_counter() - t0
-        self.elapsed += step_time
-        self.step += 1
-        if self.updater.nonfinite_in_a_row >= cfg.train.max_nonfinite_steps:
-            raise UserError(f"training stopped: {self.updater.nonfinite_in_a_row} consecutive steps with a "
-                            f"non-finite loss or gradient (step {self.step}); try a lower optim.lr. The last good "
-                            f"checkpoint is in {self.run_dir / 'checkpoints'}")
-        return self._step_metrics(kept, select_metrics, update_metrics, step_time)
-
-    def _step_metrics(self, kept: RolloutBatch, select_metrics: dict, update_metrics: dict, step_time: float):
-        generated = self._generated
+    def _step_metrics(self, record: StepRecord, kept: RolloutBatch, select_metrics: dict, update_metrics: dict,
+                      step_time: float) -> dict[str, float]:
+        generated = record.generated
         rewards = torch.cat([b.rewards for b in generated])
         lengths = torch.cat([b.completion_lengths() for b in generated]).float()
         zero_std = torch.cat([zero_variance_groups(b.rewards, b.group_index, b.num_groups) for b in generated])
-        group_std = torch.cat([group_mean_std(b.rewards, b.group_index, b.num_groups)[1] for b in generated])
+        group_std = torch.cat([group_stats(b.rewards, b.group_index, b.num_groups).std for b in generated])
         metrics = {
             "step": self.step,
             "reward": float(rewards.mean()),
@@ -278,22 +249,24 @@ class Trainer:
             "completions/clipped_ratio": float(torch.cat([b.truncated for b in generated]).float().mean()),
             "correct": float(torch.cat([b.correct for b in generated]).float().mean()),
         }
-        for parts in (self._reward_metrics, self._collect_metrics):
+        for parts in (record.reward_metrics, record.collect_metrics):
             for part in parts:
                 for k, v in part.items():
                     metrics[k] = metrics.get(k, 0.0) + v / len(parts)
         metrics.update(select_metrics)
         metrics.update(update_metrics)
         metrics.update(self.accountant.step(
-            generated_rollouts=int(rewards.numel()) + self._skipped[0],
-            generated_tokens=int(lengths.sum()) + self._skipped[1],
+            generated_rollouts=int(rewards.numel()) + record.skipped_rollouts,
+            generated_tokens=int(lengths.sum()) + record.skipped_tokens,
             trained_rollouts=kept.num_rollouts, trained_tokens=int(kept.completion_mask.sum()),
             passes=self.cfg.optim.epochs,
         ))
-        metrics.update(self._timers)
+        metrics.update(record.timers)
         metrics["time/step"] = step_time
         metrics["time/elapsed"] = self.elapsed
         return metrics
+
+    # ------------------------------------------------------------------------------------------- loop
 
     def budget_left(self) -> bool:
         t = self.cfg.train
@@ -304,14 +277,6 @@ class Trainer:
         if t.max_rollouts and self.accountant.totals["rollouts_generated"] >= t.max_rollouts:
             return False
         return True
-
-    def verify(self, problems: list[Problem], group_index: torch.Tensor, completions: list[str]) -> torch.Tensor:
-        # Correctness is the `correct` reward alone: other (possibly faulty or costly) rewards play no part.
-        specs = [s for s in self.rewards.specs if s.name == "correct"]
-        if not specs:
-            return torch.zeros(len(completions), dtype=torch.bool)
-        manager = RewardManager(specs, self.task, self.rewards.on_error, self.rewards.timeout_s)
-        return manager.score(problems, group_index, completions).correct
 
     def run_eval(self) -> dict:
         cfg = self.cfg
@@ -337,7 +302,7 @@ class Trainer:
             elif not self.dist.agree(self.budget_left()):  # resumed after the last step: needs its final eval
                 last_eval = self._logged_eval() or self.run_eval()
             while self.dist.agree(self.budget_left()):
-                metrics = self.train_step()
+                metrics = self.train_step().metrics
                 self.logger.log(metrics)
                 progress.update(self.step, reward=metrics["reward"], step_time=metrics["time/step"])
                 finished = not self.dist.agree(self.budget_left())
@@ -396,9 +361,8 @@ class Trainer:
             "step": self.step, "data_position": self.data_position, "elapsed": self.elapsed,
             "prompt_stats": self.stats.state_dict(), "accounting": self.accountant.state_dict(),
             "nonfinite_in_a_row": self.updater.nonfinite_in_a_row, "python_random": _py_random_state(),
+            "method": self.method.state_dict(),
         }
-        if getattr(self, "_snapshot", None) is not None:  # dynamo.refresh=epoch: the epoch-start statistics
-            state["stats_snapshot"] = [self._snapshot_epoch, self._snapshot.state_dict()]
         optimizer_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
         rng_state = {"trainer": self.rng.get_state(), "torch": torch.get_rng_state()}
         if torch.cuda.is_available():
@@ -417,9 +381,7 @@ class Trainer:
         self.accountant.load_state_dict(state["accounting"])
         self.updater.nonfinite_in_a_row = state["nonfinite_in_a_row"]
         _set_py_random_state(state["python_random"])
-        if "stats_snapshot" in state:
-            self._snapshot_epoch, self._snapshot = state["stats_snapshot"][0], PromptStats()
-            self._snapshot.load_state_dict(state["stats_snapshot"][1])
+        self.method.load_state_dict(state.get("method", {}))
         if "cuda" in rng_state and torch.cuda.is_available() and len(rng_state["cuda"]) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(rng_state["cuda"])
 

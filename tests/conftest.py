@@ -28,7 +28,6 @@ def tiny_overrides(run_dir, warmup_cache, **extra) -> list[str]:
         "rollout.prompts_per_step": 4,
         "rollout.n": 4,
         "rollout.max_new_tokens": 4,
-        "select.m": 0,
         "train.max_steps": 2,
         "train.eval_every": 100,
         "train.save_every": 100,

@@ -8,7 +8,7 @@ import torch
 
 from podsrl.batch import Problem, RolloutBatch
 from podsrl.config import Config, load_config
-from podsrl.select.prompt_stats import PromptStats
+from podsrl.prompt_stats import PromptStats
 
 
 def problems(count: int, start: int = 0) -> list[Problem]:
@@ -62,7 +62,6 @@ class ScriptedContext:
 
 def method_config(method: type, *overrides: str) -> Config:
     """Defaults <- overrides, with `method` chosen and its own cross-field checks run."""
-    chosen = [f"method={method.name}"] if "method" in Config.__dataclass_fields__ else []  # TEMP until issue 15
-    cfg = load_config(None, [*chosen, *overrides])
+    cfg = load_config(None, [f"method={method.name}", *overrides])
     method.validate(cfg)
     return cfg

@@ -11,15 +11,21 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from podsrl.algo.advantages import aero_advantages, grpo_advantages
+from podsrl.algo.selection import aero_select
 from podsrl.batch import Problem, RolloutBatch
-from podsrl.select.aero import (
-    aero_advantages,
-    aero_select,
-    collect_aero_rollouts,
-    group_advantages,
-    posterior_after_update,
-)
-from podsrl.select.prompt_stats import PromptStats
+from podsrl.config import load_config
+from podsrl.errors import ConfigError
+from podsrl.methods import offline_context
+from podsrl.methods.aero import AERO, collect_aero_rollouts, rescued_groups
+from podsrl.prompt_stats import PromptStats
+
+
+def posterior_after_update(stats: PromptStats, batch: RolloutBatch) -> torch.Tensor:
+    """What the loop does before AERO's select: record the step's outcomes, then read the posterior means."""
+    uids = [p.uid for p in batch.problems]
+    stats.record(uids, batch.group_index, batch.correct)
+    return stats.posterior_mean(uids)
 
 
 def make_batch(problems: list[Problem], group_index: list[int], correct: list[bool], rewards=None, width=3):
@@ -228,18 +234,47 @@ def test_rejected_failures_are_chosen_uniformly():
     assert ((picks[1:] - trials / 7).abs() < 60).all(), picks  # 200 expected each, sd ~13
 
 
+def aero_method(*overrides: str) -> AERO:
+    return AERO(load_config(None, ["method=aero", *overrides]))
+
+
 def test_zero_advantage_metrics_before_and_after():
     # group 0: 1/4 correct -> 1 success + 1 failure kept, non-zero; group 1: dead all-fail (4 of 6 kept);
     # group 2: single rollout (size-1 group, zero advantage either way)
     batch = grouped([(4, 1), (6, 0), (1, 1)])
-    u = torch.tensor([0.4, 0.1, 0.5], dtype=torch.float64)
-    kept, dead, m = aero_select(batch, u, generator=torch.Generator().manual_seed(0))
-    assert kept.numel() == 2 + 4 + 1 and dead.tolist() == [F, T, T]
+    stats = PromptStats()  # posterior means after the loop records this step: 3/7, 2/10, 2/4
+    stats.update([p.uid for p in batch.problems], [1, 1, 0], [1, 2, 1])
+    stats.record([p.uid for p in batch.problems], batch.group_index, batch.correct)
+    ctx = offline_context(aero_method().cfg, torch.Generator().manual_seed(0), stats)
+    kept, m = aero_method().select(batch, ctx)
+    assert kept.num_rollouts == 2 + 4 + 1
     assert m["aero/frac_zero_adv_before"] == pytest.approx(5 / 7)
     # baseline mode: group 2 (dead, all-success, ũ=0.5) gets (1-0.5)/0.5 = 1, so nothing stays zero
     assert m["aero/frac_zero_adv_after"] == 0.0
-    _, _, m = aero_select(batch, u, mode="constant", generator=torch.Generator().manual_seed(0))
+    ctx = offline_context(aero_method().cfg, torch.Generator().manual_seed(0), stats)
+    _, m = aero_method("aero.dead_zone_advantage=constant").select(batch, ctx)
     assert m["aero/frac_zero_adv_after"] == pytest.approx(1 / 7)  # 2·0.5 − 1 = 0 for group 2
+
+
+def test_rescued_groups_are_rejected_unless_reject_rescued_is_off():
+    # prompt 0 fails its 4 explore rollouts and succeeds in the 2nd rescue round: 1 success in 8 (u = 1/8)
+    engine = ScriptedEngine([[F] * 6 + [T, F], [T, F, F, F]])
+    batch, _ = collect_aero_rollouts(2, engine, n_explore=4, n_extra=2, n_max=8)
+    assert rescued_groups(batch, 4).tolist() == [T, F]
+    stats = PromptStats()
+    stats.record([p.uid for p in batch.problems], batch.group_index, batch.correct)
+    sizes = {}
+    for reject in (True, False):
+        method = aero_method("aero.n_explore=4", "aero.n_max=8", f"aero.reject_rescued={str(reject).lower()}")
+        kept, _ = method.select(batch, offline_context(method.cfg, torch.Generator().manual_seed(0), stats))
+        sizes[reject] = kept.group_sizes().tolist()
+    assert sizes[True] == [2, 2]  # the rescued group is trimmed to 1 success + 1 failure like any u < 0.5 group
+    assert sizes[False] == [8, 2]  # kept whole; the never-rescued group is still trimmed
+
+
+def test_aero_refuses_zero_variance_filtering():
+    with pytest.raises(ConfigError, match="filter.zero_variance"):
+        load_config(None, ["method=aero", "filter.zero_variance=true"])
 
 
 # --------------------------------------------------------------------------------------------- advantages
@@ -249,7 +284,7 @@ def test_grpo_advantages_by_hand_with_unequal_groups():
     rewards = [1.0, 0.0, 0.5, 0.0, 1.0, 0.7, 0.2, 0.2]
     gi = [0, 0, 1, 0, 1, 2, 3, 3]  # sizes 3, 2, 1, 2 (rows interleaved)
     eps = 1e-4
-    adv = group_advantages(torch.tensor(rewards), torch.tensor(gi), 5, eps)
+    adv = grpo_advantages(torch.tensor(rewards), torch.tensor(gi), 5, "group", eps)
     expected = []
     for r, g in zip(rewards, gi):
         members = [x for x, h in zip(rewards, gi) if h == g]
@@ -261,8 +296,8 @@ def test_grpo_advantages_by_hand_with_unequal_groups():
     assert adv.dtype == torch.float32 and adv[5] == 0 and adv[6] == 0 and adv[7] == 0
     # a constant-reward group is exactly 0 even where the float mean does not reproduce the value
     flat = torch.tensor([0.1, 0.1, 0.1, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7], dtype=torch.float64)
-    adv = group_advantages(flat, torch.tensor([0, 0, 0] + [1] * 7), 2, eps)
-    assert adv.dtype == torch.float64 and (adv == 0).all()
+    adv = grpo_advantages(flat, torch.tensor([0, 0, 0] + [1] * 7), 2, "group", eps)
+    assert (adv == 0).all()
 
 
 def test_dead_zone_baseline_and_constant_by_hand():

@@ -6,15 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from podsrl.algo.allocation import allocate_by_variance, allocation_metrics, variance_priority, water_fill
 from podsrl.errors import ConfigError
-from podsrl.select.allocation import (
-    ALLOCATORS,
-    allocate_by_variance,
-    allocation_metrics,
-    uniform_allocation,
-    variance_priority,
-    water_fill,
-)
 
 
 def t(xs):
@@ -31,12 +24,6 @@ def hamilton(base, weights, budget):
     for i in order[: extra - sum(add)]:
         add[i] += 1
     return [b + a for b, a in zip(base, add)]
-
-
-def test_uniform_allocation():
-    assert uniform_allocation(3, 5).tolist() == [5, 5, 5]
-    assert uniform_allocation(3, 5).dtype == torch.long
-    assert uniform_allocation(0, 5).numel() == 0
 
 
 def test_variance_priority_hand_values():
@@ -117,27 +104,53 @@ def test_all_zero_priorities_round_robin():
     assert out.tolist() == [11, 11, 11, 10, 10]
 
 
-def test_all_unknown_prompts():
+def test_all_unknown_prompts_rollout_n_rule():
+    def allocate(*args, **kw):
+        return allocate_by_variance(*args, unknown_rule="rollout_n", **kw)
+
     k = g = torch.zeros(6, dtype=torch.long)
-    assert allocate_by_variance(k, g, 96, 8, 24, explore=16).tolist() == [16] * 6
+    assert allocate(k, g, 96, 8, 24, explore=16).tolist() == [16] * 6
     # explorers overrun the budget: cut evenly from the top, never below n_min
-    out = allocate_by_variance(k, g, 6 * 8 + 9, 8, 24, explore=20)
+    out = allocate(k, g, 6 * 8 + 9, 8, 24, explore=20)
     assert out.tolist() == [9, 9, 9, 10, 10, 10]
     # mixed: the known prompts keep n_min, only the explorers are cut
-    out = allocate_by_variance(t([0, 5, 0, 9]), t([0, 10, 1, 10]), 8 + 8 + 2 * 11, 8, 24, explore=20)
+    out = allocate(t([0, 5, 0, 9]), t([0, 10, 1, 10]), 8 + 8 + 2 * 11, 8, 24, explore=20)
     assert out.tolist() == [11, 8, 11, 8]
     # explorers leave budget over and nobody has a priority: spread evenly, capped at n_max
-    out = allocate_by_variance(k, g, 6 * 23, 8, 24, explore=12)
+    out = allocate(k, g, 6 * 23, 8, 24, explore=12)
     assert out.tolist() == [23] * 6
     # exploration count is clipped to the bounds
-    assert allocate_by_variance(k[:2], g[:2], 16, 8, 24, explore=2).tolist() == [8, 8]
+    assert allocate(k[:2], g[:2], 16, 8, 24, explore=2).tolist() == [8, 8]
 
 
-def test_unknown_get_exploration_count_and_known_share_the_rest():
+def test_rollout_n_rule_unknown_get_exploration_count_and_known_share_the_rest():
     k, g = t([0, 5, 2, 0]), t([0, 10, 10, 1])
-    out = allocate_by_variance(k, g, budget=12 + 8 + 8 + 12 + 30, n_min=8, n_max=100, explore=12)
+    out = allocate_by_variance(k, g, budget=12 + 8 + 8 + 12 + 30, n_min=8, n_max=100, explore=12,
+                               unknown_rule="rollout_n")
     # unknowns (G < 4) get exactly 12; the 30 extra go 25:16 to the known prompts
     assert out.tolist() == [12] + hamilton([8, 8], [25 / 90, 16 / 90], 46) + [12]
+
+
+def test_reference_rule_mixed_batch_worked_example():
+    # issue 15: 4 unknown + 4 known prompts, n = 16, bounds [8, 24]. The reference code starts every prompt at
+    # max(n_min, min_history) - G = 8 and water-fills the rest to the known prompts by priority (unknown priority
+    # is 0); the rollout_n rule gives each unknown prompt rollout.n = 16 and leaves the known ones the remainder.
+    k, g = t([0, 0, 0, 0, 8, 6, 12, 14]), t([0, 0, 0, 0, 16, 16, 16, 16])
+    reference = allocate_by_variance(k, g, budget=8 * 16, n_min=8, n_max=24, explore=16)
+    assert reference.tolist() == [8, 8, 8, 8, 24, 24, 24, 24]
+    ours = allocate_by_variance(k, g, budget=8 * 16, n_min=8, n_max=24, explore=16, unknown_rule="rollout_n")
+    priority = [8 * 8 / 240, 6 * 10 / 240, 12 * 4 / 240, 0.01]  # V = k(G-k)/(G(G-1)); 14/16 is mastered
+    assert ours.tolist() == [16] * 4 + hamilton([8] * 4, priority, 128 - 4 * 16) == [16] * 4 + [20, 19, 17, 8]
+
+
+def test_reference_rule_counts_the_history_an_unknown_prompt_still_needs():
+    # n_min below min_history: an unknown prompt with G attempts starts at min_history - G (at least n_min)
+    k, g = t([0, 1, 0, 3]), t([0, 2, 3, 10])
+    out = allocate_by_variance(k, g, budget=4 + 2 + 2 + 2, n_min=2, n_max=8, explore=0, min_history=4)
+    assert out.tolist() == [4, 2, 2, 2]
+    # all unknown, nobody has a priority: the rest is spread evenly from the bottom (the rollout_n outcome)
+    zeros = torch.zeros(6, dtype=torch.long)
+    assert allocate_by_variance(zeros, zeros, 96, 8, 24, explore=0).tolist() == [16] * 6
 
 
 def test_all_mastered_split_evenly():
@@ -218,12 +231,3 @@ def test_allocation_metrics():
             "alloc/frac_unknown": 0.25,
         }
     )
-
-
-def test_registry():
-    assert set(ALLOCATORS) >= {"uniform", "variance"}
-    k, g = t([0, 5, 9]), t([0, 10, 10])
-    assert ALLOCATORS["uniform"](k, g, budget=48, n_min=8, n_max=24, explore=16).tolist() == [16, 16, 16]
-    assert ALLOCATORS["uniform"](k, g, budget=50).tolist() == [17, 17, 16]
-    out = ALLOCATORS["variance"](k, g, budget=48, n_min=8, n_max=24, explore=16, weight="std")
-    assert int(out.sum()) == 48

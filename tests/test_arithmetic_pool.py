@@ -45,7 +45,7 @@ def test_warmup_is_shared_with_the_unbounded_stream():
 
 @pytest.mark.parametrize("refresh", ["step", "epoch"])
 def test_allocation_gets_history_after_the_first_epoch(tmp_path, warmup_cache, refresh):
-    extra = {"task.args": "{operands: 2, digits: 1, train_size: 8}", "rollout.allocation": "variance",
+    extra = {"task.args": "{operands: 2, digits: 1, train_size: 8}", "method": "dynamo",
              "dynamo.n_min": 2, "dynamo.n_max": 6, "dynamo.refresh": refresh, "train.max_steps": 4}
     cfg = load_config("podsrl/configs/grpo.yaml", tiny_overrides(tmp_path / "run", warmup_cache, **extra))
     Trainer(cfg).train()

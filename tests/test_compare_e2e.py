@@ -14,10 +14,9 @@ def test_two_configs_two_seeds_compare_and_report(tmp_path, warmup_cache):
     overrides = [o for o in tiny_overrides(tmp_path / "unused", warmup_cache, **{"train.max_steps": 50})
                  if not o.startswith("output_dir=")]
     cmd = [sys.executable, "-m", "podsrl", "compare", str(ROOT / "configs/grpo.yaml"), str(ROOT / "configs/pods.yaml"),
-           *overrides, "rollout.n=8", "select.m=0", "--seeds", "1", "2", "--budget-rollouts", "96", "--out", str(out),
+           *overrides, "rollout.n=8", "pods.m=4", "--seeds", "1", "2", "--budget-rollouts", "96", "--out", str(out),
            "--no-progress"]
-    # pods.yaml sets m=16 > n=8 here: the runner passes the same overrides to both, so set m explicitly per run.
-    cmd[cmd.index("select.m=0")] = "select.m=4"
+    # pods.yaml sets m=16 > n=8 here: the overrides go to both runs, and grpo ignores the pods section.
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     for name in ("grpo", "pods"):

@@ -11,9 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_overrides_win_over_the_file_and_are_typed():
-    cfg = load_config(ROOT / "configs/pods.yaml", ["rollout.n=32", "optim.lr=3e-4", "select.m=8",
+    cfg = load_config(ROOT / "configs/pods.yaml", ["rollout.n=32", "optim.lr=3e-4", "pods.m=8",
                                                     "model.lora_target_modules=[q_proj, v_proj]"])
-    assert (cfg.rollout.n, cfg.select.m, cfg.optim.lr) == (32, 8, 3e-4)
+    assert (cfg.method, cfg.rollout.n, cfg.pods.m, cfg.optim.lr) == ("pods", 32, 8, 3e-4)
     assert cfg.model.lora_target_modules == ["q_proj", "v_proj"]
     assert cfg.name == "pods"
 
@@ -21,8 +21,8 @@ def test_overrides_win_over_the_file_and_are_typed():
 @pytest.mark.parametrize("override, key", [
     ("rollout.nn=3", "rollout.nn"),
     ("rollout.n=abc", "rollout.n"),
-    ("select.rule=best", "select.rule"),
-    ("select.m=99", "select.m"),
+    ("pods.rule=best", "pods.rule"),
+    ("method=ppo", "method"),
     ("optim.lr=-1", "optim.lr"),
     ("log.progress=maybe", "log.progress"),
 ])

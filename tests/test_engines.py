@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from podsrl.engines.base import SamplingParams, build_engine
+from podsrl.engines import SamplingParams, build_engine, check_engine_options
 from podsrl.engines.fast import FastEngine
 from podsrl.engines.hf import HFEngine
 from podsrl.engines.sampling import filter_logits, row_uniforms, sample_rows, splitmix64
+from podsrl.errors import ConfigError
 from tests.tiny_lm import EOS, PAD, tiny_causal_lm
 from tests.tiny_lm import TokStub as Tok
 
@@ -315,3 +318,25 @@ def test_unsupported_model_falls_back_to_hf(caplog):
         random_prompts([3]), [2], SamplingParams(max_new_tokens=3, greedy=True), torch.arange(2)
     )
     assert out.completion_ids.shape[0] == 2
+
+
+@pytest.mark.parametrize("engine, options, key", [
+    ("fast", {"shared_prefil": False}, "rollout.engine_options.shared_prefil"),
+    ("hf", {"compaction": True}, "rollout.engine_options.compaction"),
+    ("ray", {"num_worker": 2}, "rollout.engine_options.num_worker"),
+    ("ray", {"engine": "fast", "engine_options": {"cach": "dynamic"}}, "rollout.engine_options.engine_options.cach"),
+    ("vllm", {"gpu_memory": 0.5}, "rollout.engine_options.gpu_memory"),
+])
+def test_unknown_engine_options_name_the_key(engine, options, key):
+    with pytest.raises(ConfigError, match=re.escape(key) + ": not an option of the"):
+        check_engine_options(engine, options)
+    from podsrl.config import load_config
+
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        load_config(None, [f"rollout.engine={engine}", f"rollout.engine_options={json.dumps(options)}"])
+
+
+def test_known_engine_options_pass():
+    check_engine_options("fast", {"shared_prefill": False, "cache": "dynamic", "pad_token_id": 0})
+    check_engine_options("ray", {"num_workers": 1, "engine": "hf", "engine_options": {"eos_token_id": 2}})
+    check_engine_options("vllm", {"gpu_memory_utilization": 0.3, "llm_options": {}})

@@ -13,8 +13,7 @@ import torch
 from podsrl.algo.grad_noise import SplitHalfProbe, expected_noise_var, make_probe, split_halves, split_seed
 from podsrl.algo.loss import aggregation_stats
 from podsrl.config import load_config
-from podsrl.select.prompt_stats import PromptStats
-from podsrl.stages import select_for_update
+from podsrl.methods import METHODS, offline_context
 from podsrl.tracking import read_metrics
 from podsrl.trainer import Trainer
 from podsrl.update import PolicyUpdater
@@ -25,8 +24,8 @@ SIZES = [5, 1, 3, 2, 4]  # odd K = 5 and groups of unequal size
 
 
 def setup(*overrides: str):
-    cfg = load_config(None, ["optim.max_grad_norm=0", "select.rule=none", *overrides])
-    kept, _ = select_for_update(cfg, make_batch(SIZES, seed=3), PromptStats(), torch.Generator().manual_seed(1))
+    cfg = load_config(None, ["optim.max_grad_norm=0", *overrides])
+    kept, _ = METHODS[cfg.method](cfg).select(make_batch(SIZES, seed=3), offline_context(cfg, torch.Generator().manual_seed(1)))
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # params move by exactly -g
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)

@@ -95,11 +95,11 @@ def greso_config(**overrides):
 
 
 def visit(stats, uid, bits):
-    stats.update_from_groups([uid], torch.zeros(len(bits), dtype=torch.long), torch.tensor(bits))
+    stats.record([uid], torch.zeros(len(bits), dtype=torch.long), torch.tensor(bits))
 
 
 def test_spec_example_streaks_from_prompt_stats():
-    from podsrl.select.prompt_stats import PromptStats
+    from podsrl.prompt_stats import PromptStats
 
     stats = PromptStats()
     mixed, right, wrong = [True, False] * 4, [True] * 8, [False] * 8

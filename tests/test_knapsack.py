@@ -182,7 +182,7 @@ def test_method_allocation_from_prompt_stats():
     ctx = ScriptedContext(cfg, lambda uid, k: True)
     rates = {"p0": [True] * 8, "p1": [False] * 8, "p2": [True, False] * 4, "p3": [True, False, False, False] * 2}
     for uid, bits in rates.items():
-        ctx.stats.update_from_groups([uid], torch.zeros(8, dtype=torch.long), torch.tensor(bits))
+        ctx.stats.record([uid], torch.zeros(8, dtype=torch.long), torch.tensor(bits))
     method = Knapsack(cfg)
     batch, metrics = method.collect(problems(4) + problems(1, start=9), ctx)
     # p9 is new (gets n = 4); the other four are the spec's [1, 0, 0.5, 0.25] with B = 20 - 4 = 16 for them
@@ -204,9 +204,9 @@ def test_method_rate_uses_the_newest_window():
     ctx = ScriptedContext(cfg, lambda uid, k: True)
     # 12 failures then 4 successes for p0: the 16 newest give 0.25; p1's last visit has 16 rollouts, all correct
     for bits in ([False] * 12, [True] * 4):
-        ctx.stats.update_from_groups(["p0"], torch.zeros(len(bits), dtype=torch.long), torch.tensor(bits))
+        ctx.stats.record(["p0"], torch.zeros(len(bits), dtype=torch.long), torch.tensor(bits))
     for bits in ([False] * 16, [True] * 16):
-        ctx.stats.update_from_groups(["p1"], torch.zeros(16, dtype=torch.long), torch.tensor(bits))
+        ctx.stats.record(["p1"], torch.zeros(16, dtype=torch.long), torch.tensor(bits))
     counts, _ = Knapsack(cfg).allocate(problems(2), ctx)
     assert counts == [6, 2]  # p1 (p = 1) gets positive_n, p0 takes the rest of B = 8
 

@@ -80,7 +80,7 @@ def test_merged_shards_equal_one_call():
 def test_vllm_engine_names_what_is_missing():
     import importlib.util
 
-    from podsrl.engines.base import build_engine
+    from podsrl.engines import build_engine
     from podsrl.errors import ConfigError
 
     if importlib.util.find_spec("vllm") is not None and torch.cuda.is_available():

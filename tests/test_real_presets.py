@@ -38,7 +38,7 @@ def _stand_in_overrides(tmp_path, model_path, data, steps=2):
     return [f"model.name_or_path={model_path}", "model.dtype=float32", "model.lora_rank=4",
             f"task.args.path={data}", "task.args.eval_split=null", "task.args.eval_fraction=0.25",
             "task.args.prompt_mode=plain", "task.args.config=null", "task.eval_size=4", "rollout.prompts_per_step=2",
-            "rollout.n=4", "select.m=2", "rollout.max_new_tokens=6", f"train.max_steps={steps}", "eval.samples=0",
+            "rollout.n=4", "pods.m=2", "rollout.max_new_tokens=6", f"train.max_steps={steps}", "eval.samples=0",
             f"output_dir={tmp_path / 'run'}", "log.progress=false", "log.tensorboard=false", "log.plot=false"]
 
 

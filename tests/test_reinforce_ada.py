@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from podsrl.algo.reinforce_ada import balanced_keep, exit_test, keep_quotas, pool_advantages
-from podsrl.select.downsample import max_variance_subset, pack_groups
+from podsrl.algo.selection import max_variance_subset, pack_groups
 
 
 def t(xs, dtype=torch.long):

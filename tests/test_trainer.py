@@ -34,8 +34,7 @@ def test_reward_rises_on_a_learnable_reward(tmp_path, warmup_cache):
 
 @pytest.mark.parametrize("preset", ["grpo", "pods"])
 def test_step_records_carry_the_agreed_metrics(tmp_path, warmup_cache, preset):
-    overrides = tiny_overrides(tmp_path / preset, warmup_cache, **{"rollout.n": 8, "select.m": 4 if preset == "pods"
-                                                                   else 0})
+    overrides = tiny_overrides(tmp_path / preset, warmup_cache, **{"rollout.n": 8, "pods.m": 4})
     summary = Trainer(load_config(f"podsrl/configs/{preset}.yaml", overrides)).train()
     records = read_metrics(tmp_path / preset / "metrics.jsonl")
     steps = [r for r in records if "reward" in r]
@@ -57,7 +56,7 @@ def test_step_records_carry_the_agreed_metrics(tmp_path, warmup_cache, preset):
 def test_same_seed_same_metrics(tmp_path, warmup_cache):
     def run(name):
         Trainer(load_config("podsrl/configs/pods.yaml", tiny_overrides(tmp_path / name, warmup_cache,
-                                                                      **{"rollout.n": 8, "select.m": 4}))).train()
+                                                                      **{"rollout.n": 8, "pods.m": 4}))).train()
         return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in _steps(tmp_path / name)]
 
     assert run("a") == run("b")

@@ -13,6 +13,7 @@ datasets = pytest.importorskip("datasets")
 from trl import GRPOConfig, GRPOTrainer
 
 from podsrl.algo.advantages import grpo_advantages
+from podsrl.algo.selection import select_rollouts
 from podsrl.config import TinyModelConfig
 from podsrl.integrations import trl_config
 from podsrl.integrations.trl import (
@@ -23,7 +24,6 @@ from podsrl.integrations.trl import (
     slice_batch,
 )
 from podsrl.models import build_char_tokenizer, build_tiny_model
-from podsrl.select.downsample import select_rollouts
 
 EPS = 1e-4
 

@@ -8,8 +8,6 @@ micro-batch's valid tokens only, so padding never shifts them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
@@ -126,30 +124,3 @@ def dynamo_modulation(
         **_masked_stats(comp, valid, "modulation/comp"),
     }
     return factor, metrics
-
-
-@torch.no_grad()
-def no_modulation(
-    advantages: Tensor,
-    log_ratio: Tensor | None = None,
-    logprobs: Tensor | None = None,
-    entropy: Tensor | None = None,
-    mask: Tensor | None = None,
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    **_: object,
-) -> tuple[Tensor, dict[str, float]]:
-    """Plain GRPO: factor 1 everywhere (shape of the mask, or of the advantages), no metrics."""
-    ref = mask if mask is not None else advantages
-    dtype = advantages.dtype if advantages.is_floating_point() else torch.float32
-    return torch.ones(ref.shape, dtype=dtype, device=advantages.device), {}
-
-
-Modulation = Callable[..., tuple[Tensor, dict[str, float]]]
-
-# name -> modulation(advantages, log_ratio, logprobs, entropy, mask, epsilon_low, epsilon_high, **params).
-# Only "dynamo" reads entropy/logprobs; "none" accepts None for them.
-MODULATIONS: dict[str, Modulation] = {
-    "none": no_modulation,
-    "dynamo": dynamo_modulation,
-}

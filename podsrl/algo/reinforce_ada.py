@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from podsrl.algo.advantages import group_mean_std
+from podsrl.algo.advantages import grpo_advantages
 
 EXIT_RULES = ("balanced", "positive_focused")
 
@@ -75,9 +75,9 @@ def balanced_keep(positive: torch.Tensor, group_index: torch.Tensor, num_groups:
 def pool_advantages(kept_rewards: torch.Tensor, kept_group: torch.Tensor, pool_rewards: torch.Tensor,
                     pool_group: torch.Tensor, num_groups: int, std: bool = False,
                     epsilon: float = 1e-6) -> torch.Tensor:
-    """[R_kept] A = r − mean(pool), or (r − mean) / (max(std, ε) + ε) with `std`; the pool is everything generated
-    for the prompt this step. A pool of one rollout gives 0 (no baseline to compare with)."""
-    mean, pool_std, count = group_mean_std(pool_rewards, pool_group, num_groups)
-    centred = kept_rewards.double() - mean[kept_group]
-    adv = centred / (pool_std.clamp(min=epsilon)[kept_group] + epsilon) if std else centred
-    return torch.where(count[kept_group] > 1, adv, torch.zeros_like(adv)).float()
+    """[R_kept] A = r − mean(pool), or (r − mean) / (std + ε) with `std`; the pool is everything generated for the
+    prompt this step. This is GRPO's advantage with group statistics over the pool; a constant pool (or a pool of
+    one rollout) gives exactly 0. The reference also floors the std at ε, which only matters for pools GRPO already
+    zeroes."""
+    return grpo_advantages(kept_rewards, kept_group, num_groups, "group" if std else "none", epsilon, pool_rewards,
+                           pool_group)

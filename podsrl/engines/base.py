@@ -76,26 +76,3 @@ def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor,
             ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             mask[i, width - len(p) :] = 1
     return ids, mask
-
-
-def build_engine(name: str, model: torch.nn.Module, tokenizer, **options) -> RolloutEngine:
-    """Engine registry; heavy engines are imported lazily so their extras stay optional."""
-    if name == "hf":
-        from podsrl.engines.hf import HFEngine
-
-        return HFEngine(model, tokenizer, **options)
-    if name == "fast":
-        from podsrl.engines.fast import FastEngine
-
-        return FastEngine(model, tokenizer, **options)
-    if name == "ray":
-        from podsrl.engines.ray import RayEngine
-
-        return RayEngine(model, tokenizer, **options)
-    if name == "vllm":
-        from podsrl.engines.vllm import VLLMEngine
-
-        return VLLMEngine(model, tokenizer, **options)
-    from podsrl.errors import ConfigError
-
-    raise ConfigError(f"rollout.engine: unknown engine {name!r} (choose from hf, fast, ray, vllm)")

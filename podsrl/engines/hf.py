@@ -1,4 +1,5 @@
-"""The default engine: transformers' `model.generate` in process, sharing the trainer's module."""
+"""The `hf` engine: transformers' `model.generate` in process, sharing the trainer's module (the reference for the
+fast engine, which is the default)."""
 
 from __future__ import annotations
 

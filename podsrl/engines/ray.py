@@ -76,7 +76,7 @@ class RolloutWorker:
         self.model = model.to(device).eval().requires_grad_(False)
         if weights is not None:
             self.load_weights(weights)
-        from podsrl.engines.base import build_engine
+        from podsrl.engines import build_engine
 
         self.engine = build_engine(engine, self.model, None, **options)
 

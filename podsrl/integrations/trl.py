@@ -28,7 +28,8 @@ from trl import GRPOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, unsplit_pixel_values_by_grid
 
 from podsrl.algo.advantages import grpo_advantages
-from podsrl.select.downsample import select_rollouts, selection_metrics, zero_variance_groups
+from podsrl.algo.group_stats import group_stats, zero_variance_groups
+from podsrl.algo.selection import select_rollouts, selection_metrics
 
 __all__ = ["TRL_SUPPORTED_SPEC", "PODSGRPOConfig", "PODSGRPOTrainer", "PODSSelection", "pods_select", "slice_batch"]
 
@@ -79,9 +80,7 @@ def pods_select(
     num_groups = total // num_generations
     group = torch.arange(total) // num_generations
     finite = torch.isfinite(rewards)
-    scorable_sum = torch.bincount(group, weights=torch.where(finite, rewards, 0.0), minlength=num_groups)
-    scorable_count = torch.bincount(group, weights=finite.double(), minlength=num_groups)
-    fill = scorable_sum / scorable_count.clamp(min=1)
+    fill = group_stats(rewards[finite], group[finite], num_groups).mean  # mean of the scorable rewards
     r = torch.where(finite, rewards, fill[group])
 
     kept = select_rollouts(r, group, num_groups, m, rule, generator)  # global rows, ascending

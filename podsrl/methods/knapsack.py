@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from podsrl.algo.group_stats import zero_variance_groups
 from podsrl.algo.knapsack import knapsack_allocation, success_rate
 from podsrl.batch import Problem, RolloutBatch
 from podsrl.config import Config
 from podsrl.errors import ConfigError
 from podsrl.methods.base import Method, StepContext
-from podsrl.select.downsample import zero_variance_groups
-from podsrl.select.prompt_stats import RING
+from podsrl.prompt_stats import RING
 
 
 class Knapsack(Method):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from podsrl.algo.reinforce_ada import balanced_keep, exit_test, pool_advantages
+from podsrl.algo.selection import selection_metrics
 from podsrl.batch import Problem, RolloutBatch, concat_batches
 from podsrl.config import Config
 from podsrl.errors import ConfigError
@@ -72,4 +73,5 @@ class ReinforceAda(Method):
         kept = batch.select_rows(rows)
         kept.advantages = pool_advantages(kept.rewards, kept.group_index, batch.rewards, batch.group_index,
                                           batch.num_groups, std=r.std, epsilon=r.epsilon)
-        return kept, {"sampling/kept_samples": float(kept.num_rollouts)}
+        metrics = selection_metrics(batch.rewards, batch.group_index, batch.num_groups, rows)
+        return kept, {**metrics, "sampling/kept_samples": float(kept.num_rollouts)}

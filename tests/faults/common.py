@@ -25,7 +25,7 @@ def tiny(run_dir: Path, cache: str | Path, **extra) -> list[str]:
         "model.tiny.intermediate_size": 64,
         "task.args": "{operands: 2, digits: 1}", "task.eval_size": 8, "eval.samples": 0,
         "rollout.prompts_per_step": 4, "rollout.n": 4, "rollout.max_new_tokens": 6,
-        "select.m": 2, "select.rule": "max_variance", "optim.lr": 0.01,
+        "method": "pods", "pods.m": 2, "optim.lr": 0.01,
         "rewards": f"[{{name: correct}}, {{name: spread, function: '{REWARDS}:spread'}}]",
         "train.max_steps": MAX_STEPS, "train.save_every": SAVE_EVERY, "train.eval_every": 3,
         "log.progress": False, "log.tensorboard": False, "log.plot": False,

@@ -91,7 +91,7 @@ CASES: dict[str, Case] = {
     "not_a_choice": _override("rollout.engine=turbo", "rollout.engine: 'turbo' is not one of"),
     "section_as_value": _override("rollout=3", "rollout: expected a mapping"),
     "override_without_value": _override("rollout.n", "override 'rollout.n': expected key=value"),
-    "cross_field": _override("select.m=8", "select.m: must be in [0, rollout.n=4]"),
+    "cross_field": _override("pods.m=8", "pods.m: must be in [0, rollout.n=4]"),
     "list_expected": _override("rewards=5", "rewards: expected a list"),
     "yaml_syntax": _config_file("bad.yaml", "rollout: [1, 2\n", "not valid YAML"),
     "yaml_not_mapping": _config_file("list.yaml", "- 1\n- 2\n", "the top level must be a mapping"),

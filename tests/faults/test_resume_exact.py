@@ -25,17 +25,17 @@ def _dataset(tmp_path) -> str:
 CONFIGS = {
     "hf_engine_minibatches_cosine": {"rollout.engine": "hf", "optim.epochs": 2, "optim.mini_batches": 2,
                                      "optim.scheduler": "cosine", "optim.warmup_steps": 2},
-    "aero": {"select.rule": "aero", "aero.n_explore": 2, "aero.n_extra": 1, "aero.n_max": 4},
+    "aero": {"method": "aero", "aero.n_explore": 2, "aero.n_extra": 1, "aero.n_max": 4},
     "dynamo_epoch_snapshot_dataset": {
         "task.name": "dataset", "task.args": "{path: DATASET, eval_fraction: 0.2}", "warmup.steps": 0,
-        "rollout.allocation": "variance", "dynamo.n_min": 2, "dynamo.n_max": 6, "dynamo.min_history": 1,
-        "dynamo.refresh": "epoch", "algo.modulation": "dynamo", "rollout.prompts_per_step": 3},
+        "method": "dynamo", "dynamo.n_min": 2, "dynamo.n_max": 6, "dynamo.min_history": 1,
+        "dynamo.refresh": "epoch", "dynamo.modulation": True, "rollout.prompts_per_step": 3},
     # a pool of 6 at 4 prompts a step: epochs end mid-step; allocation history, snapshot and grad/* metrics
     "dynamo_arithmetic_pool_grad_noise": {
-        "task.args": "{operands: 2, digits: 1, train_size: 6}", "rollout.allocation": "variance", "select.m": 0,
-        "dynamo.n_min": 2, "dynamo.n_max": 6, "dynamo.min_history": 1, "dynamo.refresh": "epoch",
-        "log.grad_noise": True},
-    "filter_refill_kl": {"select.filter_zero_variance": True, "select.max_refill_rounds": 2, "algo.beta": 0.1},
+        "task.args": "{operands: 2, digits: 1, train_size: 6}", "method": "dynamo",
+        "dynamo.modulation": False, "dynamo.n_min": 2, "dynamo.n_max": 6, "dynamo.min_history": 1,
+        "dynamo.refresh": "epoch", "log.grad_noise": True},
+    "filter_refill_kl": {"filter.zero_variance": True, "filter.max_refill_rounds": 2, "algo.beta": 0.1},
 }
 
 

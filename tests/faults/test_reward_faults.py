@@ -28,7 +28,7 @@ MESSAGES = {"raise": "raised ValueError: injected reward failure", "hang": "did 
 def _overrides(run, cache, policy: str, steps: int) -> list[str]:
     rewards = f"[{{name: correct}}, {{name: faulty, function: '{REWARDS}:faulty'}}]"
     return tiny(run, cache, **{"rewards": rewards, "reward_on_error": policy, "reward_timeout": 0.3,
-                               "select.m": 0, "select.rule": "none", "train.max_steps": steps,
+                               "method": "grpo", "train.max_steps": steps,
                                "train.save_every": 1, "train.eval_every": 100})
 
 

@@ -6,7 +6,9 @@ proxied from each prompt's run-long success history (successes k_i out of G_i at
 
 Pipeline of `allocate_by_variance`:
   1. priorities from histories (`variance_priority`); prompts with too little history are "unknown";
-  2. unknown prompts get the exploration count, everyone else n_min (all clipped to [n_min, n_max]);
+  2. base counts: with `unknown_rule="reference"` (the reference code) every prompt gets max(n_min, min_history) − G_i
+     (the rollouts it still needs to become known), at least n_min; with `"rollout_n"` unknown prompts get the
+     exploration count (rollout.n) and everyone else n_min (all clipped to [n_min, n_max]);
   3. the rest of the budget is water-filled in proportion to priority (`water_fill`), capped at n_max;
   4. repair so that Σ n_i = B exactly (`_level_down` / `_level_up`).
 
@@ -15,19 +17,13 @@ Every function here is pure (no state) and works on 1-D tensors of length P (pro
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
 from podsrl.errors import ConfigError
 
 WEIGHTS = ("variance", "std")
-
-
-def uniform_allocation(num_prompts: int, n: int) -> Tensor:
-    """Plain GRPO: every prompt gets n rollouts."""
-    return torch.full((num_prompts,), int(n), dtype=torch.long)
+UNKNOWN_RULES = ("reference", "rollout_n")
 
 
 def _check_history(successes: Tensor, attempts: Tensor) -> tuple[Tensor, Tensor]:
@@ -182,23 +178,32 @@ def allocate_by_variance(
     n_min: int,
     n_max: int,
     explore: int,
+    unknown_rule: str = "reference",
+    min_history: int = 4,
     **priority_kwargs,
 ) -> Tensor:
     """DynaMO rollout counts [P] long with n_min ≤ n_i ≤ n_max and Σ n_i = budget exactly.
 
-    Unknown prompts get clip(explore, n_min, n_max) (cut evenly from the top, ties by index, if the
-    explorers alone overrun the budget), the others start at n_min, and the remainder is water-filled by
-    priority. A budget outside [P·n_min, P·n_max] cannot be met and raises ConfigError (the config's
+    Base counts: `unknown_rule="reference"` gives each prompt clip(max(n_min, min_history) − G_i, n_min, n_max) with
+    G_i its attempts so far (so with n_min ≥ min_history every prompt starts at n_min, and unknown prompts, whose
+    priority is 0, get no share of the rest); `"rollout_n"` gives unknown prompts clip(explore, n_min, n_max) and the
+    others n_min. Base counts that alone overrun the budget are cut evenly from the top (ties by index); the
+    remainder is water-filled by priority. A budget outside [P·n_min, P·n_max] cannot be met and raises ConfigError (the config's
     rollout.n is outside the DynaMO bounds).
     """
     budget, n_min, n_max, explore = int(budget), int(n_min), int(n_max), int(explore)
-    priority, unknown = variance_priority(successes, attempts, **priority_kwargs)
+    if unknown_rule not in UNKNOWN_RULES:
+        raise ConfigError(f"dynamo.unknown_rule must be one of {UNKNOWN_RULES}, got {unknown_rule!r}")
+    priority, unknown = variance_priority(successes, attempts, min_history=min_history, **priority_kwargs)
     num_prompts = priority.numel()
     _check_budget(num_prompts, budget, n_min, n_max, explore)
     if num_prompts == 0:
         return torch.zeros(0, dtype=torch.long)
-    explore_n = min(max(explore, n_min), n_max)
-    base = torch.where(unknown, explore_n, n_min).long()
+    if unknown_rule == "reference":
+        needed = max(n_min, int(min_history)) - torch.as_tensor(attempts).long()
+        base = needed.clamp(min=n_min, max=n_max)
+    else:
+        base = torch.where(unknown, min(max(explore, n_min), n_max), n_min).long()
     counts = water_fill(base, priority, budget, n_max)  # returns `base` unchanged when the explorers overrun
     # Repair to Σ = budget: an overrun by the explorers is cut from the top (highest counts first, never below
     # n_min); a shortfall (only possible through float rounding of the shares) is filled from the bottom.
@@ -229,23 +234,3 @@ def allocation_metrics(
         "alloc/frac_unknown": float(unknown.double().mean()),
     }
 
-
-Allocator = Callable[..., Tensor]
-
-
-def _uniform_allocator(successes: Tensor, attempts: Tensor, budget: int, **_: object) -> Tensor:
-    """Even split of the budget, ignoring history; a remainder goes one each to the first prompts."""
-    num_prompts = torch.as_tensor(successes).numel()
-    if num_prompts == 0:
-        return torch.zeros(0, dtype=torch.long)
-    q, r = divmod(int(budget), num_prompts)
-    counts = uniform_allocation(num_prompts, q)
-    counts[:r] += 1
-    return counts
-
-
-# name -> allocator(successes, attempts, budget=, n_min=, n_max=, explore=, **priority_kwargs) -> [P] long
-ALLOCATORS: dict[str, Allocator] = {
-    "uniform": _uniform_allocator,
-    "variance": allocate_by_variance,
-}

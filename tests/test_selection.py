@@ -1,4 +1,5 @@
-"""PODS down-sampling rules: brute-force optimality, documented tie-breaks, unequal groups, metrics."""
+"""PODS down-sampling rules (algo/selection.py): brute-force optimality, documented tie-breaks, unequal groups,
+metrics."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from podsrl.errors import ConfigError
-from podsrl.select.downsample import (
+from podsrl.algo.group_stats import zero_variance_groups
+from podsrl.algo.selection import (
     SELECTION_RULES,
     _ends,
     _keep_extremes,
@@ -24,8 +25,8 @@ from podsrl.select.downsample import (
     random_subset,
     select_rollouts,
     selection_metrics,
-    zero_variance_groups,
 )
+from podsrl.errors import ConfigError
 
 
 def sample_var(xs: list[float]) -> float:
@@ -244,9 +245,9 @@ def test_none_rule_and_registry() -> None:
 def test_errors_name_the_config_key() -> None:
     r = torch.tensor([1.0, 0.0])
     gi = torch.tensor([0, 0])
-    with pytest.raises(ConfigError, match="select.rule"):
+    with pytest.raises(ConfigError, match="pods.rule"):
         select_rollouts(r, gi, 1, 1, "max_entropy")
-    with pytest.raises(ConfigError, match="select.m"):
+    with pytest.raises(ConfigError, match="pods.m"):
         select_rollouts(r, gi, 1, 0, "max_variance")
     for bad in (float("nan"), float("inf"), float("-inf")):
         for rule in ("max_variance", "max_reward", "random"):

@@ -1,5 +1,6 @@
-"""Per-prompt success history over the whole run, shared by AERO (Beta posterior), DynaMO (Bernoulli variance),
-GRESO (streaks of all-correct / all-wrong visits) and Knapsack-RL (the last visit and the newest outcomes).
+"""Per-prompt success history over the whole run: shared infrastructure every method may read (AERO's Beta posterior,
+DynaMO's Bernoulli variance, GRESO's streaks of all-correct / all-wrong visits, Knapsack-RL's newest outcomes).
+The loop records each collected batch once (one "visit" per prompt per collect).
 
 Keyed by `Problem.uid`. Saved in checkpoints as plain JSON-able lists (no pickle) and restored on resume; keys added
 later load as empty from older checkpoints.
@@ -38,7 +39,7 @@ class PromptStats:
             # an all-correct visit extends the easy streak and ends the hard one; a mixed visit ends both
             self._streaks[uid] = (easy + 1 if s == n else 0, hard + 1 if s == 0 else 0)
 
-    def update_from_groups(self, uids: list[str], group_index: torch.Tensor, correct: torch.Tensor) -> None:
+    def record(self, uids: list[str], group_index: torch.Tensor, correct: torch.Tensor) -> None:
         """Add one collected batch: `correct[r]` (bool) of row r belongs to prompt `uids[group_index[r]]`; rows are
         in generation order, which the ring of newest outcomes keeps."""
         attempts = torch.bincount(group_index, minlength=len(uids))
@@ -54,7 +55,7 @@ class PromptStats:
                 del ring[0]
 
     def counts(self, uids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """([P] successes, [P] attempts) as long tensors; unseen prompts are 0/0."""
+        """([P] successes, [P] attempts) over the run as long tensors; unseen prompts are 0/0."""
         s = torch.tensor([self._successes.get(u, 0) for u in uids], dtype=torch.long)
         n = torch.tensor([self._attempts.get(u, 0) for u in uids], dtype=torch.long)
         return s, n
@@ -79,6 +80,11 @@ class PromptStats:
         """[P] mean of Beta(alpha0 + S, beta0 + F) for each prompt."""
         s, n = self.counts(uids)
         return (alpha0 + s.double()) / (alpha0 + beta0 + n.double())
+
+    def copy(self) -> PromptStats:
+        out = PromptStats()
+        out.load_state_dict(self.state_dict())
+        return out
 
     def state_dict(self) -> dict:
         uids = sorted(self._attempts)

@@ -1,8 +1,11 @@
-"""PODS down-sampling: keep m of each group's n rollouts (METHODS.md §2), vectorised over groups.
+"""Selection kernels: which generated rollouts enter the update, vectorised over groups (no Python loop per group).
 
-Rows arrive flat with an explicit `group_index` (groups may be unequal and interleaved). `pack_groups` turns them
-into a padded [P, n_max] table in generation order; the rules work on that table and return a keep mask; and
-`select_rollouts` maps the mask back to sorted row indices. No rule loops over groups in Python.
+- PODS down-sampling (METHODS.md §2): keep m of each group's n rollouts by a rule. Rows arrive flat with an explicit
+  `group_index` (groups may be unequal and interleaved). `pack_groups` turns them into a padded [P, n_max] table in
+  generation order; the rules work on that table and return a keep mask; `select_rollouts` maps the mask back to
+  sorted row indices.
+- AERO selective rejection (METHODS.md §3): `aero_select` keeps all successes and k times as many failures of a
+  minority-success group, and `keep_dead` rollouts of an all-same group.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from podsrl.algo.group_stats import group_stats, zero_variance_groups
+from podsrl.batch import RolloutBatch
 from podsrl.errors import ConfigError
 
 # A rule: (rewards [P, n], mask [P, n], m, generator) -> keep mask [P, n].
@@ -64,7 +69,7 @@ def _check(rewards: torch.Tensor, mask: torch.Tensor, m: int) -> None:
     if rewards.dim() != 2 or mask.shape != rewards.shape:
         raise ValueError(f"rewards {tuple(rewards.shape)} and mask {tuple(mask.shape)} must be [P, n]")
     if m < 1:
-        raise ConfigError(f"select.m must be >= 1, got {m}")
+        raise ConfigError(f"pods.m must be >= 1, got {m}")
 
 
 def _require_finite(ok: torch.Tensor) -> None:
@@ -209,7 +214,7 @@ def select_rollouts(
     """Row indices (long, ascending) kept by `rule` (a key of SELECTION_RULES); "none" keeps every row."""
     if rule not in SELECTION_RULES:
         raise ConfigError(
-            f"select.rule: unknown rule {rule!r}; choose one of {', '.join(sorted(SELECTION_RULES))}"
+            f"pods.rule: unknown rule {rule!r}; choose one of {', '.join(sorted(SELECTION_RULES))}"
         )
     if rule == "none":
         return torch.arange(rewards.numel(), device=rewards.device)
@@ -220,32 +225,6 @@ def select_rollouts(
     kept = torch.zeros(num_rows + 1, dtype=torch.bool, device=rewards.device)
     kept.scatter_(0, torch.where(keep, rows, num_rows).flatten(), True)
     return kept[:num_rows].nonzero().flatten()
-
-
-def zero_variance_groups(
-    rewards: torch.Tensor, group_index: torch.Tensor, num_groups: int, atol: float = 1e-6
-) -> torch.Tensor:
-    """[P] bool: groups whose rewards all agree within `atol` (max - min); empty groups count as True."""
-    group_index = group_index.long()
-    r = rewards.double()
-    hi = torch.full((num_groups,), float("-inf"), dtype=torch.float64, device=r.device)
-    lo = torch.full((num_groups,), float("inf"), dtype=torch.float64, device=r.device)
-    hi = hi.scatter_reduce(0, group_index, r, reduce="amax")
-    lo = lo.scatter_reduce(0, group_index, r, reduce="amin")
-    empty = torch.bincount(group_index, minlength=num_groups) == 0
-    return empty | ((hi - lo) <= atol)
-
-
-def _group_std(
-    rewards: torch.Tensor, group_index: torch.Tensor, num_groups: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """([P] unbiased within-group std, 0 for groups of one row; [P] row counts)."""
-    r = rewards.double()
-    counts = torch.bincount(group_index, minlength=num_groups).double()
-    mean = torch.bincount(group_index, weights=r, minlength=num_groups) / counts.clamp(min=1)
-    sq = torch.bincount(group_index, weights=(r - mean[group_index]) ** 2, minlength=num_groups)
-    std = torch.where(counts >= 2, (sq / (counts - 1).clamp(min=1)).sqrt(), torch.zeros_like(sq))
-    return std, counts
 
 
 def selection_metrics(
@@ -261,10 +240,86 @@ def selection_metrics(
         ("before", rewards, group_index),
         ("after", rewards[kept_rows], group_index[kept_rows]),
     ):
-        std, counts = _group_std(r, g, num_groups)
-        present = counts > 0
+        stats = group_stats(r, g, num_groups)
+        present = stats.count > 0
         denom = max(int(present.sum()), 1)
         zero = zero_variance_groups(r, g, num_groups) & present
-        out[f"select/reward_std_{tag}"] = float(std[present].sum() / denom)
+        out[f"select/reward_std_{tag}"] = float(stats.std[present].sum() / denom)
         out[f"select/frac_zero_std_{tag}"] = float(zero.sum()) / denom
     return out
+
+
+def aero_select(
+    batch: RolloutBatch,
+    posterior_mean: torch.Tensor,
+    k: float = 1.0,
+    symmetric: bool = False,
+    keep_dead: int = 4,
+    generator: torch.Generator | None = None,
+    exempt: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Selective rejection and dead-zone trimming. Returns (kept rows sorted ascending, dead [P] bool, metrics).
+
+    Per group with c successes of n (u = c/n):
+    - 0 < u < 0.5: all c successes + min(round(k·c), failures) random failures (at least 1, so a success/failure
+      contrast survives even for k < 0.5); round is half-up.
+    - symmetric and 0.5 < u < 1: all failures + min(round(k·f), successes) random successes (at least 1).
+    - u = 0 or u = 1 (dead zone): `keep_dead` random rollouts (all if fewer).
+    - anything else (u = 0.5, or u > 0.5 without `symmetric`): everything.
+    Groups marked in `exempt` [P] bool (e.g. rescued groups with `aero.reject_rescued: false`) skip the rejection
+    (they keep everything unless dead).
+    """
+    if batch.correct is None:
+        raise ValueError("aero_select needs a scored batch (batch.correct is None)")
+    if k <= 0:
+        raise ValueError(f"k must be > 0, got {k}")
+    if keep_dead < 0:
+        raise ValueError(f"keep_dead must be >= 0, got {keep_dead}")
+    num_groups = batch.num_groups
+    if posterior_mean.shape != (num_groups,):
+        raise ValueError(f"posterior_mean has shape {tuple(posterior_mean.shape)}, expected ({num_groups},)")
+    g = batch.group_index
+    correct = batch.correct.bool()
+    device = g.device
+
+    n = torch.bincount(g, minlength=num_groups)
+    c = torch.bincount(g[correct], minlength=num_groups)
+    f = n - c
+    dead = (n > 0) & ((c == 0) | (c == n))
+    minority = (c > 0) & (2 * c < n)
+    majority = (f > 0) & (2 * f < n) if symmetric else torch.zeros_like(dead)
+    if exempt is not None:
+        minority, majority = minority & ~exempt, majority & ~exempt
+
+    # Quota per (group, outcome) bucket 2g + correct; rows are ranked inside their bucket by a random key.
+    quota_fail = torch.where(minority, _scaled_count(k, c).clamp(min=1).minimum(f), f)
+    quota_succ = torch.where(majority, _scaled_count(k, f).clamp(min=1).minimum(c), c)
+    quota_fail = torch.where(dead, f.clamp(max=keep_dead), quota_fail)
+    quota_succ = torch.where(dead, c.clamp(max=keep_dead), quota_succ)
+    quota = torch.stack([quota_fail, quota_succ], dim=1).reshape(-1)
+
+    bucket = 2 * g + correct.long()
+    key_device = generator.device if generator is not None else torch.device("cpu")
+    keys = torch.rand(g.numel(), generator=generator, device=key_device).to(device)
+    order = torch.argsort(keys)
+    order = order[torch.argsort(bucket[order], stable=True)]
+    sorted_bucket = bucket[order]
+    bucket_sizes = torch.bincount(bucket, minlength=2 * num_groups)
+    bucket_start = torch.cumsum(bucket_sizes, 0) - bucket_sizes
+    rank = torch.arange(g.numel(), device=device) - bucket_start[sorted_bucket]
+    kept = torch.sort(order[rank < quota[sorted_bucket]]).values
+
+    nonempty = (n > 0).sum().clamp(min=1).float()
+    kept_per_group = quota_fail + quota_succ
+    rejected = (minority | majority) & (kept_per_group < n)
+    metrics = {
+        "aero/frac_rejected_groups": (rejected.sum() / nonempty).item(),
+        "aero/frac_dead_zone": (dead.sum() / nonempty).item(),
+        "aero/frac_rollouts_kept": kept.numel() / max(g.numel(), 1),
+    }
+    return kept, dead, metrics
+
+
+def _scaled_count(k: float, count: torch.Tensor) -> torch.Tensor:
+    """round(k·count), halves rounded up (torch.round would send 2.5 to 2)."""
+    return torch.floor(k * count.double() + 0.5).long()

@@ -1,0 +1,71 @@
+"""The parts of a run that `podsrl train` and `podsrl eval` build the same way: the policy (with LoRA), the task,
+the rollout engine, the reward functions and the correctness check."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from podsrl.batch import Problem
+from podsrl.config import Config
+from podsrl.engines import RolloutEngine, build_engine
+from podsrl.models import load_policy
+from podsrl.rewards import RewardManager, build_reward_manager
+from podsrl.tasks import build_task
+from podsrl.tasks.base import Task
+from podsrl.warmup import needs_warmup, run_warmup
+
+Verify = Callable[[list[Problem], torch.Tensor, list[str]], torch.Tensor]
+
+
+def base_weights(cfg: Config, progress: bool = False) -> str | None:
+    """The weights a run starts from: the cached warm-up of the built-in model (trained if missing), else None
+    (model.name_or_path)."""
+    return str(run_warmup(cfg, progress=progress)) if needs_warmup(cfg) else None
+
+
+def load_model(cfg: Config, weights: str | Path | None, base: str | None, trainable: bool):
+    """(model, tokenizer). `weights` is a saved model directory: full weights, or a LoRA adapter when
+    model.lora_rank > 0 (the adapter goes on top of `base`); None starts from `base` (a fresh adapter if
+    `trainable` with LoRA)."""
+    m = cfg.model
+    adapter = weights is not None and (Path(weights) / "adapter_config.json").is_file()
+    if m.lora_rank > 0 and (trainable or adapter):  # base weights frozen; the adapter alone trains and is saved
+        from podsrl.lora import apply_lora, load_adapter
+
+        model, tokenizer = load_policy(m, base, seed=cfg.seed)
+        if weights is not None:
+            return load_adapter(model, weights, trainable=trainable), tokenizer
+        return apply_lora(model, m.lora_rank, m.lora_alpha, m.lora_dropout, m.lora_target_modules), tokenizer
+    return load_policy(m, str(weights) if weights is not None else base, seed=cfg.seed)
+
+
+def load_task(cfg: Config, tokenizer) -> tuple[Task, list[Problem]]:
+    """The task and the held-out problems evaluated (eval.size of them; all when 0)."""
+    task = build_task(cfg.task, tokenizer)
+    return task, task.eval_set()[: cfg.eval.size or None]
+
+
+def rollout_engine(cfg: Config, model: torch.nn.Module, tokenizer) -> RolloutEngine:
+    return build_engine(cfg.rollout.engine, model, tokenizer, **cfg.rollout.engine_options)
+
+
+def reward_manager(cfg: Config, task: Task) -> RewardManager:
+    return build_reward_manager(cfg.rewards or list(task.default_rewards), task, cfg.reward_on_error,
+                                cfg.reward_timeout)
+
+
+def verifier(rewards: RewardManager, task: Task) -> Verify:
+    """The run's correctness check: the `correct` reward alone, so other (possibly faulty or costly) rewards play
+    no part in it; without a `correct` reward nothing counts as correct."""
+    specs = [s for s in rewards.specs if s.name == "correct"]
+    manager = RewardManager(specs, task, rewards.on_error, rewards.timeout_s) if specs else None
+
+    def verify(problems: list[Problem], group_index: torch.Tensor, completions: list[str]) -> torch.Tensor:
+        if manager is None:
+            return torch.zeros(len(completions), dtype=torch.bool)
+        return manager.score(problems, group_index, completions).correct
+
+    return verify

@@ -1,0 +1,35 @@
+"""PODS (METHODS.md §2): generate rollout.n per prompt, train on the pods.m chosen by a rule (max-variance by
+default), with GRPO advantages over the kept subset or the whole group."""
+
+from __future__ import annotations
+
+from podsrl.algo.selection import select_rollouts, selection_metrics
+from podsrl.batch import RolloutBatch
+from podsrl.config import Config
+from podsrl.errors import ConfigError
+from podsrl.methods.base import Method, StepContext
+
+
+class PODS(Method):
+    name = "pods"
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__(cfg)
+        self.m = cfg.pods.m or cfg.rollout.n
+
+    @classmethod
+    def validate(cls, cfg: Config) -> None:
+        m, n = cfg.pods.m, cfg.rollout.n
+        if not 0 <= m <= n:
+            raise ConfigError(f"pods.m: must be in [0, rollout.n={n}] (0 = n), got {m}")
+        if m == 1:
+            raise ConfigError("pods.m: 1 rollout per prompt has no group to compare with (every advantage would be "
+                              "0); use pods.m >= 2")
+
+    def select(self, batch: RolloutBatch, ctx: StepContext) -> tuple[RolloutBatch, dict[str, float]]:
+        p = self.cfg.pods
+        rule = p.rule if self.m < self.cfg.rollout.n else "none"
+        rows = select_rollouts(batch.rewards, batch.group_index, batch.num_groups, self.m, rule, ctx.rng)
+        kept = batch.select_rows(rows)
+        kept.advantages = self.grpo_advantages(kept, batch if p.normalize_over == "group" else None)
+        return kept, selection_metrics(batch.rewards, batch.group_index, batch.num_groups, rows)

@@ -1,0 +1,22 @@
+"""The redesigned loop reproduces, for every method preset, the per-step metrics recorded before the redesign
+(tests/method_regression.py records them; re-record only for a deliberate change of numbers, and say so)."""
+
+import json
+import math
+
+import pytest
+
+from tests.method_regression import FIXTURE, PRESETS, run_preset
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_reproduces_the_recorded_metrics(tmp_path, warmup_cache, preset):
+    expected = json.loads(FIXTURE.read_text())[preset]
+    got = run_preset(preset, str(tmp_path / preset), warmup_cache)
+    assert len(got) == len(expected)
+    for step, (g, e) in enumerate(zip(got, expected), start=1):
+        assert sorted(g) == sorted(e), (step, set(g) ^ set(e))
+        for key, value in e.items():
+            assert math.isclose(g[key], value, rel_tol=1e-6, abs_tol=1e-9), (step, key, g[key], value)
