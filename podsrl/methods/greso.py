@@ -111,4 +111,5 @@ class Greso(Method):
         return {"p_easy": self.p_easy, "p_hard": self.p_hard}
 
     def load_state_dict(self, state: dict) -> None:
-        self.p_easy, self.p_hard = float(state["p_easy"]), float(state["p_hard"])
+        p_init = self.cfg.greso.p_init  # a checkpoint from before the method was chosen has no state
+        self.p_easy, self.p_hard = float(state.get("p_easy", p_init)), float(state.get("p_hard", p_init))
