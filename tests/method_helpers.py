@@ -65,3 +65,17 @@ def method_config(method: type, *overrides: str) -> Config:
     cfg = load_config(None, [f"method={method.name}", *overrides])
     method.validate(cfg)
     return cfg
+
+
+def train_preset(preset: str, run_dir, warmup_cache: str, **extra) -> list[dict]:
+    """Train a bundled preset at test size (tests/conftest.py's tiny run, a pool of 8 problems and a hash of the
+    completion standing in for correctness, so outcomes vary from the first step); return its step records."""
+    from podsrl.tracking import read_metrics
+    from podsrl.trainer import Trainer
+    from tests.conftest import tiny_overrides
+    from tests.faults.common import REWARDS
+
+    overrides = {"task.args": "{operands: 2, digits: 1, train_size: 8}",
+                 "rewards": f"[{{name: correct, function: '{REWARDS}:spread'}}]", "train.max_steps": 6, **extra}
+    Trainer(load_config(f"podsrl/configs/{preset}.yaml", tiny_overrides(run_dir, warmup_cache, **overrides))).train()
+    return [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward" in r]

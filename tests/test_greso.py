@@ -156,9 +156,13 @@ def test_method_scan_bound():
     for p in pool:
         for _ in range(30):
             visit(ctx.stats, p.uid, [False] * 8)
-    batch, metrics = Greso(cfg).collect(pool, ctx)
+    method = Greso(cfg)
+    batch, metrics = method.collect(pool, ctx)
     assert ctx.position == 2, "at most max_scan * 4 = 2 replacement draws"
     assert metrics["examples/scan_exhausted"] == 1.0 and batch.num_groups >= 1
+    out = method.end_step([batch], ctx)
+    assert out["examples/kept"] == batch.num_groups, "a forced roll-out counts as kept, not skipped"
+    assert out["examples/skipped_hard"] + out["examples/kept"] == 6
 
 
 def test_method_adaptation_gate_and_state():
@@ -192,3 +196,20 @@ def test_method_refill_count_and_config_errors():
         greso_config(**{"greso.p_init": 0.99})
     with pytest.raises(ConfigError, match="greso.refill_min"):
         greso_config(**{"greso.refill_min": 2.0})
+
+
+def test_trains_end_to_end(tmp_path, warmup_cache):
+    from tests.method_helpers import train_preset
+
+    # groups of 2 with a hashed correctness: half the visits are all-correct or all-wrong, so streaks build up
+    steps = train_preset("greso", tmp_path / "run", warmup_cache, **{"filter.max_refill_rounds": 2,
+                                                                      "train.max_steps": 8, "rollout.n": 2})
+    assert len(steps) == 8
+    for r in steps:
+        # every prompt rolled out got n = 2, and at most prompts_per_step informative groups train
+        assert r["rollouts/generated"] == 2 * r["examples/total_sampled"]
+        assert r["examples/kept"] == r["examples/total_sampled"]
+        assert r["rollouts/trained"] <= 8 and r["select/groups_trained"] <= 4
+        assert 0.05 <= r["examples/p_easy"] <= 0.95 and 0.05 <= r["examples/p_hard"] <= 0.95
+    assert sum(r["examples/skipped_easy"] + r["examples/skipped_hard"] for r in steps) > 0
+    assert steps[0]["examples/skipped_easy"] + steps[0]["examples/skipped_hard"] == 0, "no history at step 1"

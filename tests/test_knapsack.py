@@ -234,3 +234,17 @@ def test_method_config_errors():
         knapsack_config(**{"knapsack.min_n": 5})
     with pytest.raises(ConfigError, match="knapsack.window"):
         knapsack_config(**{"knapsack.window": 17})
+
+
+def test_trains_end_to_end(tmp_path, warmup_cache):
+    from tests.method_helpers import train_preset
+
+    steps = train_preset("knapsack", tmp_path / "run", warmup_cache, **{"knapsack.min_history": 4,
+                                                                         "knapsack.max_n": 12})
+    assert len(steps) == 6
+    for r in steps:
+        assert r["rollouts/generated"] == r["rollouts/trained"] == 16  # the budget, every rollout trains
+        assert 2 <= r["allocation/min_budget"] <= 4 <= r["allocation/max_budget"] <= 12
+        assert 0 <= r["training/effective_gradient_ratio"] <= 1
+    assert steps[0]["allocation/max_budget"] == steps[0]["allocation/min_budget"] == 4, "no history: n each"
+    assert any(r["allocation/max_budget"] > r["allocation/min_budget"] for r in steps[2:]), "history reallocates"

@@ -187,3 +187,17 @@ def test_method_config_errors():
         ada_config(**{"reinforce_ada.round_repeat": 0})
     with pytest.raises(ConfigError, match="reinforce_ada.exit_rule"):
         ada_config(**{"reinforce_ada.exit_rule": "greedy"})
+
+
+def test_trains_end_to_end(tmp_path, warmup_cache):
+    from tests.method_helpers import train_preset
+
+    steps = train_preset("reinforce_ada", tmp_path / "run", warmup_cache, **{"reinforce_ada.round_repeat": 4,
+                                                                              "reinforce_ada.max_rounds": 3})
+    assert len(steps) == 6
+    for r in steps:
+        # every round is counted as generated; 4 prompts keep n = 4 each
+        assert r["rollouts/generated"] == r["sampling/total_samples"]
+        assert 16 <= r["rollouts/generated"] <= 48 and r["rollouts/generated"] % 4 == 0
+        assert r["rollouts/trained"] == r["sampling/kept_samples"] == 16
+        assert r["sampling/prompts_active_only_1st_round"] + r["sampling/prompts_unfinished"] <= 4

@@ -52,25 +52,29 @@ class Greso(Method):
         if g.refill_min > g.refill_max:
             raise ConfigError(f"greso.refill_min ({g.refill_min}) must be <= greso.refill_max ({g.refill_max})")
 
-    def _filter(self, problems: list[Problem], ctx: StepContext) -> list[Problem]:
-        """The problems that pass the skip test (one pair of uniform draws per prompt, easy test first)."""
+    def _skip_codes(self, problems: list[Problem], ctx: StepContext) -> list[int]:
+        """Per problem SKIPPED_EASY, SKIPPED_HARD or KEPT (one pair of uniform draws each, easy test first),
+        counted into this step's totals."""
         easy, hard = ctx.stats.streaks([p.uid for p in problems])
         draws = torch.rand((len(problems), 2), generator=ctx.rng)
-        codes = skip_decisions(easy, hard, self.p_easy, self.p_hard, draws, floor=self.cfg.greso.min_keep)
-        for code in (SKIPPED_EASY, SKIPPED_HARD, KEPT):
-            self._skipped[code] += int((codes == code).sum())
-        return [p for p, c in zip(problems, codes.tolist()) if c == KEPT]
+        codes = skip_decisions(easy, hard, self.p_easy, self.p_hard, draws, floor=self.cfg.greso.min_keep).tolist()
+        for code in codes:
+            self._skipped[code] += 1
+        return codes
 
     def collect(self, problems: list[Problem], ctx: StepContext) -> tuple[RolloutBatch, dict]:
         wanted = len(problems)
-        kept = self._filter(problems, ctx)
+        first = self._skip_codes(problems, ctx)
+        kept = [p for p, c in zip(problems, first) if c == KEPT]
         budget = math.floor(self.cfg.greso.max_scan * wanted)  # replacement draws this collect may make
         while len(kept) < wanted and budget > 0:  # skipped prompts are replaced by the sampler's next ones
             more = ctx.draw(min(wanted - len(kept), budget))
             budget -= len(more)
-            kept += self._filter(more, ctx)
-        if not kept:  # every prompt skipped and the scan spent: roll out the first asked-for prompt anyway
+            kept += [p for p, c in zip(more, self._skip_codes(more, ctx)) if c == KEPT]
+        if not kept:  # every prompt skipped and the scan spent: roll out the first asked-for one, counted as kept
             kept = problems[:1]
+            self._skipped[first[0]] -= 1
+            self._skipped[KEPT] += 1
         n = self.cfg.rollout.n
         batch = ctx.generate(kept, list(range(len(kept))), [n] * len(kept))
         return batch, {"examples/scan_exhausted": float(len(kept) < wanted)}
