@@ -166,6 +166,54 @@ class DynamoConfig:
     compensate: bool = _f(True, "Apply the compensation factor.")
 
 
+# ---- issue 18: GRESO, Knapsack-RL, Reinforce-Ada (METHODS.md §6-8), one section each
+
+
+@dataclass
+class GresoConfig:
+    p_init: float = _f(0.5, "Starting p_easy and p_hard: a prompt all-correct on its last z visits is skipped with "
+                       "probability 1 - max(p_easy^z, min_keep); likewise all-wrong with p_hard.")
+    min_keep: float = _f(0.01, "Smallest probability of keeping a prompt however long its streak.")
+    target_zero_variance: float = _f(0.25, "Target share T of zero-variance groups: p_easy adapts towards T/3 "
+                                     "all-correct groups per step, p_hard towards 2T/3 all-wrong ones.")
+    p_step: float = _f(0.01, "Change of p_easy / p_hard after each step (from the second epoch on).")
+    p_min: float = _f(0.05, "Lower clamp of p_easy and p_hard.")
+    p_max: float = _f(0.95, "Upper clamp of p_easy and p_hard.")
+    max_scan: float = _f(4.0, "Most replacement prompts drawn for skipped ones per collect, as a multiple of the "
+                         "prompts asked for; when spent, the prompts that passed are rolled out.")
+    refill_scale: float = _f(1.25, "Refill draws int(missing / (1 - zero-variance fraction) * refill_scale) prompts "
+                             "(DAPO/GRESO estimate) ...")
+    refill_min: float = _f(0.25, "... at least this fraction of rollout.prompts_per_step ...")
+    refill_max: float = _f(1.5, "... and at most this fraction of rollout.prompts_per_step.")
+
+
+@dataclass
+class KnapsackConfig:
+    min_n: int = _f(2, "Rollouts of a prompt with 0 < p < 1 before the solver adds more.")
+    max_n: int = _f(128, "Most rollouts one prompt gets.")
+    negative_n: int = _f(2, "Rollouts of a prompt that has never been solved lately (p = 0).")
+    positive_n: int = _f(2, "Rollouts of a prompt that is always solved lately (p = 1).")
+    alpha: float = _f(0.9, "Fallback: an effective prompt needs ln(1-alpha)/ln(max(p, 1-p)) rollouts; if all of "
+                      "them need less than the budget, the surplus goes to p = 0 prompts.")
+    min_history: int = _f(8, "Rollouts seen before a prompt's rate is trusted; until then it gets rollout.n.")
+    window: int = _f(16, "p is the last visit's success rate if it had >= window rollouts, else the mean of the "
+                     "newest window outcomes (at most 16, the per-prompt ring).")
+    ref_quirks: bool = _f(False, "Reproduce the reference: prompts without history count as p = 0 in the fallback, "
+                          "and budget beyond max_n stays on the effective prompts.")
+
+
+@dataclass
+class ReinforceAdaConfig:
+    round_repeat: int = _f(8, "Rollouts drawn per active prompt in each round (M).")
+    max_rounds: int = _f(4, "Most sampling rounds per step (R).")
+    positive_threshold: float = _f(0.7, "A rollout is positive iff its reward exceeds this.")
+    exit_rule: Literal["balanced", "positive_focused"] = _f(
+        "balanced", "A prompt stops sampling once its pool has floor(n/2) positives and n - floor(n/2) negatives "
+        "(balanced), or one positive (positive_focused).")
+    std: bool = _f(False, "Divide the advantage r - mean(pool) by the pool's std (off in the reference script).")
+    epsilon: float = _f(1e-6, "Floor of the pool std and its additive epsilon when std is on.")
+
+
 @dataclass
 class FilterConfig:
     zero_variance: bool = _f(False, "Drop groups whose kept rewards all agree (DAPO dynamic sampling), for any method.")
@@ -251,8 +299,8 @@ class Config:
     name: str = _f("", "Label of this configuration in comparisons (default: the config file's stem).")
     seed: int = _f(0, "Seed of the RL run (sampling, prompt order, selection).")
     output_dir: str = _f("runs/default", "Run directory: config, metrics, checkpoints, plots.")
-    method: str = _f("grpo", "The method (podsrl.methods.METHODS): grpo, pods, aero, dynamo; its options are in the "
-                     "section of the same name.")
+    method: str = _f("grpo", "The method (podsrl.methods.METHODS): grpo, pods, aero, dynamo, greso, knapsack, "
+                     "reinforce_ada; its options are in the section of the same name.")
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
@@ -272,6 +320,9 @@ class Config:
     aero: AeroConfig = field(default_factory=AeroConfig)
     dynamo: DynamoConfig = field(default_factory=DynamoConfig)
     filter: FilterConfig = field(default_factory=FilterConfig)
+    greso: GresoConfig = field(default_factory=GresoConfig)
+    knapsack: KnapsackConfig = field(default_factory=KnapsackConfig)
+    reinforce_ada: ReinforceAdaConfig = field(default_factory=ReinforceAdaConfig)
 
 
 # ---------------------------------------------------------------------------------------------- conversion

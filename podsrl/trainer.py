@@ -187,8 +187,12 @@ class Trainer:
         parts, live_groups, seen_groups, rounds = [], 0, 0, 0
         while True:
             dead = zero_variance_groups(kept.rewards, kept.group_index, kept.num_groups)
-            kept = kept.select_rows(~dead[kept.group_index])
-            live_groups += int((~dead & (kept.group_sizes() > 0)).sum())
+            live = ~dead & (kept.group_sizes() > 0)
+            surplus = live_groups + int(live.sum()) - cfg.rollout.prompts_per_step
+            if surplus > 0:  # a refill that drew more than missing (GRESO): train the first groups, as DAPO does
+                live[live.nonzero().flatten()[-surplus:]] = False
+            kept = kept.select_rows(live[kept.group_index])
+            live_groups += int(live.sum())
             seen_groups += kept.num_groups
             parts.append(kept)
             missing = cfg.rollout.prompts_per_step - live_groups
