@@ -1,4 +1,4 @@
-"""`podsrl train | eval | warmup | compare | report | bench` (user errors: one line on stderr, exit code 2)."""
+"""`podsrl train | eval | warmup | compare | report | plan` (user errors: one line on stderr, exit code 2)."""
 
 from __future__ import annotations
 
@@ -116,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="rebuild the comparison plot and tables from saved runs")
     add_report_arguments(p)
     p.set_defaults(func=report_main)
+    from podsrl.experiments.plan import add_plan_arguments, plan_main
+
+    p = sub.add_parser("plan", help="measure step costs here, predict the step time of (prompts, n, m) settings")
+    add_plan_arguments(p)
+    p.set_defaults(func=lambda args: plan_main(args, _preset(args.config)))
     return parser
 
 
