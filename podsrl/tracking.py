@@ -105,8 +105,9 @@ class _Wandb:
         require("wandb", "log.report_to: wandb")
         import wandb
 
+        # an absolute dir: a shared wandb-core service (WANDB_SERVICE) resolves relative paths against its own cwd
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", project), name=run_name, config=config,
-                              dir=str(run_dir), id=_tracker_id(run_dir, "wandb", resume), resume="allow")
+                              dir=str(run_dir.resolve()), id=_tracker_id(run_dir, "wandb", resume), resume="allow")
 
     def log(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)

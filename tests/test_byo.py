@@ -220,6 +220,9 @@ def test_wandb_offline_logs_run_name_config_and_metrics(tmp_path, monkeypatch):
     resumed = MetricsLogger(tmp_path, ["wandb"], resume_step=1, run_name="my-run")  # continues the same run
     assert resumed._trackers[0].run.id == run.id
     resumed.close()
+    import wandb
+
+    wandb.teardown()  # stop this process's wandb service (and its WANDB_SERVICE variable) for later tests
     assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "reward": 0.5, "eval/accuracy": None}]
 
 
