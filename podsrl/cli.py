@@ -132,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    # transformers' per-file bars ("Loading weights", "Writing model shards") would interleave with podsrl's own
+    # progress at every checkpoint; podsrl reports loading and saving itself.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     # SIGTERM before training starts (loading, warm-up) ends like Ctrl-C; the trainer then takes it over and
     # turns it into checkpoint-and-exit.
     try:
