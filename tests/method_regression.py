@@ -3,7 +3,9 @@
     PYTHONPATH=$PWD python -m tests.method_regression   # re-record tests/fixtures/method_regression.json
 
 The runs are tiny (2 prompts a step, 4-token completions, a 2-layer model after a short warm-up) and skip eval;
-the preset's own method keys and rollout.n stay as they are. Timings (time/*) are not recorded.
+the preset's own method keys and rollout.n stay as they are, plus a few cases with extra keys (the generic filter
+and refill, DynaMO's allocation alone with the gradient-noise probe, several update passes). Timings (time/*) are
+not recorded.
 """
 
 from __future__ import annotations
@@ -17,13 +19,23 @@ from podsrl.config import load_config
 from podsrl.trainer import Trainer
 
 PRESETS = ["grpo", "pods", "pods_random", "pods_max_reward", "aero", "dynamo", "dynamo_pool"]
+# case -> (preset, extra overrides); the extra cases were recorded with the code before the redesign under its keys
+# (select.filter_zero_variance / select.max_refill_rounds, algo.modulation=none)
+CASES: dict[str, tuple[str, dict]] = {
+    **{p: (p, {}) for p in PRESETS},
+    # correctness alone and 4 rollouts a prompt: many groups are all-wrong or all-right, so the filter refills
+    "grpo_filter_refill": ("grpo", {"filter.zero_variance": True, "filter.max_refill_rounds": 2,
+                                    "rewards": "[correct]", "rollout.n": 4}),
+    "dynamo_allocation_grad_noise": ("dynamo_pool", {"dynamo.modulation": False, "log.grad_noise": True}),
+    "grpo_two_passes_two_mini_batches": ("grpo", {"optim.epochs": 2, "optim.mini_batches": 2}),
+}
 STEPS = 3
 # Correctness plus a graded reward, so that groups have reward variance and every selection rule has work to do.
 REWARDS = f"[correct, {{name: digits, weight: 0.5, function: '{Path(__file__).parent / 'fixtures' / 'rewards_ones.py'}:even_digit_share'}}]"
 FIXTURE = Path(__file__).parent / "fixtures" / "method_regression.json"
 
 
-def overrides(run_dir: str, warmup_cache: str, preset: str) -> list[str]:
+def overrides(run_dir: str, warmup_cache: str, preset: str, extra: dict | None = None) -> list[str]:
     # dynamo_pool: a pool of 4 problems at 2 a step, so step 3 revisits prompts and allocates from their history.
     task_args = "{operands: 2, digits: 1, train_size: 4}" if preset == "dynamo_pool" else "{operands: 2, digits: 1}"
     values = {
@@ -36,13 +48,15 @@ def overrides(run_dir: str, warmup_cache: str, preset: str) -> list[str]:
     }
     if preset == "dynamo_pool":  # the split-half probe changes a modulated update, so DynaMO refuses it
         values["log.grad_noise"] = False
+    values.update(extra or {})
     return [f"{k}={v}" for k, v in values.items()]
 
 
-def run_preset(preset: str, run_dir: str, warmup_cache: str) -> list[dict]:
+def run_case(case: str, run_dir: str, warmup_cache: str) -> list[dict]:
     """Metrics of the first STEPS steps (no eval), without time/* keys."""
+    preset, extra = CASES[case]
     cfg = load_config(Path(__file__).parents[1] / "podsrl" / "configs" / f"{preset}.yaml",
-                      overrides(run_dir, warmup_cache, preset))
+                      overrides(run_dir, warmup_cache, preset, extra))
     trainer = Trainer(cfg)
     try:
         records = [trainer.train_step().metrics for _ in range(STEPS)]
@@ -54,7 +68,7 @@ def run_preset(preset: str, run_dir: str, warmup_cache: str) -> list[dict]:
 
 def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
-        fixture = {p: run_preset(p, f"{tmp}/{p}", f"{tmp}/warmup") for p in PRESETS}
+        fixture = {c: run_case(c, f"{tmp}/{c}", f"{tmp}/warmup") for c in CASES}
     FIXTURE.write_text(json.dumps(fixture, indent=1, sort_keys=True) + "\n")
     print(f"wrote {FIXTURE}")
     return 0

@@ -6,15 +6,15 @@ import math
 
 import pytest
 
-from tests.method_regression import FIXTURE, PRESETS, run_preset
+from tests.method_regression import CASES, FIXTURE, run_case
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_preset_reproduces_the_recorded_metrics(tmp_path, warmup_cache, preset):
-    expected = json.loads(FIXTURE.read_text())[preset]
-    got = run_preset(preset, str(tmp_path / preset), warmup_cache)
+@pytest.mark.parametrize("case", list(CASES))
+def test_case_reproduces_the_recorded_metrics(tmp_path, warmup_cache, case):
+    expected = json.loads(FIXTURE.read_text())[case]
+    got = run_case(case, str(tmp_path / case), warmup_cache)
     assert len(got) == len(expected)
     for step, (g, e) in enumerate(zip(got, expected), start=1):
         assert sorted(g) == sorted(e), (step, set(g) ^ set(e))

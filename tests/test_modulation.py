@@ -197,7 +197,7 @@ def test_factor_has_no_grad_and_broadcasts_sequence_advantages():
     assert dynamo_modulation(adv.bfloat16(), log_ratio, logp, ent, mask, 0.2, 0.2)[0].dtype == torch.float32
 
 
-def test_switches_and_none():
+def test_stabilize_and_compensate_switches():
     adv, log_ratio, logp, ent, mask = random_case(7)
     both, _ = dynamo_modulation(adv, log_ratio, logp, ent, mask, EPS_LOW, EPS_HIGH)
     stab, _ = dynamo_modulation(adv, log_ratio, logp, ent, mask, EPS_LOW, EPS_HIGH, compensate=False)

@@ -88,7 +88,8 @@ def dynamo_modulation(
         u = torch.where(valid, logp.exp() * (logp + entropy.detach().to(dtype)), torch.zeros_like(adv))
         u_mean = u.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1)
         delta_h = torch.where(valid, -xi * (u - u_mean), torch.zeros_like(adv)).abs()
-        x = delta_h / (delta_h.max() + _EPS)  # masked entries are 0, so the max is over valid tokens (or 0)
+        peak = delta_h.max() if delta_h.numel() else 0.0  # no rows at all: an FSDP rank's padding micro-batch
+        x = delta_h / (peak + _EPS)  # masked entries are 0, so the max is over valid tokens (or 0)
         stab = lambda_min + (1.0 - lambda_min) * torch.sigmoid(-gamma * (x - tau))
         stab = torch.where(valid, stab, ones)
 

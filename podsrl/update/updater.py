@@ -60,9 +60,10 @@ class PolicyUpdater:
 
     def _forward(self, model, batch: RolloutBatch, rows: torch.Tensor):
         """([B, W] log-probs, [B, W] entropies), W: the longest completion of these rows."""
-        width = int(batch.completion_mask[rows].sum(dim=1).max().clamp(min=1))  # trim right padding of this slice
+        # trim right padding of this slice (FSDP runs empty micro-batches too, to keep ranks in lockstep)
+        width = max(1, int(batch.completion_mask[rows].sum(dim=1).max())) if rows.numel() else 1
         temperature, shared = self.cfg.rollout.temperature, self.shared.get(id(model))
-        if shared is not None and shared.fits(batch, rows, width):
+        if shared is not None and rows.numel() and shared.fits(batch, rows, width):
             out = shared(batch, rows, width, self.device, temperature)
             if out is not None:
                 return out, width
