@@ -145,8 +145,8 @@ def token_logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: floa
     """[..., V] logits -> ([...] log-prob of `tokens` under softmax(logits / T), [...] entropy), float32 or wider."""
     lead = logits.shape[:-1]
     flat = logits.reshape(-1, logits.shape[-1])
-    if flat.shape[0] == 0:
-        empty = flat.new_zeros(lead, dtype=torch.promote_types(flat.dtype, torch.float32))
+    if flat.shape[0] == 0:  # still attached to the graph (FSDP2 runs empty micro-batches through the backward)
+        empty = _float(flat).sum(-1).view(lead)
         return empty, empty.clone()
     logp, entropy = _FromLogits.apply(flat, tokens.reshape(-1), float(temperature), max(1, int(chunk)))
     return logp.view(lead), entropy.view(lead)
@@ -156,7 +156,7 @@ def head_logprobs_and_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | Non
                               temperature: float = 1.0, chunk: int = DEFAULT_CHUNK) -> tuple[Tensor, Tensor]:
     """[N, D] final hidden states and the output layer -> ([N] log-probs of `tokens`, [N] entropies)."""
     if hidden.shape[0] == 0:
-        empty = hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32))
+        empty = _float(hidden).sum(-1)
         return empty, empty.clone()
     return _FromHidden.apply(hidden, weight, bias, tokens, float(temperature), max(1, int(chunk)))
 

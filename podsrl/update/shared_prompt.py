@@ -18,7 +18,8 @@ a dense block mask took 4-8x longer than the index-expanded prompt keys with len
 5.4 vs 1.3 s under heavier load): on CPU the masked attention is [sum of lengths]^2 whatever the mask allows.
 
 Drives the decoder layers of Llama, Mistral, Qwen2 and Qwen3 models from their own submodules (LoRA-wrapped ones
-included); `unsupported_reason` says why another model falls back to the plain path.
+included); `unsupported_reason` says why another model falls back to the plain path (other architectures, and
+FSDP2-sharded models, whose parameter gathering hangs on the module forwards this path does not call; DDP is fine).
 """
 
 from __future__ import annotations
@@ -62,7 +63,18 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
             return f"decoder layer {type(layer).__name__} does not have the Llama layout"
     if getattr(config, "attention_dropout", 0.0):
         return "attention dropout > 0 (the plain path's dropout draws could not be reproduced)"
+    if _fsdp_sharded(base):
+        return ("it is FSDP2-sharded: its parameters are gathered by the module forward hooks that this path, calling "
+                "the layers' submodules, would bypass")
     return None
+
+
+def _fsdp_sharded(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch builds without distributed
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def sliding_window(model: torch.nn.Module) -> int | None:
