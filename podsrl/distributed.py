@@ -93,9 +93,12 @@ class DistContext:
                       generation_device: torch.device | None = None) -> DataParallel | None:
         """The update's data-parallel object: DataParallel, or FSDP2 with `train.strategy: fsdp` (podsrl/fsdp.py,
         which shards `model` and `ref_model` in place); None in one process."""
+        fsdp = train_cfg is not None and train_cfg.strategy == "fsdp"
         if not self.enabled:
+            if fsdp:
+                log.info("train.strategy=fsdp: one process, nothing to shard; training the whole model here")
             return None
-        if train_cfg is not None and train_cfg.strategy == "fsdp":
+        if fsdp:
             from podsrl.fsdp import FullyShardedDataParallel
 
             return FullyShardedDataParallel(self, train_cfg, model, ref_model, generation_device)
