@@ -1,5 +1,6 @@
 """Per-prompt success history over the whole run: shared infrastructure every method may read (AERO's Beta posterior,
-DynaMO's Bernoulli variance, ...). The loop records each collected batch once (one "visit" per prompt per collect).
+DynaMO's Bernoulli variance, GRESO's streaks of all-correct / all-wrong visits, Knapsack-RL's newest outcomes).
+The loop records each collected batch once (one "visit" per prompt per collect).
 
 Keyed by `Problem.uid`. Saved in checkpoints as plain JSON-able lists (no pickle) and restored on resume; keys added
 later load as empty from older checkpoints.
@@ -11,12 +12,16 @@ from collections.abc import Iterable
 
 import torch
 
+RING = 16  # newest correctness bits kept per prompt (Knapsack-RL's reward buffer)
+
 
 class PromptStats:
     def __init__(self) -> None:
         self._successes: dict[str, int] = {}  # run-long
         self._attempts: dict[str, int] = {}
         self._last: dict[str, tuple[int, int]] = {}  # the last visit's (successes, attempts)
+        self._recent: dict[str, list[bool]] = {}  # the newest RING correctness bits, oldest first
+        self._streaks: dict[str, tuple[int, int]] = {}  # consecutive (all-correct, all-wrong) visits, newest back
 
     def __len__(self) -> int:
         return len(self._attempts)
@@ -30,15 +35,24 @@ class PromptStats:
             self._successes[uid] = self._successes.get(uid, 0) + s
             self._attempts[uid] = self._attempts.get(uid, 0) + n
             self._last[uid] = (s, n)
+            easy, hard = self._streaks.get(uid, (0, 0))
+            # an all-correct visit extends the easy streak and ends the hard one; a mixed visit ends both
+            self._streaks[uid] = (easy + 1 if s == n else 0, hard + 1 if s == 0 else 0)
 
     def record(self, uids: list[str], group_index: torch.Tensor, correct: torch.Tensor) -> None:
-        """Add one collected batch: `correct[r]` (bool) of row r belongs to prompt `uids[group_index[r]]`."""
+        """Add one collected batch: `correct[r]` (bool) of row r belongs to prompt `uids[group_index[r]]`; rows are
+        in generation order, which the ring of newest outcomes keeps."""
         attempts = torch.bincount(group_index, minlength=len(uids))
         successes = torch.bincount(group_index, weights=correct.float(), minlength=len(uids)).round().long()
         keep = attempts > 0
         self.update(
             [u for u, k in zip(uids, keep.tolist()) if k], successes[keep].tolist(), attempts[keep].tolist()
         )
+        for g, bit in zip(group_index.tolist(), correct.bool().tolist()):
+            ring = self._recent.setdefault(uids[g], [])
+            ring.append(bit)
+            if len(ring) > RING:
+                del ring[0]
 
     def counts(self, uids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """([P] successes, [P] attempts) over the run as long tensors; unseen prompts are 0/0."""
@@ -51,6 +65,16 @@ class PromptStats:
         s = torch.tensor([self._last.get(u, (0, 0))[0] for u in uids], dtype=torch.long)
         n = torch.tensor([self._last.get(u, (0, 0))[1] for u in uids], dtype=torch.long)
         return s, n
+
+    def recent(self, uid: str) -> list[bool]:
+        """The newest (at most 16) correctness bits of a prompt, oldest first."""
+        return list(self._recent.get(uid, []))
+
+    def streaks(self, uids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """([P] consecutive all-correct visits, [P] consecutive all-wrong visits) up to the newest; 0 if unseen."""
+        easy = torch.tensor([self._streaks.get(u, (0, 0))[0] for u in uids], dtype=torch.long)
+        hard = torch.tensor([self._streaks.get(u, (0, 0))[1] for u in uids], dtype=torch.long)
+        return easy, hard
 
     def posterior_mean(self, uids: list[str], alpha0: float = 1.0, beta0: float = 1.0) -> torch.Tensor:
         """[P] mean of Beta(alpha0 + S, beta0 + F) for each prompt."""
@@ -70,6 +94,9 @@ class PromptStats:
             "attempts": [self._attempts[u] for u in uids],
             "last_successes": [self._last.get(u, (0, 0))[0] for u in uids],
             "last_attempts": [self._last.get(u, (0, 0))[1] for u in uids],
+            "recent": ["".join("1" if b else "0" for b in self._recent.get(u, [])) for u in uids],
+            "easy_streaks": [self._streaks.get(u, (0, 0))[0] for u in uids],
+            "hard_streaks": [self._streaks.get(u, (0, 0))[1] for u in uids],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -78,3 +105,6 @@ class PromptStats:
         self._attempts = dict(zip(uids, (int(x) for x in state["attempts"])))
         self._last = {u: (int(s), int(n)) for u, s, n in
                       zip(uids, state.get("last_successes", []), state.get("last_attempts", []))}
+        self._recent = {u: [c == "1" for c in bits] for u, bits in zip(uids, state.get("recent", [])) if bits}
+        self._streaks = {u: (int(e), int(h)) for u, e, h in
+                         zip(uids, state.get("easy_streaks", []), state.get("hard_streaks", []))}

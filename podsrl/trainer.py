@@ -42,7 +42,7 @@ from podsrl.methods import METHODS, StepContext
 from podsrl.models import count_parameters, load_policy, resolve_device
 from podsrl.plotting import plot_run
 from podsrl.prompt_stats import PromptStats
-from podsrl.tracking import MetricsLogger, StepProgress, read_metrics
+from podsrl.tracking import build_metrics_logger, build_progress, read_metrics
 from podsrl.update import PolicyUpdater
 
 log = logging.getLogger("podsrl")
@@ -103,7 +103,9 @@ class Trainer:
         self.data_parallel = self.dist.data_parallel(
             self.model, self.ref_model, cfg.train, torch.device("cpu") if cfg.rollout.engine == "ray" else None)
         self.generation_model = self.data_parallel.generation_model if self.data_parallel else self.model
-        self.task, self.eval_problems = load_task(cfg, self.tokenizer)
+        self.task, self.eval_problems = load_task(cfg, self.tokenizer, self.model)
+        if not self.eval_problems:
+            log.warning("no eval set (task %s): training without held-out evaluation", self.task.name)
         self.epoch_size = len(self.task) if hasattr(self.task, "__len__") else 0  # 0: an unbounded stream
         self.engine = self.dist.wrap_engine(rollout_engine(cfg, self.generation_model, self.tokenizer))
         self.rewards = reward_manager(cfg, self.task)
@@ -126,8 +128,7 @@ class Trainer:
             log.info("resumed %s at step %d", self.run_dir, self.step)
         if self.dist.is_main:
             dump_config(cfg, self.run_dir / "config.yaml")
-        self.logger = (MetricsLogger(self.run_dir, cfg.log.tensorboard,
-                                     resume_step=self.step if checkpoint is not None else None)
+        self.logger = (build_metrics_logger(cfg, self.run_dir, self.step if checkpoint is not None else None)
                        if self.dist.is_main else NullLogger())
 
     # ------------------------------------------------------------------------------------------- one step
@@ -186,8 +187,12 @@ class Trainer:
         parts, live_groups, seen_groups, rounds = [], 0, 0, 0
         while True:
             dead = zero_variance_groups(kept.rewards, kept.group_index, kept.num_groups)
-            kept = kept.select_rows(~dead[kept.group_index])
-            live_groups += int((~dead & (kept.group_sizes() > 0)).sum())
+            live = ~dead & (kept.group_sizes() > 0)
+            surplus = live_groups + int(live.sum()) - cfg.rollout.prompts_per_step
+            if surplus > 0:  # a refill that drew more than missing (GRESO): train the first groups, as DAPO does
+                live[live.nonzero().flatten()[-surplus:]] = False
+            kept = kept.select_rows(live[kept.group_index])
+            live_groups += int(live.sum())
             seen_groups += kept.num_groups
             parts.append(kept)
             missing = cfg.rollout.prompts_per_step - live_groups
@@ -292,6 +297,8 @@ class Trainer:
 
     def run_eval(self) -> dict:
         cfg = self.cfg
+        if not self.eval_problems:
+            return {}
         t0 = time.perf_counter()
         metrics = evaluate(self.engine, self.tokenizer, self.eval_problems, self.verify,
                            cfg.rollout.max_new_tokens, cfg.eval.samples, cfg.rollout.temperature,
@@ -304,24 +311,25 @@ class Trainer:
 
     def train(self) -> dict:
         cfg = self.cfg
-        progress = StepProgress(cfg.train.max_steps, cfg.log.progress and self.dist.is_main, start=self.step)
+        progress = build_progress(cfg, cfg.train.max_steps, self.dist.is_main, start=self.step)
         previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
         last_eval: dict = {}
         try:
             if self.step == 0:
                 last_eval = self.run_eval()
-                progress.update(0, accuracy=last_eval["eval/accuracy"])
+                progress.update(0, eval_acc=last_eval.get("eval/accuracy"))
             elif not self.dist.agree(self.budget_left()):  # resumed after the last step: needs its final eval
                 last_eval = self._logged_eval() or self.run_eval()
             while self.dist.agree(self.budget_left()):
                 metrics = self.train_step().metrics
                 self.logger.log(metrics)
-                progress.update(self.step, reward=metrics["reward"], step_time=metrics["time/step"])
+                self._warn_if_slow()
                 finished = not self.dist.agree(self.budget_left())
                 # Stopped by a signal: checkpoint at once (a grace period may be short), no extra eval record.
                 if self.step % cfg.train.eval_every == 0 or self.dist.agree(self._budget_spent()):
                     last_eval = self.run_eval()
-                    progress.update(self.step, accuracy=last_eval["eval/accuracy"])
+                progress.update(self.step, reward=metrics["reward"], train_acc=metrics["correct"],
+                                eval_acc=last_eval.get("eval/accuracy"), step_time=metrics["time/step"])
                 if self.step % cfg.train.save_every == 0 or finished:
                     self.save()
         finally:
@@ -345,6 +353,17 @@ class Trainer:
         if cfg.log.plot and self.dist.is_main:
             plot_run(self.run_dir)
         return summary
+
+    def _warn_if_slow(self) -> None:
+        """train.warn_seconds: say once that this machine is slower than expected; the run goes on to max_steps."""
+        limit = self.cfg.train.warn_seconds
+        if limit and self.elapsed > limit and not getattr(self, "_warned_slow", False) and self.dist.is_main:
+            self._warned_slow = True
+            eta = self.elapsed / self.step * (self.cfg.train.max_steps - self.step)
+            log.warning("training has taken %.0f s at step %d of %d, past train.warn_seconds=%g: this machine is "
+                        "slower or busier than expected. The run continues to max_steps (~%.0f s more), so its "
+                        "result does not depend on the machine's speed.", self.elapsed, self.step,
+                        self.cfg.train.max_steps, limit, eta)
 
     def _request_stop(self, signum, frame) -> None:
         # Finish the step in flight, checkpoint, exit cleanly: nothing lost. A second Ctrl-C aborts at once.

@@ -4,14 +4,20 @@ with a `Method` subclass (podsrl/methods/base.py), its config section in podsrl/
 from podsrl.methods.aero import AERO
 from podsrl.methods.base import Method, StepContext, offline_context
 from podsrl.methods.dynamo import DynaMO
+from podsrl.methods.greso import Greso
 from podsrl.methods.grpo import GRPO
+from podsrl.methods.knapsack import Knapsack
 from podsrl.methods.pods import PODS
+from podsrl.methods.reinforce_ada import ReinforceAda
 
 METHODS: dict[str, type[Method]] = {
     "grpo": GRPO,
     "pods": PODS,
     "aero": AERO,
     "dynamo": DynaMO,
+    "greso": Greso,
+    "knapsack": Knapsack,
+    "reinforce_ada": ReinforceAda,
 }
 
 __all__ = ["METHODS", "Method", "StepContext", "offline_context"]

@@ -1,7 +1,8 @@
 """Resume is exact for every stateful feature: a run that crashes after a checkpoint and is resumed equals the
 straight run (metrics of every record but time/*, and final weights). Each configuration leans on a different piece
 of saved state: the data position (dataset epochs), the trainer RNG (selection, mini-batch order), prompt statistics
-and the epoch snapshot (DynaMO), AERO's rounds, refills, optimiser moments and the LR schedule."""
+and the epoch snapshot (DynaMO), AERO's rounds, refills, GRESO's streaks and p_easy / p_hard, Knapsack-RL's ring of
+recent outcomes, Reinforce-Ada's rounds, optimiser moments and the LR schedule."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from podsrl.config import load_config
 from podsrl.trainer import Trainer
-from tests.faults.common import assert_same_run, tiny
+from tests.faults.common import REWARDS, assert_same_run, tiny
 
 
 def _dataset(tmp_path) -> str:
@@ -21,6 +22,8 @@ def _dataset(tmp_path) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows + rows[:4]))
     return str(path)
 
+
+HASHED_CORRECT = f"[{{name: correct, function: '{REWARDS}:spread'}}]"
 
 CONFIGS = {
     "hf_engine_minibatches_cosine": {"rollout.engine": "hf", "optim.epochs": 2, "optim.mini_batches": 2,
@@ -36,6 +39,17 @@ CONFIGS = {
         "dynamo.modulation": False, "dynamo.n_min": 2, "dynamo.n_max": 6, "dynamo.min_history": 1,
         "dynamo.refresh": "epoch", "log.grad_noise": True},
     "filter_refill_kl": {"filter.zero_variance": True, "filter.max_refill_rounds": 2, "algo.beta": 0.1},
+    # The new methods read correctness: a hash of the text stands in for it, so outcomes vary from the first step.
+    # A pool of 4: streaks, p_easy / p_hard (adapting from step 2, epoch 1), skips drawing from the sampler, refills
+    "greso_pool_refill": {"task.args": "{operands: 2, digits: 1, train_size: 4}", "method": "greso",
+                          "filter.zero_variance": True, "filter.max_refill_rounds": 2, "greso.p_init": 0.3,
+                          "rewards": HASHED_CORRECT},
+    # the ring of recent outcomes and last visits drive unequal allocations; the advantage clip
+    "knapsack_pool_clip": {"task.args": "{operands: 2, digits: 1, train_size: 6}", "method": "knapsack",
+                           "knapsack.min_history": 4, "knapsack.max_n": 12, "algo.advantage_clip": 1.0,
+                           "rewards": HASHED_CORRECT},
+    "reinforce_ada_rounds": {"method": "reinforce_ada", "reinforce_ada.round_repeat": 2,
+                             "reinforce_ada.max_rounds": 3, "rewards": HASHED_CORRECT},
 }
 
 

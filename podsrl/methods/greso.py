@@ -1,0 +1,119 @@
+"""GRESO (METHODS.md §6): skip prompts predicted to give a zero-variance group before rolling them out, on top of
+zero-variance filtering with bounded refill (DAPO dynamic sampling, the generic `filter.*`).
+
+collect: each prompt whose newest visits were all correct (all wrong) is skipped with a probability that grows
+with the streak; a skipped prompt is replaced by the sampler's next one (bounded by `greso.max_scan`), and the
+prompts that pass get rollout.n rollouts each. refill_count: the DAPO/GRESO estimate of how many prompts the refill
+must draw. end_step: from the second epoch on, p_easy and p_hard move so that the shares of all-correct and
+all-wrong groups track their targets. Streaks live in PromptStats (updated by the loop on every visit); p_easy and
+p_hard are this method's checkpointed state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from podsrl.algo.greso import (
+    KEPT,
+    SKIPPED_EASY,
+    SKIPPED_HARD,
+    adapt_exploration,
+    refill_estimate,
+    skip_decisions,
+)
+from podsrl.batch import Problem, RolloutBatch
+from podsrl.config import Config
+from podsrl.errors import ConfigError
+from podsrl.methods.base import Method, StepContext
+
+
+class Greso(Method):
+    name = "greso"
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__(cfg)
+        self.p_easy = self.p_hard = cfg.greso.p_init
+        self._skipped = [0, 0, 0]  # this step's prompts skipped easy, skipped hard, kept (codes 0, 1, 2)
+
+    @classmethod
+    def validate(cls, cfg: Config) -> None:
+        g = cfg.greso
+        if not 0 < g.p_min <= g.p_init <= g.p_max < 1:
+            raise ConfigError("greso.p_init: need 0 < greso.p_min <= greso.p_init <= greso.p_max < 1 "
+                              f"(got {g.p_min}, {g.p_init}, {g.p_max})")
+        for key in ("min_keep", "target_zero_variance"):
+            if not 0 < getattr(g, key) <= 1:
+                raise ConfigError(f"greso.{key}: must be in (0, 1], got {getattr(g, key)}")
+        for key in ("p_step", "max_scan", "refill_scale", "refill_min", "refill_max"):
+            if getattr(g, key) < 0:
+                raise ConfigError(f"greso.{key}: must be >= 0, got {getattr(g, key)}")
+        if g.refill_min > g.refill_max:
+            raise ConfigError(f"greso.refill_min ({g.refill_min}) must be <= greso.refill_max ({g.refill_max})")
+
+    def _skip_codes(self, problems: list[Problem], ctx: StepContext) -> list[int]:
+        """Per problem SKIPPED_EASY, SKIPPED_HARD or KEPT (one pair of uniform draws each, easy test first),
+        counted into this step's totals."""
+        easy, hard = ctx.stats.streaks([p.uid for p in problems])
+        draws = torch.rand((len(problems), 2), generator=ctx.rng)
+        codes = skip_decisions(easy, hard, self.p_easy, self.p_hard, draws, floor=self.cfg.greso.min_keep).tolist()
+        for code in codes:
+            self._skipped[code] += 1
+        return codes
+
+    def collect(self, problems: list[Problem], ctx: StepContext) -> tuple[RolloutBatch, dict]:
+        wanted = len(problems)
+        first = self._skip_codes(problems, ctx)
+        kept = [p for p, c in zip(problems, first) if c == KEPT]
+        budget = math.floor(self.cfg.greso.max_scan * wanted)  # replacement draws this collect may make
+        while len(kept) < wanted and budget > 0:  # skipped prompts are replaced by the sampler's next ones
+            more = ctx.draw(min(wanted - len(kept), budget))
+            budget -= len(more)
+            kept += [p for p, c in zip(more, self._skip_codes(more, ctx)) if c == KEPT]
+        if not kept:  # every prompt skipped and the scan spent: roll out the first asked-for one, counted as kept
+            kept = problems[:1]
+            self._skipped[first[0]] -= 1
+            self._skipped[KEPT] += 1
+        n = self.cfg.rollout.n
+        batch = ctx.generate(kept, list(range(len(kept))), [n] * len(kept))
+        return batch, {"examples/scan_exhausted": float(len(kept) < wanted)}
+
+    def refill_count(self, missing: int, zero_variance_fraction: float) -> int:
+        g, prompts = self.cfg.greso, self.cfg.rollout.prompts_per_step
+        return refill_estimate(missing, zero_variance_fraction, g.refill_scale, lowest=math.ceil(g.refill_min * prompts),
+                               highest=max(1, math.ceil(g.refill_max * prompts)))
+
+    def end_step(self, generated: list[RolloutBatch], ctx: StepContext) -> dict:
+        """Shares of all-correct / all-wrong groups among every group rolled out this step, then adapt p."""
+        groups = easy = hard = 0
+        for b in generated:
+            attempts = torch.bincount(b.group_index, minlength=b.num_groups)
+            successes = torch.bincount(b.group_index[b.correct.bool()], minlength=b.num_groups)
+            present = attempts > 0
+            groups += int(present.sum())
+            easy += int((present & (successes == attempts)).sum())
+            hard += int((present & (successes == 0)).sum())
+        easy_ratio, hard_ratio = easy / max(groups, 1), hard / max(groups, 1)
+        g = self.cfg.greso
+        if ctx.epoch > 0:
+            kw = dict(step=g.p_step, lowest=g.p_min, highest=g.p_max)
+            self.p_easy = adapt_exploration(self.p_easy, easy_ratio, g.target_zero_variance / 3, **kw)
+            self.p_hard = adapt_exploration(self.p_hard, hard_ratio, 2 * g.target_zero_variance / 3, **kw)
+        metrics = {
+            "examples/p_easy": self.p_easy, "examples/p_hard": self.p_hard,
+            "examples/too_easy_ratio": easy_ratio, "examples/too_hard_ratio": hard_ratio,
+            "examples/total_sampled": float(groups),
+            "examples/skipped_easy": float(self._skipped[SKIPPED_EASY]),
+            "examples/skipped_hard": float(self._skipped[SKIPPED_HARD]),
+            "examples/kept": float(self._skipped[KEPT]),
+        }
+        self._skipped = [0, 0, 0]
+        return metrics
+
+    def state_dict(self) -> dict:
+        return {"p_easy": self.p_easy, "p_hard": self.p_hard}
+
+    def load_state_dict(self, state: dict) -> None:
+        p_init = self.cfg.greso.p_init  # a checkpoint from before the method was chosen has no state
+        self.p_easy, self.p_hard = float(state.get("p_easy", p_init)), float(state.get("p_hard", p_init))

@@ -1,0 +1,77 @@
+"""Reinforce-Ada (METHODS.md §8): sample in rounds until each prompt's pool has signal, then train on a balanced
+group of rollout.n with the pool mean as baseline.
+
+collect: round r draws `round_repeat` rollouts for every active prompt; after the round, prompts whose pool passes
+the exit test stop; at most `max_rounds` rounds. The returned batch is the whole pool (every round, so the loop
+counts every generated rollout and PromptStats sees them all). select: each prompt keeps rollout.n rows of its pool
+(`balanced_keep`: earliest positives and negatives in generation order), advantage r − mean(pool). Unresolved
+prompts stay in the batch (zero advantage if their pool is constant); `filter.zero_variance` drops those.
+
+Whether a prompt exited needs no state: pools only grow and a prompt stops at the first round its pool passes the
+test, so it exited iff its final pool passes it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from podsrl.algo.reinforce_ada import balanced_keep, exit_test, pool_advantages
+from podsrl.algo.selection import selection_metrics
+from podsrl.batch import Problem, RolloutBatch, concat_batches
+from podsrl.config import Config
+from podsrl.errors import ConfigError
+from podsrl.methods.base import Method, StepContext
+
+
+class ReinforceAda(Method):
+    name = "reinforce_ada"
+
+    @classmethod
+    def validate(cls, cfg: Config) -> None:
+        r = cfg.reinforce_ada
+        if r.round_repeat < 1:
+            raise ConfigError(f"reinforce_ada.round_repeat: must be >= 1, got {r.round_repeat}")
+        if r.max_rounds < 1:
+            raise ConfigError(f"reinforce_ada.max_rounds: must be >= 1, got {r.max_rounds}")
+        if r.epsilon <= 0:
+            raise ConfigError(f"reinforce_ada.epsilon: must be > 0, got {r.epsilon}")
+
+    def _pool_counts(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """([P] positives, [P] negatives) of the pool so far."""
+        positive = batch.rewards > self.cfg.reinforce_ada.positive_threshold
+        pos = torch.bincount(batch.group_index[positive], minlength=batch.num_groups)
+        return pos, torch.bincount(batch.group_index, minlength=batch.num_groups) - pos
+
+    def collect(self, problems: list[Problem], ctx: StepContext) -> tuple[RolloutBatch, dict]:
+        r, n = self.cfg.reinforce_ada, self.cfg.rollout.n
+        active = list(range(len(problems)))
+        rounds: list[RolloutBatch] = []
+        finished_first = 0
+        while active and len(rounds) < r.max_rounds:
+            rounds.append(ctx.generate(problems, active, [r.round_repeat] * len(active)))
+            pool = rounds[0] if len(rounds) == 1 else concat_batches(rounds, ctx.pad_token_id)
+            done = exit_test(*self._pool_counts(pool), n, r.exit_rule)
+            if len(rounds) == 1:
+                finished_first = int(done.sum())
+            active = [i for i in active if not bool(done[i])]
+        metrics = {
+            "sampling/total_samples": float(pool.num_rollouts),
+            "sampling/total_prompts": float(len(problems)),
+            "sampling/prompts_active_only_1st_round": float(finished_first),
+            "sampling/prompts_unfinished": float(len(active)),
+            "sampling/rounds": float(len(rounds)),
+            "critic/real_reward": float(rounds[0].rewards.mean()),
+        }
+        return pool, metrics
+
+    def select(self, batch: RolloutBatch, ctx: StepContext) -> tuple[RolloutBatch, dict]:
+        r, n = self.cfg.reinforce_ada, self.cfg.rollout.n
+        pos, neg = self._pool_counts(batch)
+        resolved = exit_test(pos, neg, n, r.exit_rule)
+        rows = balanced_keep(batch.rewards > r.positive_threshold, batch.group_index, batch.num_groups, resolved, n,
+                             r.exit_rule)
+        kept = batch.select_rows(rows)
+        kept.advantages = pool_advantages(kept.rewards, kept.group_index, batch.rewards, batch.group_index,
+                                          batch.num_groups, std=r.std, epsilon=r.epsilon)
+        metrics = selection_metrics(batch.rewards, batch.group_index, batch.num_groups, rows)
+        return kept, {**metrics, "sampling/kept_samples": float(kept.num_rollouts)}
