@@ -145,8 +145,8 @@ def token_logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: floa
     """[..., V] logits -> ([...] log-prob of `tokens` under softmax(logits / T), [...] entropy), float32 or wider."""
     lead = logits.shape[:-1]
     flat = logits.reshape(-1, logits.shape[-1])
-    if flat.shape[0] == 0:
-        empty = flat.new_zeros(lead, dtype=torch.promote_types(flat.dtype, torch.float32))
+    if flat.shape[0] == 0:  # still on the graph: an FSDP2 rank's padding micro-batch must run its backward
+        empty = _float(flat).sum(-1).view(lead)
         return empty, empty.clone()
     logp, entropy = _FromLogits.apply(flat, tokens.reshape(-1), float(temperature), max(1, int(chunk)))
     return logp.view(lead), entropy.view(lead)
