@@ -93,9 +93,12 @@ class DistContext:
                       generation_device: torch.device | None = None) -> DataParallel | None:
         """The update's data-parallel object: DataParallel, or FSDP2 with `train.strategy: fsdp` (podsrl/fsdp.py,
         which shards `model` and `ref_model` in place); None in one process."""
+        fsdp = train_cfg is not None and train_cfg.strategy == "fsdp"
         if not self.enabled:
+            if fsdp:
+                log.info("train.strategy=fsdp: one process, nothing to shard; training the whole model here")
             return None
-        if train_cfg is not None and train_cfg.strategy == "fsdp":
+        if fsdp:
             from podsrl.fsdp import FullyShardedDataParallel
 
             return FullyShardedDataParallel(self, train_cfg, model, ref_model, generation_device)
@@ -190,6 +193,7 @@ class DataParallel:
     """What the policy updater needs from the other ranks (see the module docstring)."""
 
     sharded = False  # parameters whole on every rank: rank 0 alone writes checkpoints
+    lockstep = False  # True when every forward/backward is collective (FSDP2): empty micro-batches are kept
 
     def __init__(self, ctx: DistContext, model: torch.nn.Module) -> None:
         self.ctx = ctx
@@ -204,10 +208,10 @@ class DataParallel:
 
     def micro_batches(self, rows: torch.Tensor, size: int) -> list[torch.Tensor]:
         """This rank's micro-batches of a mini-batch: an equal row share (sizes differ by at most one), cut into
-        as many micro-batches as the largest share needs, on every rank (empty ones dropped)."""
+        as many micro-batches as the largest share needs, on every rank (empty ones dropped unless `lockstep`)."""
         share = rows.tensor_split(self.ctx.world_size)[self.ctx.rank]
         count = max(1, math.ceil(math.ceil(rows.numel() / self.ctx.world_size) / size))
-        return [m for m in share.tensor_split(count) if m.numel() > 0]
+        return [m for m in share.tensor_split(count) if m.numel() > 0 or self.lockstep]
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """In-place sum over ranks (CPU tensors go through the gloo group)."""

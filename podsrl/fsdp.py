@@ -25,7 +25,6 @@ update's data-parallel object changes, behind the same interface as `DataParalle
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any
 
 import torch
@@ -80,6 +79,7 @@ class FullyShardedDataParallel(DataParallel):
     frozen `ref_model`) in place; build the optimiser afterwards, over the sharded parameters."""
 
     sharded = True
+    lockstep = True  # every forward/backward is collective: empty micro-batches are run, not dropped
 
     def __init__(self, ctx: DistContext, train_cfg: Any, model: torch.nn.Module,
                  ref_model: torch.nn.Module | None = None, generation_device: torch.device | None = None) -> None:
@@ -98,7 +98,8 @@ class FullyShardedDataParallel(DataParallel):
         self.mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         options: dict[str, Any] = {
             "mesh": self.mesh,
-            "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=getattr(torch, train_cfg.fsdp_reduce_dtype)),
+            "mp_policy": MixedPrecisionPolicy(param_dtype=dtype,
+                                              reduce_dtype=getattr(torch, train_cfg.fsdp_reduce_dtype)),
         }
         if train_cfg.cpu_offload and ctx.device.type == "cuda":  # on CPU the shards are in host memory anyway
             options["offload_policy"] = CPUOffloadPolicy()
@@ -107,14 +108,6 @@ class FullyShardedDataParallel(DataParallel):
                 continue
             run_empty_on_one_row(module)
             shard_model(module, options, train_cfg.fsdp_reshard_after_forward)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-
-    def micro_batches(self, rows: torch.Tensor, size: int) -> list[torch.Tensor]:
-        """This rank's equal row share (sizes differ by at most one) cut into as many micro-batches as the largest
-        share needs: the same count on every rank, empty ones kept (each forward/backward is collective)."""
-        share = rows.tensor_split(self.ctx.world_size)[self.ctx.rank]
-        count = max(1, math.ceil(math.ceil(rows.numel() / self.ctx.world_size) / size))
-        return list(share.tensor_split(count))
 
     def grad_sync(self) -> None:
         """Nothing left to do: each backward reduce-scattered (summed) its gradients into the shards."""

@@ -145,7 +145,7 @@ def token_logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: floa
     """[..., V] logits -> ([...] log-prob of `tokens` under softmax(logits / T), [...] entropy), float32 or wider."""
     lead = logits.shape[:-1]
     flat = logits.reshape(-1, logits.shape[-1])
-    if flat.shape[0] == 0:  # still attached to the graph (FSDP2 runs empty micro-batches through the backward)
+    if flat.shape[0] == 0:  # still on the graph: an FSDP2 rank's padding micro-batch must run its backward
         empty = _float(flat).sum(-1).view(lead)
         return empty, empty.clone()
     logp, entropy = _FromLogits.apply(flat, tokens.reshape(-1), float(temperature), max(1, int(chunk)))
