@@ -5,21 +5,23 @@ per-step training metrics averaged over each run's steps (optionally only those 
         --keys frac_reward_zero_std total/rollouts_generated
 
 For each metric: the baseline and method values per seed, the mean paired difference (method − baseline) with its
-std over seeds, and a percentile bootstrap 95% interval over seeds (10,000 resamples of the paired differences,
-fixed seed). With 3 seeds the interval is coarse; the verdict says "inconclusive" when it contains 0. `step` counts
+std over seeds, and the bootstrap 95% interval and verdict of `podsrl compare` (podsrl/experiments/stats.py: expanded
+percentile bootstrap of the paired differences, 10,000 resamples, fixed seed). With 3 seeds the interval is the range
+of the three differences; the verdict says "inconclusive" when it contains 0. `step` counts
 the steps a run took; `final/<key>` is the last step record's value (e.g. cumulative totals).
 """
 
 from __future__ import annotations
 
 import argparse
-import random
+import math
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from podsrl.experiments.stats import BETTER, WORSE, paired_stat  # noqa: E402
 from podsrl.tracking import read_metrics  # noqa: E402
 
 FINAL = ("eval/accuracy", "eval/avg@4", "eval/pass@4")
@@ -39,12 +41,6 @@ def run_values(run_dir: Path, keys: list[str], after_step: int) -> dict[str, flo
         if values:
             out[key] = statistics.mean(values)
     return out
-
-
-def bootstrap_interval(diffs: list[float], resamples: int = 10_000) -> tuple[float, float]:
-    rng = random.Random(0)
-    means = sorted(statistics.mean(rng.choices(diffs, k=len(diffs))) for _ in range(resamples))
-    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
 
 
 def main() -> None:
@@ -67,8 +63,9 @@ def main() -> None:
         if not all(key in base[s] and key in meth[s] for s in seeds):
             continue
         diffs = [meth[s][key] - base[s][key] for s in seeds]
-        lo, hi = bootstrap_interval(diffs)
-        verdict = "higher" if lo > 0 else "lower" if hi < 0 else "inconclusive"
+        paired = paired_stat(key, {s: base[s][key] for s in seeds}, {s: meth[s][key] for s in seeds})
+        lo, hi = (math.nan, math.nan) if paired.ci_low is None else (paired.ci_low, paired.ci_high)
+        verdict = {BETTER: "higher", WORSE: "lower"}.get(paired.verdict, paired.verdict)
         spread = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
         print(f"| {key} | {' / '.join(f'{base[s][key]:.4g}' for s in seeds)} | "
               f"{' / '.join(f'{meth[s][key]:.4g}' for s in seeds)} | {statistics.mean(diffs):+.4g} ± {spread:.2g} | "
