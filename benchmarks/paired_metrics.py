@@ -68,7 +68,8 @@ def main() -> None:
             continue
         diffs = [meth[s][key] - base[s][key] for s in seeds]
         lo, hi = bootstrap_interval(diffs)
-        verdict = "higher" if lo > 0 else "lower" if hi < 0 else "inconclusive"
+        verdict = ("one seed: no verdict" if len(seeds) < 2 else
+                   "higher" if lo > 0 else "lower" if hi < 0 else "inconclusive")
         spread = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
         print(f"| {key} | {' / '.join(f'{base[s][key]:.4g}' for s in seeds)} | "
               f"{' / '.join(f'{meth[s][key]:.4g}' for s in seeds)} | {statistics.mean(diffs):+.4g} ± {spread:.2g} | "
