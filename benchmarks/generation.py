@@ -1,22 +1,22 @@
 """Rollout throughput: FastEngine vs HFEngine (transformers `model.generate`), side by side in one run.
 
-For each model and (prompts, n) the two engines generate the same request alternately; the best of `--repeats`
-timings is kept for each. Completions stop at EOS at varied lengths: the output head gets a bias on the EOS logit,
+For each model and (prompts, n) the two engines generate the same request in interleaved rounds (benchmarks/
+timing.py), `--repeats` (>= 5) rounds after an untimed warm-up call each: rates from the median round, the speed-up
+as the median and range of the per-round ratios. Completions stop at EOS at varied lengths: the output head gets a bias on the EOS logit,
 log((V - 1) / 7), so that under the near-uniform random-init distribution P(EOS) ~ 1/8 per step (mean completion
 ~6 of 16 tokens, geometric spread). Achieved FLOP/s counts the useful work, 2 * (non-embedding params) * (prompt +
 completion tokens, each distinct prompt counted once), the same for both engines, and is shown as a share of the machine's fp32
 GEMM peak measured in this run (2048^3 matmul).
 
-    python benchmarks/generation.py                 # both models, all four (prompts, n), ~3-4 minutes
-    python benchmarks/generation.py --models tiny --repeats 3
+    python benchmarks/generation.py                 # both models, all four (prompts, n), ~8 minutes
+    python benchmarks/generation.py --models tiny --repeats 7
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
-import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from benchmarks.timing import MIN_REPEATS, interleaved, load_average, machine_line, ratio
 from podsrl.engines.base import SamplingParams
 from podsrl.engines.fast import FastEngine
 from podsrl.engines.hf import HFEngine
@@ -79,21 +80,17 @@ def run_shape(
     n: int,
     repeats: int,
     params: SamplingParams,
-    budget_s: float = 20.0,
 ) -> dict:
-    """Best-of-`repeats` seconds per engine, engines alternating; stops repeating once a shape used `budget_s`."""
+    """Per engine: (seconds of each interleaved round, the output). The untimed first call of each engine is the
+    warm-up and gives the output (fixed per-row seeds: every call generates the same rollouts)."""
     counts, seeds = [n] * len(prompts), torch.arange(len(prompts) * n)
-    best = {name: math.inf for name in engines}
-    outputs = {}
-    start_shape = time.perf_counter()
-    for rep in range(repeats):
-        if rep and time.perf_counter() - start_shape > budget_s:
-            break
-        for name, engine in engines.items():
-            start = time.perf_counter()
-            outputs[name] = engine.generate(prompts, counts, params, seeds)
-            best[name] = min(best[name], time.perf_counter() - start)
-    return {name: (best[name], outputs[name]) for name in engines}
+    outputs = {name: engine.generate(prompts, counts, params, seeds) for name, engine in engines.items()}
+    times = interleaved(
+        {name: (lambda e=engine: e.generate(prompts, counts, params, seeds)) for name, engine in engines.items()},
+        repeats,
+        warmup=0,
+    )
+    return {name: (times[name], outputs[name]) for name in engines}
 
 
 def main() -> None:
@@ -101,7 +98,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=MIN_REPEATS, help="interleaved rounds (median, range)")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (1 = steadier on a shared machine)"
     )
@@ -112,8 +109,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"torch threads {torch.get_num_threads()}")  # fmt: skip
+    print(machine_line())
     peak = gemm_peak()
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0)
     gen = torch.Generator().manual_seed(1)
@@ -131,7 +127,8 @@ def main() -> None:
             result = run_shape(engines, prompts, n, args.repeats, params)
             row = {"model": name, "P": num_prompts, "n": n}
             for engine_name in ("hf", "fast"):
-                seconds, out = result[engine_name]
+                times, out = result[engine_name]
+                seconds = statistics.median(times)
                 generated = float(out.completion_mask.sum())
                 useful = generated + float(sum(len(p) for p in prompts))  # each prompt encoded once
                 row[engine_name] = (
@@ -139,21 +136,24 @@ def main() -> None:
                     generated / seconds,
                     2 * matmul_params * useful / seconds,
                 )
+            row["speedup"] = ratio(result["hf"][0], result["fast"][0])  # per round: hf time / fast time
             row["mean_len"] = float(result["fast"][1].completion_mask.sum()) / (num_prompts * n)
             rows.append(row)
-            print(f"  P={num_prompts} n={n}: speed-up {row['fast'][0] / row['hf'][0]:.2f}x", flush=True)
+            print(f"  P={num_prompts} n={n}: speed-up {row['speedup'].text(unit='x')}", flush=True)
         if args.ablate:
             ablate(model, params, args.repeats, gen)
     print(
         f"\nfp32 GEMM peak (2048^3 matmul, best of the run): {peak / 1e9:.1f} GFLOP/s; %pk = useful FLOP/s share"
     )
     print(f"{'model':>6} {'P':>3} {'n':>3} {'mean len':>8} | {'hf roll/s':>9} {'hf tok/s':>9} {'hf %pk':>6} | "
-          f"{'fast roll/s':>11} {'fast tok/s':>10} {'fast %pk':>8} | {'speed-up':>8}")  # fmt: skip
+          f"{'fast roll/s':>11} {'fast tok/s':>10} {'fast %pk':>8} | {'speed-up [min-max]':>20}")  # fmt: skip
     for row in rows:
         (h_r, h_t, h_f), (f_r, f_t, f_f) = row["hf"], row["fast"]
         print(f"{row['model']:>6} {row['P']:>3} {row['n']:>3} {row['mean_len']:>8.2f} | {h_r:>9.0f} {h_t:>9.0f} "
               f"{100 * h_f / peak:>5.1f}% | {f_r:>11.0f} {f_t:>10.0f} {100 * f_f / peak:>7.1f}% | "
-              f"{f_r / h_r:>7.2f}x")  # fmt: skip
+              f"{row['speedup'].text(unit='x'):>20}")  # fmt: skip
+    print(f"rates from the median of {args.repeats} interleaved rounds; speed-up = median [min-max] of the "
+          f"per-round ratio hf time / fast time; load average after: {load_average()}")
 
 
 VARIANTS = {
@@ -174,8 +174,9 @@ def ablate(model: torch.nn.Module, params: SamplingParams, repeats: int, gen: to
         result = run_shape(engines, prompts, n, repeats, params)
         base = result[next(iter(VARIANTS))][0]
         print(f"  ablation (P={num_prompts}, n={n}): " + ", ".join(
-            f"{label}: {num_prompts * n / seconds:.0f} roll/s ({base / seconds:.2f}x)"
-            for label, (seconds, _) in result.items()
+            f"{label}: {num_prompts * n / statistics.median(times):.0f} roll/s "
+            f"({ratio(base, times).text(unit='x')})"
+            for label, (times, _) in result.items()
         ))  # fmt: skip
 
 

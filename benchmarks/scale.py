@@ -1,12 +1,15 @@
 """Scale-out figures: rollouts/s of the Ray pool (1 and 2 actors) and of torchrun-style sharded generation, and
 update time for 1 and 2 data-parallel ranks (gloo), with the one-off and per-step overheads reported separately
-(Ray start-up, actor start-up, weight broadcast; process-group start-up, gradient all-reduce).
+(Ray start-up, actor start-up, weight broadcast; process-group start-up, gradient all-reduce); then FSDP2: each
+rank's parameter + gradient + AdamW bytes with 1 process, DDP and FSDP2 on 2 ranks, and the step time of the three
+arms interleaved in the same two processes (the overhead of sharding).
 
 Every configuration is timed `--repeats` times, interleaved, and the median is reported; all run in one invocation
 so the ratios are taken side by side on the same (possibly shared) machine. One rank or actor = one torch thread.
 
     python benchmarks/scale.py                      # built-in tiny model size, a few minutes on 2 cores
     python benchmarks/scale.py --hidden 256 --layers 6 --skip-ray
+    python benchmarks/scale.py --skip-ray --skip-ddp          # the FSDP2 figures alone
 """
 
 from __future__ import annotations
@@ -197,6 +200,100 @@ def bench_ddp(args, rows: list[tuple[str, str]]) -> None:
                      f"{n_rows / res['generate']:8.1f}  (x{results[1]['generate'] / res['generate']:.2f})"))
 
 
+# ------------------------------------------------------------------------------------------------ fsdp
+
+
+def training_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients and optimiser state (its shards under FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    def nbytes(t: torch.Tensor) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    return {
+        "params": sum(nbytes(p) for p in model.parameters()),
+        "grads": sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None),
+        "optimizer": sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)),
+    }
+
+
+def _fsdp_rank(rank: int, world: int, init: str, out: str, args) -> None:
+    """Three arms in the same two processes, interleaved per repeat: one process (rank 0 alone, rank 1 waiting),
+    DDP on 2 ranks, FSDP2 on 2 ranks; AdamW, the same batch, a barrier before each timed update."""
+    from podsrl.distributed import init_distributed
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    ctx = init_distributed(torch.device("cpu"))
+    cfg = load_config(None, [f"optim.micro_batch_size={args.micro}", f"rollout.max_new_tokens={args.max_new_tokens}",
+                             "train.strategy=fsdp"])
+    arms: dict[str, tuple] = {}
+    for name in ("1 process", "ddp, 2 ranks", "fsdp, 2 ranks"):
+        if name == "1 process" and rank != 0:
+            continue
+        model, _ = make_model(args)
+        model.train()
+        train_cfg = cfg.train if name.startswith("fsdp") else None
+        dp = None if name == "1 process" else ctx.data_parallel(model, None, train_cfg)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        arms[name] = (PolicyUpdater(model, optimizer, scheduler, cfg, torch.device("cpu"), data_parallel=dp),
+                      model, optimizer, dp)
+    batch = make_batch(args)
+    res: dict = {"memory": {}, "times": {name: [] for name in arms}}
+    for name in ("1 process", "ddp, 2 ranks", "fsdp, 2 ranks"):
+        ctx.barrier()  # on every rank, so the collectives pair up
+        if name not in arms:
+            continue
+        updater, model, optimizer, dp = arms[name]
+        updater.update(batch, torch.Generator().manual_seed(0))  # warm-up; creates gradients and AdamW state
+        res["memory"][name] = training_state_bytes(model, optimizer)
+        if name.startswith("fsdp"):
+            res["memory"]["fsdp generation copy"] = sum(p.numel() * p.element_size()
+                                                        for p in dp.generation_model.parameters())
+    for _ in range(args.repeats):
+        for name in ("1 process", "ddp, 2 ranks", "fsdp, 2 ranks"):
+            ctx.barrier()
+            if name not in arms:
+                continue
+            t0 = time.perf_counter()
+            arms[name][0].update(batch, torch.Generator().manual_seed(0))
+            res["times"][name].append(time.perf_counter() - t0)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, res)
+    if rank == 0:
+        torch.save(gathered, out)
+    dist.destroy_process_group()
+
+
+def bench_fsdp(args, rows: list[tuple[str, str]]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "res.pt")
+        mp.spawn(_fsdp_rank, args=(2, os.path.join(tmp, "init"), out, args), nprocs=2, join=True)
+        ranks = torch.load(out, weights_only=False)
+    one = ranks[0]["memory"]["1 process"]
+    rows.append(("per-rank training state (MiB)", "params + grads + AdamW = total  (vs 1 process)"))
+    for name in ("1 process", "ddp, 2 ranks", "fsdp, 2 ranks"):
+        for r, res in enumerate(ranks):
+            if name not in res["memory"]:
+                continue
+            m = res["memory"][name]
+            total = sum(m.values())
+            rows.append((f"  {name}, rank {r}", f"{m['params'] / 2**20:.2f} + {m['grads'] / 2**20:.2f} + "
+                         f"{m['optimizer'] / 2**20:.2f} = {total / 2**20:.2f}  (x{total / sum(one.values()):.2f})"))
+    rows.append(("  fsdp: unsharded generation copy per rank (not in the above)",
+                 f"{ranks[0]['memory']['fsdp generation copy'] / 2**20:.2f} MiB"))
+    times = ranks[0]["times"]
+    for name, ts in times.items():
+        rows.append((f"update ({args.update_rows} rows, AdamW), {name}",
+                     f"median {statistics.median(ts):.3f} s  (min {min(ts):.3f}, max {max(ts):.3f}, n={len(ts)})"))
+    for a, b in (("fsdp, 2 ranks", "ddp, 2 ranks"), ("fsdp, 2 ranks", "1 process")):
+        ratios = [x / y for x, y in zip(times[a], times[b])]  # paired: the same repeat, back to back
+        rows.append((f"step time {a} / {b}", f"median x{statistics.median(ratios):.2f}  "
+                     f"(range x{min(ratios):.2f} to x{max(ratios):.2f} over {len(ratios)} interleaved repeats)"))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=128)
@@ -209,6 +306,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--skip-ray", action="store_true")
     p.add_argument("--skip-ddp", action="store_true")
+    p.add_argument("--skip-fsdp", action="store_true")
     args = p.parse_args()
     model, _ = make_model(args)
     size = count_parameters(model)
@@ -216,12 +314,15 @@ def main() -> None:
         ("model", f"tiny Qwen2, hidden {args.hidden}, {args.layers} layers, {size / 1e6:.2f} M params, "
                   + f"{size * 4 / 2**20:.1f} MiB fp32"),
         ("request", f"{args.prompts} prompts x {args.n} rollouts, up to {args.max_new_tokens} new tokens"),
-        ("machine", f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start"),
+        ("machine", f"{os.cpu_count()} CPUs, torch {torch.__version__}, 1 thread per rank, "
+                    f"load average {os.getloadavg()[0]:.1f} at start"),
     ]
     if not args.skip_ray:
         bench_ray(args, rows)
     if not args.skip_ddp:
         bench_ddp(args, rows)
+    if not args.skip_fsdp:
+        bench_fsdp(args, rows)
     rows.append(("load average at end", f"{os.getloadavg()[0]:.1f}"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

@@ -5,22 +5,19 @@ subsets ("k highest + m-k lowest") and recompute its variance from scratch. It i
 and scaled per group when the full batch would take too long (the output says so).
 
     python benchmarks/select_speed.py                 # default shapes, about a minute at most
-    python benchmarks/select_speed.py --shapes 1024,64,16 --repeats 7
+    python benchmarks/select_speed.py --shapes 1024,64,16 --repeats 7   # arms interleaved, median [min-max]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from benchmarks.timing import MIN_REPEATS, Spread, interleaved, load_average, machine_line, ratio
 from podsrl.algo.selection import select_rollouts
 
 DEFAULT_SHAPES = ["1024,64,16", "8192,256,64"]
@@ -69,32 +66,23 @@ def kept_values(rewards: torch.Tensor, group_index: torch.Tensor, rows: torch.Te
     return by_value.values[by_group]
 
 
-def _median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def time_selection(
-    groups: int, n: int, m: int, kind: str = "binary", repeats: int = 5, rule: str = "max_variance"
-) -> float:
-    """Median seconds for one `select_rollouts` call on `groups` groups of n rollouts keeping m."""
-    rewards, group_index = make_rewards(groups, n, kind)
-    return _median_time(lambda: select_rollouts(rewards, group_index, groups, m, rule), repeats)
-
-
-def time_loop(
+def time_pair(
     groups: int, n: int, m: int, kind: str, repeats: int, max_loop_groups: int
-) -> tuple[float, int]:
-    """(seconds for the loop scaled to `groups`, number of groups actually timed)."""
+) -> tuple[dict[str, list[float]], int]:
+    """Seconds per round of the vectorised rule on all groups and of the loop scaled to all groups, interleaved;
+    and the number of groups the loop was actually timed on."""
+    rewards, group_index = make_rewards(groups, n, kind)
     timed = min(groups, max_loop_groups)
-    rewards, group_index = make_rewards(timed, n, kind)
-    seconds = _median_time(lambda: loop_select(rewards, group_index, timed, m), repeats)
-    return seconds * groups / timed, timed
+    loop_rewards, loop_index = make_rewards(timed, n, kind)
+    times = interleaved(
+        {
+            "vectorised": lambda: select_rollouts(rewards, group_index, groups, m, "max_variance"),
+            "loop": lambda: loop_select(loop_rewards, loop_index, timed, m),
+        },
+        repeats,
+    )
+    times["loop"] = [t * groups / timed for t in times["loop"]]
+    return times, timed
 
 
 def main() -> None:
@@ -103,8 +91,7 @@ def main() -> None:
     )
     parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="groups,n,m triples")
     parser.add_argument("--kinds", nargs="+", default=["binary", "continuous"])
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats (median reported)")
-    parser.add_argument("--loop-repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=MIN_REPEATS, help="interleaved rounds (median, range)")
     parser.add_argument(
         "--max-loop-groups", type=int, default=256, help="groups timed in the loop, then scaled"
     )
@@ -118,18 +105,17 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    print(
-        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} torch threads"
+    print(machine_line())
+    header = (
+        f"{'groups':>7} {'n':>5} {'m':>4} {'rewards':>10} {'vectorised ms':>22} {'loop ms':>26} "
+        f"{'speed-up':>20}"
     )
-    header = f"{'groups':>7} {'n':>5} {'m':>4} {'rewards':>10} {'vectorised ms':>14} {'loop ms':>11} {'speed-up':>9}"
     print(header)
     print("-" * len(header))
     scaled = False
     for shape in args.shapes:
         groups, n, m = (int(x) for x in shape.split(","))
         for kind in args.kinds:
-            vec = time_selection(groups, n, m, kind, args.repeats)
             # Same kept reward multisets (rows may differ only among equal rewards) on a slice of groups.
             few = min(groups, 64)
             r, gi = make_rewards(few, n, kind)
@@ -137,16 +123,20 @@ def main() -> None:
                 kept_values(r, gi, select_rollouts(r, gi, few, m, "max_variance")),
                 kept_values(r, gi, loop_select(r, gi, few, m)),
             )
-            loop, timed = time_loop(groups, n, m, kind, args.loop_repeats, args.max_loop_groups)
+            times, timed = time_pair(groups, n, m, kind, args.repeats, args.max_loop_groups)
             note = "" if timed == groups else f"  (loop timed on {timed} groups, scaled)"
             scaled |= timed != groups
             check = "" if same else "  KEPT REWARDS DIFFER"
+            vec, loop = Spread.of(times["vectorised"]), Spread.of(times["loop"])
+            speedup = ratio(times["loop"], times["vectorised"])
             print(
-                f"{groups:>7} {n:>5} {m:>4} {kind:>10} {vec * 1e3:>14.2f} {loop * 1e3:>11.1f} "
-                f"{loop / vec:>8.0f}x{note}{check}"
+                f"{groups:>7} {n:>5} {m:>4} {kind:>10} {vec.text(1e3, 2):>22} {loop.text(1e3, 1):>26} "
+                f"{speedup.text(1, 0, 'x'):>20}{note}{check}"
             )
+    print(f"medians [min-max] over {args.repeats} interleaved rounds; speed-up = per-round loop / vectorised")
     if scaled:
-        print("loop times marked 'scaled' = median time on a subset of groups x (groups / groups timed)")
+        print("loop times marked 'scaled' = time on a subset of groups x (groups / groups timed)")
+    print(f"load average after: {load_average()}")
 
 
 if __name__ == "__main__":

@@ -1,26 +1,27 @@
 """Throughput of a full RL step: podsrl vs TRL's GRPOTrainer, and PODS 64->16 vs GRPO 16-16 through the trainer.
 
-Part 1 (same model, tokenizer, batch, n = 16, completion length, beta = 0, one process): for 64 and 256 rollouts per
-step, podsrl's generation rollouts/s and tokens/s, update rollouts/s and tokens/s, and full step time, beside TRL's
-GRPOTrainer step on the same setup; prints podsrl/TRL throughput ratios (target: >= 1.5x on the full step).
+Part 1 (same model, tokenizer, batch, n = 16, 16 new tokens, beta = 0, lr 1e-4, one process): for 64 and 256
+rollouts per step, TRL's GRPOTrainer and podsrl's trainer take steps in strict alternation (a TRL callback runs one
+podsrl step after each TRL step), `--repeats` timed steps each after one untimed; prints the median step time, the
+min-max spread, generation/update split, and the median of the per-step ratios TRL/podsrl (target: >= 2x).
 The tiny model is untrained here, so completions run to the full length in both frameworks.
 
-Part 2 (the built-in task with the warmed-up model, as `podsrl train` runs it): mean step time of PODS 64->16 vs
-GRPO 16-16 with the default engine, and its split into generate/score/select/update (target: ratio <= 1.3).
+Part 2 (the built-in task with the warmed-up model, as `podsrl train` runs it): PODS 64->16 vs GRPO 16-16 steps,
+alternating, with their split into generate/score/select/update (target: ratio <= 1.3).
 
-    python benchmarks/step_throughput.py [--steps 4] [--threads 1] [--skip-trl] [--skip-task]
+    python benchmarks/step_throughput.py [--repeats 5] [--threads 1] [--skip-trl] [--skip-task]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -30,90 +31,125 @@ from podsrl.config import load_config  # noqa: E402
 from podsrl.trainer import Trainer  # noqa: E402
 
 STEP_KEYS = ("time/generate", "time/score", "time/select", "time/update", "time/step", "tokens/generated",
-             "tokens/trained", "rollouts/generated", "rollouts/trained")
+             "tokens/trained")
 
 
-def podsrl_steps(overrides: list[str], steps: int, warmup: int = 1) -> dict:
-    """Mean per-step metrics of `steps` timed train steps (after `warmup` untimed ones)."""
+def podsrl_trainer(overrides: list[str]) -> Trainer:
     out_dir = tempfile.mkdtemp(prefix="podsrl_step_")
-    trainer = Trainer(load_config(None, [f"output_dir={out_dir}", "log.progress=false", "log.tensorboard=false",
-                                         "log.plot=false", *overrides]))
-    records = []
-    for i in range(warmup + steps):
-        metrics = trainer.train_step().metrics
-        if i >= warmup:
-            records.append(metrics)
+    return Trainer(load_config(None, [f"output_dir={out_dir}", "log.progress=false", "log.tensorboard=false",
+                                      "log.plot=false", *overrides]))
+
+
+def close(trainer: Trainer) -> None:
     trainer.logger.close()
     trainer.engine.close()
-    return {k: statistics.mean(r[k] for r in records) for k in STEP_KEYS}
+
+
+def med(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def alternating_callback(base: type, ours: Trainer):
+    """A TRL callback that times TRL's step, then takes one podsrl step before TRL's next one."""
+
+    class Alternate(base):  # type: ignore[misc,valid-type]
+        def __init__(self) -> None:
+            self.records: list[dict] = []
+            self.trl_steps: list[float] = []
+            self.t0 = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.trl_steps.append(time.perf_counter() - self.t0)
+            self.records.append(ours.train_step().metrics)
+
+    return Alternate()
 
 
 def part1(opts) -> None:
-    print("== podsrl vs TRL GRPOTrainer: untrained tiny model, n = 16, 16 new tokens, beta = 0, lr 1e-4")
-    print(f"{'rollouts':>8} {'framework':>9} {'gen roll/s':>10} {'gen tok/s':>10} {'upd roll/s':>10} "
-          f"{'upd tok/s':>10} {'step s':>8} {'step roll/s':>11}")
-    if not opts.skip_trl:
-        from datasets import Dataset
+    from datasets import Dataset
+    from transformers import TrainerCallback
 
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from trl_step import run as trl_run
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from trl_step import build_trainer
 
-        dataset = Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(10, 40) for b in range(10, 20)],
-                                     "answer": [str(a + b) for a in range(10, 40) for b in range(10, 20)]})
+    print(f"== podsrl vs TRL GRPOTrainer: untrained tiny model, n = 16, 16 new tokens, beta = 0, lr 1e-4; "
+          f"{opts.repeats} alternating steps each after one untimed; median (min-max) seconds")
+    dataset = Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(10, 40) for b in range(10, 20)],
+                                 "answer": [str(a + b) for a in range(10, 40) for b in range(10, 20)]})
     for rollouts in (64, 256):
         prompts = rollouts // 16
-        p = podsrl_steps([f"rollout.prompts_per_step={prompts}", "rollout.n=16", "method=grpo",
-                          "rollout.max_new_tokens=16", "warmup.steps=0", "optim.lr=1e-4",
-                          f"optim.micro_batch_size={rollouts}"], opts.steps)
-        gen_tok = p["tokens/generated"] / p["time/generate"]
-        upd_tok = p["tokens/trained"] / p["time/update"]
-        print(f"{rollouts:>8} {'podsrl':>9} {rollouts / p['time/generate']:>10.0f} {gen_tok:>10.0f} "
-              f"{rollouts / p['time/update']:>10.0f} {upd_tok:>10.0f} {p['time/step']:>8.3f} "
-              f"{rollouts / p['time/step']:>11.0f}")
-        if opts.skip_trl:
-            continue
-        trl_opts = SimpleNamespace(prompts=prompts, max_new_tokens=16, warmup=1, steps=opts.steps)
-        step_times, gen_times = trl_run(f"trl{rollouts}", 16, None, trl_opts, dataset)
-        t_step, t_gen = statistics.mean(step_times), statistics.mean(gen_times)
-        print(f"{rollouts:>8} {'TRL':>9} {rollouts / t_gen:>10.0f} {'':>10} {rollouts / (t_step - t_gen):>10.0f} "
-              f"{'':>10} {t_step:>8.3f} {rollouts / t_step:>11.0f}")
-        print(f"{rollouts:>8} {'ratio':>9} {t_gen / p['time/generate']:>10.2f} {'':>10} "
-              f"{(t_step - t_gen) / p['time/update']:>10.2f} {'':>10} {'':>8} {t_step / p['time/step']:>10.2f}x")
-    print("(TRL's 'upd' column is its step time minus generation: scoring, advantages, loss, backward, optimiser)")
+        ours = podsrl_trainer([f"rollout.prompts_per_step={prompts}", "rollout.n=16", "method=grpo",
+                               "rollout.max_new_tokens=16", "warmup.steps=0", "optim.lr=1e-4",
+                               f"optim.micro_batch_size={rollouts}"])
+        trl_opts = argparse.Namespace(prompts=prompts, max_new_tokens=16, warmup=1, steps=opts.repeats)
+        trl, gen_times = build_trainer(f"trl{rollouts}", 16, None, trl_opts, dataset)
+        alternate = alternating_callback(TrainerCallback, ours)
+        trl.add_callback(alternate)
+        trl.train()
+        close(ours)
+        records, trl_steps, gen_times = alternate.records[1:], alternate.trl_steps[1:], gen_times[1:]
+        p = {k: [r[k] for r in records] for k in STEP_KEYS}
+        ratios = [t / s for t, s in zip(trl_steps, p["time/step"])]
+        trl_update = [t - g for t, g in zip(trl_steps, gen_times)]
+        print(f"{rollouts} rollouts/step")
+        print(f"  podsrl step {med(p['time/step'])}  generate {med(p['time/generate'])}  "
+              f"update {med(p['time/update'])}")
+        print(f"  TRL    step {med(trl_steps)}  generate {med(gen_times)}  rest {med(trl_update)}")
+        print(f"  TRL/podsrl full step: median {statistics.median(ratios):.2f}x (per step {min(ratios):.2f}-"
+              f"{max(ratios):.2f}x); generation {statistics.median(gen_times) / statistics.median(p['time/generate']):.2f}x; "
+              f"update {statistics.median(trl_update) / statistics.median(p['time/update']):.2f}x "
+              f"(TRL's 'rest' = step minus generation: scoring, advantages, loss, backward, optimiser)")
 
 
 def part2(opts) -> None:
-    print("\n== built-in task, warmed-up model, default engine: PODS 64->16 vs GRPO 16-16 (32 prompts/step)")
-    results = {}
-    for name, n, m in (("grpo 16-16", 16, 16), ("pods 64->16", 64, 16)):
-        results[name] = podsrl_steps([f"rollout.n={n}", "method=pods", f"pods.m={m}"], opts.steps)
-    print(f"{'setup':<12} {'step s':>8} {'generate':>9} {'score':>7} {'select':>7} {'update':>7} "
+    print(f"\n== built-in task, warmed-up model, default engine: PODS 64->16 vs GRPO 16-16 (32 prompts/step), "
+          f"{opts.repeats} alternating steps each after one untimed")
+    setups = {"grpo 16-16": ["rollout.n=16", "method=grpo"], "pods 64->16": ["rollout.n=64", "method=pods", "pods.m=16"]}
+    trainers = {name: podsrl_trainer(o) for name, o in setups.items()}
+    records: dict[str, list[dict]] = {name: [] for name in setups}
+    for i in range(opts.repeats + 1):
+        for name in setups if i % 2 == 0 else list(setups)[::-1]:
+            metrics = trainers[name].train_step().metrics
+            if i > 0:
+                records[name].append(metrics)
+    for t in trainers.values():
+        close(t)
+    print(f"{'setup':<12} {'step s':>22} {'generate':>9} {'score':>7} {'select':>7} {'update':>7} "
           f"{'gen tokens':>10} {'trained tokens':>14}")
-    for name, r in results.items():
-        print(f"{name:<12} {r['time/step']:>8.3f} {r['time/generate']:>9.3f} {r['time/score']:>7.3f} "
-              f"{r['time/select']:>7.4f} {r['time/update']:>7.3f} {r['tokens/generated']:>10.0f} "
-              f"{r['tokens/trained']:>14.0f}")
-    ratio = results["pods 64->16"]["time/step"] / results["grpo 16-16"]["time/step"]
-    share = results["pods 64->16"]["time/select"] / results["pods 64->16"]["time/step"]
-    print(f"ratio PODS 64->16 / GRPO 16-16 step time: {ratio:.2f} (target <= 1.3); "
-          f"selection share of the PODS step: {100 * share:.2f}% (target < 1%)")
+    for name, rs in records.items():
+        m = {k: statistics.median(r[k] for r in rs) for k in STEP_KEYS}
+        print(f"{name:<12} {med([r['time/step'] for r in rs]):>22} {m['time/generate']:>9.3f} {m['time/score']:>7.3f} "
+              f"{m['time/select']:>7.4f} {m['time/update']:>7.3f} {m['tokens/generated']:>10.0f} "
+              f"{m['tokens/trained']:>14.0f}")
+    ratios = [p["time/step"] / g["time/step"] for p, g in zip(records["pods 64->16"], records["grpo 16-16"])]
+    share = statistics.median(r["time/select"] / r["time/step"] for r in records["pods 64->16"])
+    print(f"ratio PODS 64->16 / GRPO 16-16 step time: median {statistics.median(ratios):.2f} "
+          f"({min(ratios):.2f}-{max(ratios):.2f}; target <= 1.3); selection share of the PODS step: "
+          f"{100 * share:.2f}% (target < 1%)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per setup (after one untimed)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per setup (after one untimed)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--skip-task", action="store_true")
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    print(f"machine: {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    load = os.getloadavg()
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores visible, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
+          f"load average {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}")
     t0 = time.perf_counter()
-    part1(opts)
+    if not opts.skip_trl:
+        part1(opts)
     if not opts.skip_task:
         part2(opts)
-    print(f"(benchmark took {time.perf_counter() - t0:.0f}s)")
+    print(f"(benchmark took {time.perf_counter() - t0:.0f}s; end load average {os.getloadavg()[0]:.2f})")
 
 
 if __name__ == "__main__":

@@ -5,10 +5,12 @@ Three setups on the built-in tiny model, the same prompts per step and the same 
   GRPO 64-64   plain TRL GRPOTrainer, 64 completions per prompt, all trained
   PODS 64->16  PODSGRPOTrainer, 64 generated per prompt, the 16 with the most reward variance trained
 
-Each setup runs `--warmup` untimed steps then `--steps` timed optimizer steps; with `--rounds 2` the order is
-reversed in the second round to cancel drift on a shared machine. Default runtime: about 1 minute on 2 CPU cores.
+Arms are interleaved in rounds (`--rounds`, default 5): each round runs every setup for `--warmup` untimed then
+`--steps` timed optimizer steps, in an order rotated from round to round to cancel drift on a shared machine. Prints
+per setup the median over rounds of the round's mean step time with its min-max spread, and the median (min-max) of
+the per-round ratios. Default runtime: about 3 minutes on 2 idle CPU cores.
 
-    python benchmarks/trl_step.py [--prompts 2] [--steps 5] [--max-new-tokens 16] [--rounds 2] [--threads 1]
+    python benchmarks/trl_step.py [--prompts 2] [--steps 2] [--max-new-tokens 16] [--rounds 5] [--threads 1]
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ def reward(prompts, completions, answer, **kwargs) -> list[float]:
             for c, t in zip(completions, answer)]
 
 
-def run(name: str, n: int, m: int | None, opts, dataset: Dataset) -> tuple[list[float], list[float]]:
-    """(step times, generation times) of the timed steps of one setup."""
+def build_trainer(name: str, n: int, m: int | None, opts, dataset: Dataset):
+    """A TRL trainer for one setup (GRPOTrainer, or PODSGRPOTrainer when m is given) and the list its generation
+    times are appended to."""
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(TinyModelConfig(), tokenizer, seed=0)
     common = {
@@ -69,8 +72,6 @@ def run(name: str, n: int, m: int | None, opts, dataset: Dataset) -> tuple[list[
         trainer_cls, config = PODSGRPOTrainer, PODSGRPOConfig(**common, pods_m=m, pods_rule="max_variance")
     trainer = trainer_cls(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer)
-    timer = StepTimer()
-    trainer.add_callback(timer)
     gen_times: list[float] = []
     generate = trainer._generate
 
@@ -81,6 +82,14 @@ def run(name: str, n: int, m: int | None, opts, dataset: Dataset) -> tuple[list[
         return out
 
     trainer._generate = timed_generate
+    return trainer, gen_times
+
+
+def run(name: str, n: int, m: int | None, opts, dataset: Dataset) -> tuple[list[float], list[float]]:
+    """(step times, generation times) of the timed steps of one setup."""
+    trainer, gen_times = build_trainer(name, n, m, opts, dataset)
+    timer = StepTimer()
+    trainer.add_callback(timer)
     trainer.train()
     return timer.times[opts.warmup:], gen_times[opts.warmup:]
 
@@ -88,16 +97,18 @@ def run(name: str, n: int, m: int | None, opts, dataset: Dataset) -> tuple[list[
 def machine() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)} (torch {torch.__version__})"
+    load = os.getloadavg()
     return (f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores visible, "
-            f"{torch.get_num_threads()} torch threads (torch {torch.__version__})")
+            f"{torch.get_num_threads()} torch threads (torch {torch.__version__}), "
+            f"load average {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=2, help="prompts per optimizer step (same in every setup)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per setup and round")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per setup and round")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     # One thread by default: on a small shared CPU, oversubscribed threads made generation times erratic.
     parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU (0: torch's default)")
@@ -108,27 +119,31 @@ def main() -> None:
     dataset = Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(10, 40) for b in range(10, 20)],
                                  "answer": [str(a + b) for a in range(10, 40) for b in range(10, 20)]})
     setups = [("GRPO 16-16", 16, None), ("GRPO 64-64", 64, None), ("PODS 64->16", 64, 16)]
-    steps: dict[str, list[float]] = {s[0]: [] for s in setups}
+    steps: dict[str, list[float]] = {s[0]: [] for s in setups}  # per round: mean of its timed steps
     gens: dict[str, list[float]] = {s[0]: [] for s in setups}
     for r in range(opts.rounds):
-        for name, n, m in setups if r % 2 == 0 else setups[::-1]:
+        for name, n, m in setups[r % len(setups):] + setups[:r % len(setups)]:
             t, g = run(name, n, m, opts, dataset)
-            steps[name] += t
-            gens[name] += g
+            steps[name].append(statistics.mean(t))
+            gens[name].append(statistics.mean(g))
 
     print(f"machine: {machine()}")
-    print(f"{opts.prompts} prompts/step, {opts.max_new_tokens} new tokens max, "
-          f"{opts.steps} timed steps x {opts.rounds} rounds per setup (after {opts.warmup} warm-up)")
-    print(f"{'setup':<12} {'generated':>9} {'trained':>7} {'step s':>8} {'generate s':>10} {'rest s':>8}")
-    mean = {k: statistics.mean(v) for k, v in steps.items()}
+    print(f"{opts.prompts} prompts/step, {opts.max_new_tokens} new tokens max, {opts.rounds} rounds x "
+          f"{opts.steps} timed steps per setup (after {opts.warmup} warm-up); median over rounds (min-max)")
+    print(f"{'setup':<12} {'generated':>9} {'trained':>7} {'step s':>22} {'generate s':>10} {'rest s':>8}")
     for name, n, m in setups:
-        g = statistics.mean(gens[name])
-        print(f"{name:<12} {opts.prompts * n:>9} {opts.prompts * (m or n):>7} {mean[name]:>8.3f} {g:>10.3f} "
-              f"{mean[name] - g:>8.3f}")
-    pods, g16, g64 = mean["PODS 64->16"], mean["GRPO 16-16"], mean["GRPO 64-64"]
-    print(f"ratio PODS 64->16 / GRPO 16-16 step time: {pods / g16:.2f}")
-    print(f"ratio PODS 64->16 / GRPO 64-64 step time: {pods / g64:.2f}")
-    print(f"ratio GRPO 64-64 / GRPO 16-16 step time: {g64 / g16:.2f}")
+        st, g = steps[name], statistics.median(gens[name])
+        print(f"{name:<12} {opts.prompts * n:>9} {opts.prompts * (m or n):>7} "
+              f"{f'{statistics.median(st):.3f} ({min(st):.3f}-{max(st):.3f})':>22} {g:>10.3f} "
+              f"{statistics.median(st) - g:>8.3f}")
+
+    def ratio(a: str, b: str) -> str:
+        r = [x / y for x, y in zip(steps[a], steps[b])]
+        return f"{statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})"
+
+    print(f"ratio PODS 64->16 / GRPO 16-16 step time: {ratio('PODS 64->16', 'GRPO 16-16')}")
+    print(f"ratio PODS 64->16 / GRPO 64-64 step time: {ratio('PODS 64->16', 'GRPO 64-64')}")
+    print(f"ratio GRPO 64-64 / GRPO 16-16 step time: {ratio('GRPO 64-64', 'GRPO 16-16')}")
 
 
 if __name__ == "__main__":

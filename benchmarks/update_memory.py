@@ -1,9 +1,10 @@
 """Peak memory of the update phase: GRPO 16-16 vs PODS 64->16 vs GRPO 64-64 on the same model.
 
-Each setting runs in a fresh process, on a synthetic batch with the real selection and update code. The update is
-done without gradient accumulation (micro-batch = whole batch) because that is where memory follows the number of
-trained rollouts. CPU: peak resident memory during the update minus resident memory just before it. CUDA: peak
-allocated bytes (torch.cuda.max_memory_allocated) minus allocated bytes before.
+Each setting runs in a fresh process, `--repeats` (>= 5) times in interleaved rounds (median and range reported), on a
+synthetic batch with the real selection and update code. The update is done without gradient accumulation
+(micro-batch = whole batch) because that is where memory follows the number of trained rollouts. CPU: peak resident
+memory during the update minus resident memory just before it. CUDA: peak allocated bytes
+(torch.cuda.max_memory_allocated) minus allocated bytes before.
 
     python benchmarks/update_memory.py            # prints a table; targets: PODS <= 1.15x GRPO 16-16, <= 0.5x 64-64
 """
@@ -19,6 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.timing import MIN_REPEATS, Spread, load_average, machine_line, ratio
 
 SETTINGS = {"grpo 16-16": (16, 16), "pods 64->16": (64, 16), "grpo 64-64": (64, 64)}
 
@@ -81,28 +83,39 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=MIN_REPEATS, help="interleaved rounds (median, range)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         n, m = map(int, args.child.split(","))
         print(json.dumps(measure(n, m, args.prompts, args.length, args.layers, args.width, args.device)))
         return
-    results = {}
-    for name, (n, m) in SETTINGS.items():
+    def child(n: int, m: int) -> dict:
         out = subprocess.run([sys.executable, __file__, "--child", f"{n},{m}", "--prompts", str(args.prompts),
                               "--length", str(args.length), "--layers", str(args.layers), "--width",
                               str(args.width), "--device", args.device], capture_output=True, text=True, check=True)
-        results[name] = json.loads(out.stdout.strip().splitlines()[-1])
-    params = next(iter(results.values()))["params"]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    print(machine_line() + " (each setting in a child process, same threads)")
+    # Interleaved rounds (benchmarks/timing.py's rule, for memory): round r runs every setting once, rotated.
+    names = list(SETTINGS)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for r in range(args.repeats):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            runs[name].append(child(*SETTINGS[name]))
+    peaks = {name: [run["peak_bytes"] for run in rs] for name, rs in runs.items()}
+    params = runs[names[0]][0]["params"]
     print(f"update-phase peak memory, {params / 1e6:.1f}M-param model, {args.prompts} prompts, "
-          f"{args.length} completion tokens, device {args.device}, {os.cpu_count()} cores")
-    print(f"{'setting':<14}{'trained rows':>14}{'peak MiB':>12}{'vs grpo 16-16':>16}")
-    base = results["grpo 16-16"]["peak_bytes"]
-    for name, r in results.items():
-        print(f"{name:<14}{r['trained_rows']:>14}{r['peak_bytes'] / 2**20:>12.1f}{r['peak_bytes'] / base:>15.2f}x")
-    pods, big = results["pods 64->16"]["peak_bytes"], results["grpo 64-64"]["peak_bytes"]
-    print(f"PODS / GRPO 16-16 = {pods / base:.2f} (target <= 1.15); PODS / GRPO 64-64 = {pods / big:.2f} "
-          f"(target <= 0.5)")
+          f"{args.length} completion tokens, device {args.device}, {args.repeats} interleaved rounds")
+    print(f"{'setting':<14}{'trained rows':>14}{'peak MiB, median [min-max]':>32}{'vs grpo 16-16':>24}")
+    base = peaks["grpo 16-16"]
+    for name in names:
+        mib = Spread.of(peaks[name]).text(1 / 2**20, 1)
+        print(f"{name:<14}{runs[name][0]['trained_rows']:>14}{mib:>32}{ratio(peaks[name], base).text(unit='x'):>24}")
+    pods, big = ratio(peaks["pods 64->16"], base), ratio(peaks["pods 64->16"], peaks["grpo 64-64"])
+    print(f"PODS / GRPO 16-16 = {pods.text()} (target <= 1.15); PODS / GRPO 64-64 = {big.text()} (target <= 0.5); "
+          f"per-round ratios, median [min-max]; load average after: {load_average()}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ Runs on CPU in about a minute with the built-in tiny model (nothing is downloade
     python examples/trl_pods.py                       # tiny char-level model, 20 steps
     python examples/trl_pods.py --model Qwen/Qwen2.5-0.5B-Instruct --steps 200   # any causal LM you have
 
-Everything except the four `pods_*`/`filter_zero_variance` fields is plain TRL `GRPOConfig`.
+Everything except the four `pods_*`/`filter_zero_variance` fields is plain TRL `GRPOConfig`. A seeded 5% of the
+prompts is held out and evaluated by TRL's own evaluation (`--eval-fraction 0` trains without one, and says so).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=4, help="completions trained on per prompt")
     parser.add_argument("--prompts-per-step", type=int, default=4)
     parser.add_argument("--rule", default="max_variance", choices=["max_variance", "max_reward", "random", "none"])
+    parser.add_argument("--eval-fraction", type=float, default=0.05, help="prompts held out for evaluation")
     parser.add_argument("--output-dir", default=None)
     args = parser.parse_args()
 
@@ -75,14 +77,27 @@ def main() -> None:
         logging_steps=5,
         save_strategy="no",
         report_to="none",
+        # evaluation on the held-out prompts, halfway and at the end (TRL scores n completions per eval prompt)
+        eval_strategy="steps" if args.eval_fraction > 0 else "no",
+        eval_steps=max(1, args.steps // 2),
+        per_device_eval_batch_size=args.prompts_per_step * args.n,
         bf16=False,
         seed=0,
     )
+    data = addition_dataset(512)
+    if args.eval_fraction > 0:  # seeded, so every run evaluates the same prompts; never trained on
+        split = data.train_test_split(test_size=args.eval_fraction, seed=0)
+        data, held_out = split["train"], split["test"]
+        print(f"held out {len(held_out)} of {len(data) + len(held_out)} prompts for evaluation")
+    else:
+        held_out = None
+        print("no eval set (--eval-fraction 0): training without evaluation")
     trainer = PODSGRPOTrainer(
         model=model,
         reward_funcs=correctness,
         args=config,
-        train_dataset=addition_dataset(512),
+        train_dataset=data,
+        eval_dataset=held_out,
         processing_class=tokenizer,
     )
     trainer.train()
@@ -94,6 +109,8 @@ def main() -> None:
                 f"{record['pods/reward_std_after']:.3f}  trained {record['pods/completions_trained']:.0f} of "
                 f"{record['pods/completions_generated']:.0f}"
             )
+        if "eval_reward" in record:
+            print(f"step {record['step']:>3}: held-out reward {record['eval_reward']:.3f}")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from podsrl.models import load_policy
 from podsrl.rewards import RewardManager, build_reward_manager
 from podsrl.tasks import build_task
 from podsrl.tasks.base import Task
+from podsrl.tasks.prompt_length import limit_task_prompts, model_context
 from podsrl.warmup import needs_warmup, run_warmup
 
 Verify = Callable[[list[Problem], torch.Tensor, list[str]], torch.Tensor]
@@ -42,9 +43,12 @@ def load_model(cfg: Config, weights: str | Path | None, base: str | None, traina
     return load_policy(m, str(weights) if weights is not None else base, seed=cfg.seed)
 
 
-def load_task(cfg: Config, tokenizer) -> tuple[Task, list[Problem]]:
-    """The task and the held-out problems evaluated (eval.size of them; all when 0)."""
+def load_task(cfg: Config, tokenizer, model: torch.nn.Module | None = None) -> tuple[Task, list[Problem]]:
+    """The task and the held-out problems evaluated (eval.size of them; all when 0), with the prompt-length limit
+    applied: checked against the model's context (when a model is given) before anything is generated."""
     task = build_task(cfg.task, tokenizer)
+    limit_task_prompts(task, tokenizer, cfg.task.max_prompt_length, cfg.task.overlong_prompts,
+                       cfg.rollout.max_new_tokens, model_context(model) if model is not None else None)
     return task, task.eval_set()[: cfg.eval.size or None]
 
 
@@ -54,7 +58,7 @@ def rollout_engine(cfg: Config, model: torch.nn.Module, tokenizer) -> RolloutEng
 
 def reward_manager(cfg: Config, task: Task) -> RewardManager:
     return build_reward_manager(cfg.rewards or list(task.default_rewards), task, cfg.reward_on_error,
-                                cfg.reward_timeout)
+                                cfg.reward_timeout, max_faulty_calls=cfg.reward_max_faulty_calls)
 
 
 def verifier(rewards: RewardManager, task: Task) -> Verify:

@@ -2,6 +2,8 @@
 
 Layout of one checkpoint, `<run>/checkpoints/step-00000042/`:
     model/              save_pretrained (safetensors) + tokenizer, loadable by transformers directly
+    sharded/            FSDP2 only: every rank's shards of the parameters and AdamW state
+                        (torch.distributed.checkpoint; optimizer.pt then holds the param groups and scheduler)
     optimizer.pt        optimiser + scheduler state (tensors and numbers only; loaded with weights_only=True)
     rng.pt              torch RNG states (uint8 tensors; weights_only=True)
     state.json          step, data position, elapsed time, counters, per-prompt statistics, python RNG
@@ -68,16 +70,28 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state: dict, rng_state: dict,
-                    state: dict, keep: int = 2) -> Path:
+                    state: dict, keep: int = 2, sharded_tensors: dict | None = None, dist_ctx=None) -> Path:
+    """Rank 0 writes everything; with `sharded_tensors` (FSDP2) every rank calls this, each writes its shards into
+    `sharded/` of the same temporary directory, and rank 0 completes the checkpoint after them."""
     root = checkpoint_dir(run_dir)
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
+    main = dist_ctx is None or dist_ctx.is_main
+    if dist_ctx is not None:
+        tmp = Path(dist_ctx.from_main(str(tmp)))
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp-step-*"):  # left by a save that was killed (one writer per run dir)
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
+        if main:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(".tmp-step-*"):  # left by a save that was killed (one writer per run dir)
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        if dist_ctx is not None:
+            dist_ctx.barrier()
         faults.fire("ckpt_begin", step)
+        if sharded_tensors is not None:  # collective; returns once every rank's shards and the metadata are written
+            save_sharded_tensors(sharded_tensors, tmp / "sharded")
+        if not main:
+            return final
         model.save_pretrained(tmp / "model", safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / "model")
@@ -105,6 +119,68 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state:
     faults.fire("ckpt_prune", step)
     prune_checkpoints(run_dir, step, keep)
     return final
+
+
+# ------------------------------------------------------------------------------------------- sharded (FSDP2)
+
+# What a torch.distributed.checkpoint `.metadata` pickle may name: its own dataclasses, torch sizes and dtypes.
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                     "torch.distributed.checkpoint.planner")
+_METADATA_GLOBALS = {("torch", "Size"), ("torch", "device"), ("torch.serialization", "_get_layout"),
+                     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"),
+                     ("builtins", "set"), ("builtins", "frozenset"), ("enum", "Enum")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Loads DCP metadata without running arbitrary code: any other global is refused."""
+
+    def find_class(self, module: str, name: str):
+        if module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+
+def save_sharded_tensors(tensors: dict, path: Path) -> None:
+    """Every rank writes its shards of `tensors` (DTensors and plain tensors only) to `path` with
+    torch.distributed.checkpoint (collective); rank 0 adds `.metadata`. Values must be tensors, so loading never
+    unpickles anything but the metadata, and that through an allow-list."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(path)))
+    except CheckpointException as e:  # a BaseException: some rank failed to write; the message names it
+        raise OSError(_last_error_line(e)) from None
+
+
+def load_sharded_tensors(template: dict, path: Path) -> None:
+    """Fills `template` (this rank's shards, e.g. from get_state_dict) in place from `path` (collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    class Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(Path(self.path) / ".metadata", "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta
+
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(template, storage_reader=Reader(str(path)))
+    except (CheckpointException, RuntimeError, OSError) as e:
+        raise UserError(f"checkpoint {path}: cannot load the sharded state ({_last_error_line(e)[:300]})") from None
+
+
+def _last_error_line(e: BaseException) -> str:
+    """The innermost error of a (possibly multi-rank, traceback-carrying) checkpoint exception."""
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(e).__name__
 
 
 def _step_of(path: Path) -> int:

@@ -1,4 +1,4 @@
-"""`podsrl train | eval | warmup | compare | report | bench` (user errors: one line on stderr, exit code 2)."""
+"""`podsrl train | eval | warmup | compare | report | plan` (user errors: one line on stderr, exit code 2)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,10 @@ def cmd_eval(args) -> int:
     # The trainer's own builders: a LoRA run's --model is its adapter (on top of the warm-up or model.name_or_path)
     model, tokenizer = load_model(cfg, args.model, base_weights(cfg), trainable=False)
     model.to(resolve_device(cfg.model.device)).eval()
-    task, problems = load_task(cfg, tokenizer)
+    task, problems = load_task(cfg, tokenizer, model)
+    if not problems:
+        raise UserError(f"task {task.name}: no eval set to evaluate on (task.eval_size, task.eval_fraction, "
+                        "task.args.eval_split)")
     engine = rollout_engine(cfg, model, tokenizer)
     verify = verifier(reward_manager(cfg, task), task)  # correctness is the `correct` reward alone, as in training
     try:
@@ -113,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="rebuild the comparison plot and tables from saved runs")
     add_report_arguments(p)
     p.set_defaults(func=report_main)
+    from podsrl.experiments.plan import add_plan_arguments, plan_main
+
+    p = sub.add_parser("plan", help="measure step costs here, predict the step time of (prompts, n, m) settings")
+    add_plan_arguments(p)
+    p.set_defaults(func=lambda args: plan_main(args, _preset(args.config)))
     return parser
 
 
@@ -124,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    # transformers' per-file bars ("Loading weights", "Writing model shards") would interleave with podsrl's own
+    # progress at every checkpoint; podsrl reports loading and saving itself.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     # SIGTERM before training starts (loading, warm-up) ends like Ctrl-C; the trainer then takes it over and
     # turns it into checkpoint-and-exit.
     try:
@@ -138,3 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("podsrl: interrupted", file=sys.stderr)
         return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

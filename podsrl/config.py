@@ -55,8 +55,18 @@ class TaskConfig:
     name: str = _f("arithmetic", "'arithmetic' (built-in), 'dataset' (jsonl/csv/parquet/HF), 'reasoning_gym'.")
     args: dict[str, Any] = _f({}, "Task-specific arguments (e.g. operands/digits/train_size for arithmetic, "
                               "dataset path and columns).")
-    eval_size: int = _f(2000, "Held-out problems; fixed by the task seed.")
+    eval_size: int = _f(2000, "Held-out problems; fixed by the task seed (0 = no eval set: trains, says so).")
     seed: int = _f(1234, "Seed of the problem generator and held-out set (shared by every run of a comparison).")
+    # Bring-your-own data (issue 17): held-out set of dataset tasks and prompt length.
+    eval_fraction: float = _f(0.05, "Dataset tasks without task.args.eval_split: fraction of the distinct questions "
+                              "held out for evaluation (seeded by task.seed, at most task.eval_size, never "
+                              "trained on; task.args.eval_fraction wins); 0 = no eval set.")
+    max_prompt_length: int = _f(0, "Longest prompt in tokens (TRL: max_prompt_length); 0 = the model's context "
+                                "minus rollout.max_new_tokens. Checked against the context at start-up.")
+    overlong_prompts: Literal["filter", "truncate_left", "error"] = _f(
+        "filter", "Prompts longer than max_prompt_length: drop them (counted at start-up; verl: "
+        "filter_overlong_prompts), keep their last tokens, or stop naming the file and row."
+    )
 
 
 @dataclass
@@ -224,14 +234,38 @@ class OptimConfig:
 
 
 @dataclass
+class UpdateConfig:
+    shared_prompt: bool = _f(True, "Run each distinct prompt of a micro-batch once and the completions without "
+                             "padding (Llama/Mistral/Qwen2/Qwen3; other models use the plain path). Same loss and "
+                             "gradients as false, the plain per-row forward kept as the reference.")
+    logits_chunk: int = _f(1024, "Tokens per chunk of the log-prob/entropy computation: the float32 softmax of at "
+                           "most this many tokens x vocabulary exists at a time.")
+
+
+@dataclass
 class TrainConfig:
     max_steps: int = _f(200, "RL steps (the run also stops at max_seconds / max_rollouts if set).")
-    max_seconds: float = _f(0.0, "Wall-clock training budget in seconds, eval excluded (0 = none).")
+    max_seconds: float = _f(0.0, "Wall-clock training budget in seconds, eval excluded (0 = none): the run stops "
+                            "there (`podsrl compare --budget-seconds` sets it for equal wall-clock).")
+    warn_seconds: float = _f(0.0, "Warn once when training passes this many seconds (eval excluded; 0 = never). "
+                             "A guard that never stops the run: its outcome stays set by max_steps.")
     max_rollouts: int = _f(0, "Budget of generated rollouts (0 = none).")
     eval_every: int = _f(20, "Evaluate every N steps (and at the start and end).")
     save_every: int = _f(50, "Checkpoint every N steps (and at the end).")
     keep_checkpoints: int = _f(2, "Checkpoints kept on disk (older ones are deleted).")
     max_nonfinite_steps: int = _f(3, "Consecutive non-finite losses/gradients (each skipped) before the run stops.")
+    # How the update is spread over torchrun ranks (docs/scale.md); one process ignores these.
+    strategy: Literal["ddp", "fsdp"] = _f(
+        "ddp", "ddp: every rank holds the whole model, gradients and optimiser state (fits one device); fsdp: "
+        "FSDP2, parameters, gradients and AdamW state sharded over ranks (fully_shard per decoder layer).")
+    cpu_offload: bool = _f(False, "fsdp: keep the sharded parameters, gradients and optimiser state in CPU memory.")
+    fsdp_param_dtype: Literal["auto", "bfloat16", "float32"] = _f(
+        "auto", "fsdp: dtype of the forward/backward compute (auto: bfloat16 on CUDA, float32 on CPU); the sharded "
+        "master weights and optimiser state stay in model.dtype.")
+    fsdp_reduce_dtype: Literal["float32", "bfloat16"] = _f("float32", "fsdp: dtype of the gradient reduce-scatter.")
+    fsdp_reshard_after_forward: bool = _f(
+        True, "fsdp: free each layer's gathered parameters after its forward (ZeRO-3, least memory); false keeps "
+        "them until the backward (ZeRO-2-like, one all-gather less per micro-batch).")
 
 
 @dataclass
@@ -243,8 +277,15 @@ class EvalConfig:
 
 @dataclass
 class LogConfig:
-    tensorboard: bool = _f(True, "Write TensorBoard event files in the run dir.")
-    progress: bool = _f(True, "Show a rich progress bar.")
+    tensorboard: bool = _f(True, "false removes tensorboard from log.report_to (older spelling).")
+    progress: bool = _f(True, "Show progress: a live display on a terminal, plain lines when stdout is a file.")
+    # Trackers and progress for cluster jobs (issue 17).
+    report_to: Any = _f(["tensorboard"], "Trackers (TRL: report_to): a list of tensorboard, wandb, trackio, or "
+                        "'all' / 'none'. metrics.jsonl is always written. wandb/trackio are optional extras.")
+    run_name: str = _f("", "Run name shown by trackers (TRL: run_name); default: the config name and seed.")
+    project: str = _f("podsrl", "wandb/trackio project (WANDB_PROJECT / TRACKIO_PROJECT override it).")
+    log_every: int = _f(10, "When stdout is not a terminal: one plain progress line every N steps ...")
+    log_every_seconds: float = _f(60.0, "... or after this many seconds, whichever comes first (warm-up too).")
     plot: bool = _f(True, "Write plots.png (reward and held-out accuracy) in the run dir.")
     grad_noise: bool = _f(False, "Log grad/noise_var (split-half estimate of the gradient's total variance), "
                           "grad/signal (squared norm) and their ratio on each step's first mini-batch. No extra "
@@ -266,9 +307,13 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
     rewards: list[Any] = _f([], "Reward functions: names or {name, weight, function}; empty = the task's default.")
     reward_on_error: Literal["zero", "skip", "fail"] = _f("zero", "What a failing reward function's values become.")
     reward_timeout: float = _f(10.0, "Seconds a reward call may take before it counts as failed.")
+    reward_max_faulty_calls: int = _f(5, "Reward calls in a row (one per step; more with refills or AERO rounds) "
+                                      "in which every value of one reward function is faulty before the run stops "
+                                      "(exit 2) instead of training on filled-in values.")
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -447,6 +492,8 @@ def validate(cfg: Config) -> None:
 
     need(cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")
     need(cfg.rollout.n >= 1, "rollout.n", "must be >= 1")
+    need(cfg.rollout.n >= 2 or cfg.method == "aero", "rollout.n",
+         "1 rollout per prompt makes every group advantage zero, so nothing is learned; use >= 2")
     need(cfg.rollout.temperature > 0, "rollout.temperature", "must be > 0")
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     need(cfg.rollout.top_k >= 0, "rollout.top_k", "must be >= 0")
@@ -461,15 +508,17 @@ def validate(cfg: Config) -> None:
     need(cfg.optim.epochs >= 1, "optim.epochs", "must be >= 1")
     need(cfg.optim.mini_batches >= 1, "optim.mini_batches", "must be >= 1")
     need(cfg.optim.micro_batch_size >= 1, "optim.micro_batch_size", "must be >= 1")
+    need(cfg.update.logits_chunk >= 1, "update.logits_chunk", "must be >= 1")
     need(cfg.optim.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
     need(cfg.optim.max_grad_norm >= 0, "optim.max_grad_norm", "must be >= 0")
     need(cfg.train.max_steps >= 1, "train.max_steps", "must be >= 1")
     need(cfg.train.max_seconds >= 0, "train.max_seconds", "must be >= 0")
+    need(cfg.train.warn_seconds >= 0, "train.warn_seconds", "must be >= 0")
     need(cfg.train.max_rollouts >= 0, "train.max_rollouts", "must be >= 0")
     need(cfg.train.eval_every >= 1, "train.eval_every", "must be >= 1")
     need(cfg.train.save_every >= 1, "train.save_every", "must be >= 1")
     need(cfg.train.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
-    need(cfg.task.eval_size >= 1, "task.eval_size", "must be >= 1")
+    need(cfg.task.eval_size >= 0, "task.eval_size", "must be >= 0")
     need(cfg.eval.size >= 0, "eval.size", "must be >= 0")
     need(cfg.eval.samples >= 0, "eval.samples", "must be >= 0")
     need(cfg.eval.batch_size >= 1, "eval.batch_size", "must be >= 1")
@@ -479,6 +528,10 @@ def validate(cfg: Config) -> None:
     need(cfg.warmup.validation_size >= 1, "warmup.validation_size", "must be >= 1")
     need(cfg.reward_timeout > 0, "reward_timeout", "must be > 0")
     need(cfg.model.lora_rank >= 0, "model.lora_rank", "must be >= 0")
+    fsdp = cfg.train.strategy == "fsdp"
+    need(fsdp or not cfg.train.cpu_offload, "train.cpu_offload", "needs train.strategy=fsdp")
+    need(not (fsdp and cfg.log.grad_noise), "log.grad_noise", "is not available with train.strategy=fsdp (its "
+         "split-half gradients would be sharded); set log.grad_noise=false or train.strategy=ddp")
     need(bool(cfg.output_dir), "output_dir", "must not be empty")
     t = cfg.model.tiny
     need(t.hidden_size % t.num_heads == 0, "model.tiny.hidden_size", "must be divisible by model.tiny.num_heads")
@@ -486,6 +539,15 @@ def validate(cfg: Config) -> None:
     need(not (cfg.model.name_or_path == "tiny" and cfg.warmup.steps > 0 and cfg.task.name == "dataset"),
          "warmup.steps", "the built-in model's warm-up needs reference completions, which a dataset task does not "
          "have: set warmup.steps=0, or give model.name_or_path")
+    # bring-your-own data, rewards and logging (issue 17)
+    need(0 <= cfg.task.eval_fraction < 1, "task.eval_fraction", "must be in [0, 1)")
+    need(cfg.task.max_prompt_length >= 0, "task.max_prompt_length", "must be >= 0 (0 = the model's context)")
+    need(cfg.reward_max_faulty_calls >= 1, "reward_max_faulty_calls", "must be >= 1")
+    need(cfg.log.log_every >= 1, "log.log_every", "must be >= 1")
+    need(cfg.log.log_every_seconds > 0, "log.log_every_seconds", "must be > 0")
+    from podsrl.tracking import normalize_report_to
+
+    cfg.log.report_to = normalize_report_to(cfg.log.report_to, cfg.log.tensorboard)
     # The registries import torch: only once the plain fields are known good.
     from podsrl.engines import check_engine_options
     from podsrl.methods import METHODS

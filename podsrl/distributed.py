@@ -74,11 +74,32 @@ class DistContext:
         dist.broadcast(t, src=0, group=self.cpu_group)
         return bool(t.item())
 
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier(group=self.cpu_group)
+
+    def from_main(self, value):
+        """Rank 0's `value` (any picklable object), on every rank."""
+        if not self.enabled:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
     def wrap_engine(self, engine: RolloutEngine) -> RolloutEngine:
         return ShardedEngine(engine, self) if self.enabled else engine
 
-    def data_parallel(self, model: torch.nn.Module) -> DataParallel | None:
-        return DataParallel(self, model) if self.enabled else None
+    def data_parallel(self, model: torch.nn.Module, ref_model: torch.nn.Module | None = None, train_cfg=None,
+                      generation_device: torch.device | None = None) -> DataParallel | None:
+        """The update's data-parallel object: DataParallel, or FSDP2 with `train.strategy: fsdp` (podsrl/fsdp.py,
+        which shards `model` and `ref_model` in place); None in one process."""
+        if not self.enabled:
+            return None
+        if train_cfg is not None and train_cfg.strategy == "fsdp":
+            from podsrl.fsdp import FullyShardedDataParallel
+
+            return FullyShardedDataParallel(self, train_cfg, model, ref_model, generation_device)
+        return DataParallel(self, model)
 
     def agree_batch(self, batch: RolloutBatch, generator: torch.Generator) -> RolloutBatch:
         """The batch to update on: the ranks' own when all are identical (the normal case), else rank 0's."""
@@ -168,12 +189,18 @@ class ShardedEngine(RolloutEngine):
 class DataParallel:
     """What the policy updater needs from the other ranks (see the module docstring)."""
 
+    sharded = False  # parameters whole on every rank: rank 0 alone writes checkpoints
+
     def __init__(self, ctx: DistContext, model: torch.nn.Module) -> None:
         self.ctx = ctx
+        self.generation_model = model  # what the engines generate with: the policy itself
         self.params = [p for p in model.parameters() if p.requires_grad]
         with torch.no_grad():  # identical starting weights whatever each rank loaded
             for p in model.parameters():
                 dist.broadcast(p.data, src=0)
+
+    def sync_generation_model(self) -> None:
+        """Nothing to do: the engines generate with the policy module itself."""
 
     def micro_batches(self, rows: torch.Tensor, size: int) -> list[torch.Tensor]:
         """This rank's micro-batches of a mini-batch: an equal row share (sizes differ by at most one), cut into

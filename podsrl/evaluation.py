@@ -45,7 +45,10 @@ def evaluate(engine: RolloutEngine, tokenizer, problems: list[Problem], verify, 
     """{"eval/accuracy": greedy pass@1, "eval/avg@k", "eval/pass@k", "eval/mean_length"} over `problems`.
 
     `verify(problems, group_index, completions) -> [R] bool` is the run's correctness check (the `correct` reward).
+    Callers skip evaluation when there is no eval set (the trainer says so at start-up).
     """
+    if not problems:
+        raise ValueError("evaluate: no problems (the caller should skip evaluation without an eval set)")
     greedy = SamplingParams(max_new_tokens=max_new_tokens, greedy=True, return_logprobs=False)
     texts = _generate_text(engine, tokenizer, problems, 1, greedy, batch_size)
     correct = verify(problems, torch.arange(len(problems)), texts)

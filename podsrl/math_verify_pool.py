@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from podsrl.extras import require
+
 TIMEOUT = "timeout"  # status of an item whose worker was killed for running past the deadline
 CRASHED = "crashed"  # status of an item whose worker died (segfault, out of memory)
 STARTUP_TIMEOUT_S = 120.0  # a worker that is not ready by then means the pool cannot work at all
@@ -205,6 +207,7 @@ class MathVerifyPool:
     def __init__(
         self, workers: int = 2, item_timeout_s: float = 5.0, max_chars: int = 2000, context: str | None = None
     ) -> None:
+        require("math_verify", "checking answers with math-verify")  # else every worker dies while starting
         self.max_chars = max_chars
         self._pool = ProcessPool(_verify_item, workers, item_timeout_s, init=_import_math_verify, context=context)
 

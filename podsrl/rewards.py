@@ -9,6 +9,10 @@ a non-number is counted in metrics ("rewards/<name>/errors", ".../timeouts", "..
   zero -> the affected values count as 0,
   skip -> the affected rollouts get valid=False (the trainer drops them; their reward is NaN),
   fail -> podsrl.errors.UserError naming the function and the problem.
+The first fault of each function is logged as a warning saying which function and why (later ones at debug level,
+the metrics count them all). A function whose every value is faulty in `max_faulty_calls` calls in a row is broken,
+not unlucky (e.g. it returns one number for the whole batch, which TRL broadcasts silently: huggingface/trl#6533),
+so the run stops with a UserError whatever the policy, instead of training on filled-in values forever.
 
 User functions run on a helper thread so a hung call can be abandoned (Python cannot kill a thread; a function
 that spins forever keeps its thread busy, so bound your own loops). Consequently they must not rely on signals:
@@ -36,6 +40,7 @@ import torch
 
 from podsrl.batch import Problem
 from podsrl.errors import ConfigError, UserError
+from podsrl.extras import require
 from podsrl.math_verify_pool import MathVerifyPool, default_math_verify_pool
 from podsrl.tasks.base import Task
 
@@ -119,6 +124,7 @@ def tag_count_reward(prompts: Sequence[str], completions: Sequence[str], **colum
 
 def verify_answers(golds: Sequence[str], completions: Sequence[str]) -> list[bool | None]:
     """math-verify in the shared worker pool, safe to call from custom reward functions (None = timed out)."""
+    require("math_verify", "podsrl.rewards.verify_answers")
     return default_math_verify_pool().check(golds, completions)
 
 
@@ -131,7 +137,11 @@ BUILTINS: dict[str, str] = {
 
 def correct_reward(task: Task, pool: MathVerifyPool | None = None) -> RewardFn:
     """The `correct` built-in: the task's own verifier when it has one, math-verify otherwise."""
-    return TaskVerifierReward(task) if task.has_verifier() else MathVerifyReward(pool)
+    if task.has_verifier():
+        return TaskVerifierReward(task)
+    if pool is None:  # checked here, at start-up: without it every worker would die and every reward be zero
+        require("math_verify", f"the 'correct' reward of task {task.name!r} (math-verify against the gold answer)")
+    return MathVerifyReward(pool)
 
 
 def load_function(path: str) -> RewardFn:
@@ -229,7 +239,8 @@ def _to_float(value: Any) -> float | None:
 class RewardManager:
     """Scores a step's completions with every reward function and applies the fault policy."""
 
-    def __init__(self, specs: list[RewardSpec], task: Task, on_error: str = "zero", timeout_s: float = 60.0):
+    def __init__(self, specs: list[RewardSpec], task: Task, on_error: str = "zero", timeout_s: float = 60.0,
+                 max_faulty_calls: int = 5):
         if on_error not in ON_ERROR:
             raise ConfigError(f"rewards.on_error: {on_error!r} is not one of {', '.join(ON_ERROR)}")
         if not specs:
@@ -238,6 +249,9 @@ class RewardManager:
         if len(set(names)) != len(names):
             raise ConfigError(f"rewards: duplicate reward names in {names}")
         self.specs, self.task, self.on_error, self.timeout_s = specs, task, on_error, float(timeout_s)
+        self.max_faulty_calls = max_faulty_calls
+        self._all_faulty_calls = dict.fromkeys(names, 0)  # consecutive calls with every value faulty
+        self._warned: set[str] = set()
         self.has_correct = "correct" in names
         if not self.has_correct:
             logger.warning("no reward named 'correct': every rollout counts as incorrect for AERO/DynaMO "
@@ -272,9 +286,13 @@ class RewardManager:
         elif hasattr(raw, "tolist") and getattr(raw, "ndim", 0) == 1:  # numpy arrays
             raw = raw.tolist()
         if not isinstance(raw, (list, tuple)):
-            raise _Fault("invalid", f"returned {type(raw).__name__} instead of a list of {n} values")
+            one = " (one value for the whole batch)" if _to_float(raw) is not None else ""
+            raise _Fault("invalid", f"returned {type(raw).__name__}{one} instead of a list of {n} values, one per "
+                         "completion")
         if len(raw) != n:
-            raise _Fault("invalid", f"returned {len(raw)} values for {n} completions")
+            one = " (one value for the whole batch)" if len(raw) == 1 else ""
+            raise _Fault("invalid", f"returned {len(raw)} values{one} for {n} completions; return one per "
+                         "completion")
         values = [None if t else _to_float(v) for v, t in zip(raw, timed_out)]
         kinds = ["timeouts" if t else ("invalid" if v is None else None) for v, t in zip(values, timed_out)]
         return values, kinds
@@ -308,9 +326,13 @@ class RewardManager:
             if faulty and self.on_error == "skip":
                 valid[faulty] = False
             if faulty:
-                logger.warning("reward %r: %d of %d values faulty (%s)%s; policy %s", spec.name, len(faulty), n,
-                               ", ".join(f"{k}={v}" for k, v in counts.items() if v),
-                               f": {detail}" if detail else "", self.on_error)
+                level = logging.DEBUG if spec.name in self._warned else logging.WARNING
+                self._warned.add(spec.name)
+                logger.log(level, "reward %r: %d of %d values faulty (%s)%s; reward_on_error=%s", spec.name,
+                           len(faulty), n, ", ".join(f"{k}={v}" for k, v in counts.items() if v),
+                           f": {detail}" if detail else "", self.on_error)
+            self._check_streak(spec.name, n > 0 and len(faulty) == n, detail or
+                               f"every value faulty ({', '.join(f'{k}={v}' for k, v in counts.items() if v)})")
             components[spec.name] = comp.float()
             total += spec.weight * torch.nan_to_num(comp, nan=0.0)
             finite = comp[~comp.isnan()]
@@ -327,6 +349,13 @@ class RewardManager:
             correct = torch.zeros(n, dtype=torch.bool)
         metrics["rewards/invalid_rollouts"] = float((~valid).sum())
         return RewardResult(rewards, components, correct, valid, metrics, self.has_correct)
+
+    def _check_streak(self, name: str, all_faulty: bool, detail: str) -> None:
+        self._all_faulty_calls[name] = self._all_faulty_calls[name] + 1 if all_faulty else 0
+        if self._all_faulty_calls[name] >= self.max_faulty_calls:
+            raise UserError(f"reward function {name!r}: every value was faulty in {self._all_faulty_calls[name]} "
+                            f"calls in a row (last: {detail}); fix the function (reward_max_faulty_calls="
+                            f"{self.max_faulty_calls})")
 
     def _raise(self, name: str, detail: str, kinds: list, values: list, completions: list[str],
                problems: list[Problem], rows: list[int], faulty: list[int]) -> None:
@@ -347,6 +376,7 @@ def build_reward_manager(
     on_error: str = "zero",
     timeout_s: float = 60.0,
     pool: MathVerifyPool | None = None,
+    max_faulty_calls: int = 5,
 ) -> RewardManager:
     """Reward functions from config entries: "name", "module:function", or {name, weight=1.0, function?}.
 
@@ -387,4 +417,4 @@ def build_reward_manager(
             raise ConfigError(f"{key}.name: unknown reward {name!r}; built-ins are {', '.join(BUILTINS)}, "
                               "or give function: 'module:function'")
         specs.append(RewardSpec(name, float(weight), fn))
-    return RewardManager(specs, task, on_error=on_error, timeout_s=timeout_s)
+    return RewardManager(specs, task, on_error=on_error, timeout_s=timeout_s, max_faulty_calls=max_faulty_calls)

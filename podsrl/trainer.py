@@ -25,7 +25,13 @@ from podsrl.accounting import ComputeAccountant
 from podsrl.algo.group_stats import group_stats, zero_variance_groups
 from podsrl.batch import Problem, RolloutBatch, concat_batches
 from podsrl.build import base_weights, load_model, load_task, reward_manager, rollout_engine, verifier
-from podsrl.checkpoint import latest_checkpoint, load_checkpoint_files, prepare_run_dir, save_checkpoint
+from podsrl.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint_files,
+    load_sharded_tensors,
+    prepare_run_dir,
+    save_checkpoint,
+)
 from podsrl.config import Config, dump_config
 from podsrl.distributed import NullLogger, init_distributed
 from podsrl.engines import SamplingParams
@@ -36,7 +42,7 @@ from podsrl.methods import METHODS, StepContext
 from podsrl.models import count_parameters, load_policy, resolve_device
 from podsrl.plotting import plot_run
 from podsrl.prompt_stats import PromptStats
-from podsrl.tracking import MetricsLogger, StepProgress, read_metrics
+from podsrl.tracking import build_metrics_logger, build_progress, read_metrics
 from podsrl.update import PolicyUpdater
 
 log = logging.getLogger("podsrl")
@@ -92,9 +98,16 @@ class Trainer:
         if cfg.algo.beta > 0:  # frozen copy of the starting policy; not loaded at all when beta = 0
             self.ref_model, _ = load_policy(cfg.model, self.base_path, seed=cfg.seed)
             self.ref_model.to(self.device).eval().requires_grad_(False)
-        self.task, self.eval_problems = load_task(cfg, self.tokenizer)
+        # torchrun: DDP-style, or FSDP2 which shards policy and reference in place (so before the optimiser) and
+        # keeps an unsharded copy for the engines; in one process the engines use the policy itself.
+        self.data_parallel = self.dist.data_parallel(
+            self.model, self.ref_model, cfg.train, torch.device("cpu") if cfg.rollout.engine == "ray" else None)
+        self.generation_model = self.data_parallel.generation_model if self.data_parallel else self.model
+        self.task, self.eval_problems = load_task(cfg, self.tokenizer, self.model)
+        if not self.eval_problems:
+            log.warning("no eval set (task %s): training without held-out evaluation", self.task.name)
         self.epoch_size = len(self.task) if hasattr(self.task, "__len__") else 0  # 0: an unbounded stream
-        self.engine = self.dist.wrap_engine(rollout_engine(cfg, self.model, self.tokenizer))
+        self.engine = self.dist.wrap_engine(rollout_engine(cfg, self.generation_model, self.tokenizer))
         self.rewards = reward_manager(cfg, self.task)
         self.verify = verifier(self.rewards, self.task)
         self.method = METHODS[cfg.method](cfg)
@@ -104,10 +117,9 @@ class Trainer:
         total_updates = cfg.train.max_steps * cfg.optim.epochs * cfg.optim.mini_batches
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_updates))
         self.updater = PolicyUpdater(self.model, self.optimizer, self.scheduler, cfg, self.device, self.ref_model,
-                                     modulation=self.method.token_modulation(),
-                                     data_parallel=self.dist.data_parallel(self.model))
+                                     modulation=self.method.token_modulation(), data_parallel=self.data_parallel)
         self.stats = PromptStats()
-        self.accountant = ComputeAccountant(count_parameters(self.model))
+        self.accountant = ComputeAccountant(count_parameters(self.generation_model))
         self.rng = torch.Generator().manual_seed(cfg.seed)
         self.step, self.data_position, self.elapsed = 0, 0, 0.0
         self.stop_requested = False
@@ -116,8 +128,7 @@ class Trainer:
             log.info("resumed %s at step %d", self.run_dir, self.step)
         if self.dist.is_main:
             dump_config(cfg, self.run_dir / "config.yaml")
-        self.logger = (MetricsLogger(self.run_dir, cfg.log.tensorboard,
-                                     resume_step=self.step if checkpoint is not None else None)
+        self.logger = (build_metrics_logger(cfg, self.run_dir, self.step if checkpoint is not None else None)
                        if self.dist.is_main else NullLogger())
 
     # ------------------------------------------------------------------------------------------- one step
@@ -136,7 +147,9 @@ class Trainer:
         if faults.fire("loss", self.step + 1):  # injected numerical fault: a NaN loss and gradient
             kept.advantages = torch.full_like(kept.advantages, float("nan"))
         update_metrics = self.updater.update(kept.trim_padding(), self.rng) if kept.num_rollouts else {}
-        self.engine.sync_weights(self.model)
+        if self.data_parallel is not None:  # FSDP2: gathers the updated shards into the generation copy
+            self.data_parallel.sync_generation_model()
+        self.engine.sync_weights(self.generation_model)
         record.timers["time/update"] = time.perf_counter() - t_upd
         method_metrics = self.method.end_step(record.generated, ctx)
         step_time = time.perf_counter() - t0
@@ -284,6 +297,8 @@ class Trainer:
 
     def run_eval(self) -> dict:
         cfg = self.cfg
+        if not self.eval_problems:
+            return {}
         t0 = time.perf_counter()
         metrics = evaluate(self.engine, self.tokenizer, self.eval_problems, self.verify,
                            cfg.rollout.max_new_tokens, cfg.eval.samples, cfg.rollout.temperature,
@@ -296,24 +311,25 @@ class Trainer:
 
     def train(self) -> dict:
         cfg = self.cfg
-        progress = StepProgress(cfg.train.max_steps, cfg.log.progress and self.dist.is_main, start=self.step)
+        progress = build_progress(cfg, cfg.train.max_steps, self.dist.is_main, start=self.step)
         previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
         last_eval: dict = {}
         try:
             if self.step == 0:
                 last_eval = self.run_eval()
-                progress.update(0, accuracy=last_eval["eval/accuracy"])
+                progress.update(0, eval_acc=last_eval.get("eval/accuracy"))
             elif not self.dist.agree(self.budget_left()):  # resumed after the last step: needs its final eval
                 last_eval = self._logged_eval() or self.run_eval()
             while self.dist.agree(self.budget_left()):
                 metrics = self.train_step().metrics
                 self.logger.log(metrics)
-                progress.update(self.step, reward=metrics["reward"], step_time=metrics["time/step"])
+                self._warn_if_slow()
                 finished = not self.dist.agree(self.budget_left())
                 # Stopped by a signal: checkpoint at once (a grace period may be short), no extra eval record.
                 if self.step % cfg.train.eval_every == 0 or self.dist.agree(self._budget_spent()):
                     last_eval = self.run_eval()
-                    progress.update(self.step, accuracy=last_eval["eval/accuracy"])
+                progress.update(self.step, reward=metrics["reward"], train_acc=metrics["correct"],
+                                eval_acc=last_eval.get("eval/accuracy"), step_time=metrics["time/step"])
                 if self.step % cfg.train.save_every == 0 or finished:
                     self.save()
         finally:
@@ -332,11 +348,22 @@ class Trainer:
             if cfg.model.lora_rank > 0:
                 from podsrl.lora import export_merged
 
-                export_merged(self.model, self.run_dir / "merged", self.tokenizer)
+                export_merged(self.generation_model, self.run_dir / "merged", self.tokenizer)
             write_text_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=1))
         if cfg.log.plot and self.dist.is_main:
             plot_run(self.run_dir)
         return summary
+
+    def _warn_if_slow(self) -> None:
+        """train.warn_seconds: say once that this machine is slower than expected; the run goes on to max_steps."""
+        limit = self.cfg.train.warn_seconds
+        if limit and self.elapsed > limit and not getattr(self, "_warned_slow", False) and self.dist.is_main:
+            self._warned_slow = True
+            eta = self.elapsed / self.step * (self.cfg.train.max_steps - self.step)
+            log.warning("training has taken %.0f s at step %d of %d, past train.warn_seconds=%g: this machine is "
+                        "slower or busier than expected. The run continues to max_steps (~%.0f s more), so its "
+                        "result does not depend on the machine's speed.", self.elapsed, self.step,
+                        self.cfg.train.max_steps, limit, eta)
 
     def _request_stop(self, signum, frame) -> None:
         # Finish the step in flight, checkpoint, exit cleanly: nothing lost. A second Ctrl-C aborts at once.
@@ -359,7 +386,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- state
 
     def save(self) -> None:
-        if not self.dist.is_main:  # every rank holds the same state
+        sharded = self.data_parallel is not None and self.data_parallel.sharded
+        if not self.dist.is_main and not sharded:  # every rank holds the same state (FSDP2: its own shards)
             return
         state = {
             "step": self.step, "data_position": self.data_position, "elapsed": self.elapsed,
@@ -367,16 +395,32 @@ class Trainer:
             "nonfinite_in_a_row": self.updater.nonfinite_in_a_row, "python_random": _py_random_state(),
             "method": self.method.state_dict(),
         }
-        optimizer_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        optimizer_state = {"scheduler": self.scheduler.state_dict()}
+        tensors = None
+        if sharded:
+            tensors, optimizer_state["param_groups"] = self.data_parallel.checkpoint_state(self.optimizer)
+        else:
+            optimizer_state["optimizer"] = self.optimizer.state_dict()
         rng_state = {"trainer": self.rng.get_state(), "torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng_state["cuda"] = torch.cuda.get_rng_state_all()
-        save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, optimizer_state, rng_state, state,
-                        keep=self.cfg.train.keep_checkpoints)
+        save_checkpoint(self.run_dir, self.step, self.generation_model, self.tokenizer, optimizer_state, rng_state,
+                        state, keep=self.cfg.train.keep_checkpoints, sharded_tensors=tensors,
+                        dist_ctx=self.dist if sharded else None)
 
     def _restore(self, path: Path) -> None:
         optimizer_state, rng_state, state = load_checkpoint_files(path)
-        self.optimizer.load_state_dict(optimizer_state["optimizer"])
+        sharded = self.data_parallel is not None and self.data_parallel.sharded
+        if sharded != ("param_groups" in optimizer_state):
+            written = "train.strategy=fsdp under torchrun" if "param_groups" in optimizer_state else \
+                "train.strategy=ddp or one process"
+            raise UserError(f"checkpoint {path} was written with {written}; resume it the same way")
+        if sharded:  # model/ holds the generation copy (compute dtype); the exact shards are in sharded/
+            tensors, _ = self.data_parallel.checkpoint_state(self.optimizer)
+            load_sharded_tensors(tensors, path / "sharded")
+            self.data_parallel.load_checkpoint_state(self.optimizer, tensors, optimizer_state["param_groups"])
+        else:
+            self.optimizer.load_state_dict(optimizer_state["optimizer"])
         self.scheduler.load_state_dict(optimizer_state["scheduler"])
         self.rng.set_state(rng_state["trainer"])
         torch.set_rng_state(rng_state["torch"])

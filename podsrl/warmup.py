@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 import torch
-from rich.progress import Progress
 
 from podsrl.config import Config, TaskConfig, to_dict
 from podsrl.models import build_char_tokenizer, build_tiny_model
 from podsrl.tasks import build_task
+from podsrl.tracking import build_progress
 
 log = logging.getLogger("podsrl")
 
@@ -37,6 +37,8 @@ def warmup_task_config(task: TaskConfig) -> TaskConfig:
 
 def warmup_key(cfg: Config) -> str:
     task = to_dict(warmup_task_config(cfg.task))
+    for key in ("eval_fraction", "max_prompt_length", "overlong_prompts"):  # no effect on the warm-up: keep caches
+        task.pop(key)
     shaping = {"version": WARMUP_VERSION, "tiny": to_dict(cfg.model.tiny), "task": task, "warmup": to_dict(cfg.warmup)}
     shaping["warmup"].pop("cache_dir")
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
@@ -101,9 +103,8 @@ def run_warmup(cfg: Config, progress: bool = True) -> Path:
     start = time.perf_counter()
     accuracy, steps_run = float("nan"), 0
     model.train()
-    bar = Progress(disable=not progress)
-    with bar:
-        task_id = bar.add_task("warm-up", total=w.steps)
+    bar = build_progress(cfg, w.steps, progress, label="warm-up")
+    try:
         for step in range(w.steps):
             if w.target_accuracy > 0 and step > 0 and step % w.check_every == 0:
                 accuracy = greedy_accuracy(model, tokenizer, task, validation)
@@ -120,7 +121,9 @@ def run_warmup(cfg: Config, progress: bool = True) -> Path:
             optimizer.step()
             scheduler.step()
             steps_run = step + 1
-            bar.update(task_id, advance=1, description=f"warm-up loss {loss.item():.3f} val acc {accuracy:.2f}")
+            bar.update(steps_run, loss=loss.item(), val_acc=accuracy)
+    finally:
+        bar.close()
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)

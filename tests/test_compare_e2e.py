@@ -24,10 +24,15 @@ def test_two_configs_two_seeds_compare_and_report(tmp_path, warmup_cache):
             assert (out / name / f"seed{seed}" / "summary.json").is_file()
     table = (out / "results.md").read_text()
     assert "grpo" in table and "pods" in table
+    # Paired statistics vs the baseline: in the table, the CSV and the console.
+    assert "Paired by seed against the baseline" in table and "area under acc-vs-time / T" in table
+    assert "auc_verdict" in (out / "results.csv").read_text().splitlines()[0]
+    assert "pods vs grpo, final acc:" in done.stderr and "(2 pairs)" in done.stderr
     assert (out / "accuracy.png").stat().st_size > 10_000
     # report rebuilds the same table from the saved runs
     rebuilt = tmp_path / "rebuilt"
     done = subprocess.run([sys.executable, "-m", "podsrl", "report", str(out), "--out", str(rebuilt)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert "pods vs grpo, area under acc-vs-time / T:" in done.stdout
     assert (rebuilt / "results.csv").read_text() == (out / "results.csv").read_text()

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import podsrl.tasks.datasets as ds_mod
+import podsrl.tasks.data_files as data_files
 from podsrl.errors import ConfigError, DataError
 from podsrl.tasks.datasets import DatasetTask, extract_answer, extract_boxed, extract_gsm8k, prompt_uid
 from podsrl.tasks.templates import build_prompt, prompt_formatter
@@ -179,7 +179,7 @@ def test_no_prompt_column_found(tmp_path):
 
 
 def test_hub_unreachable_message(monkeypatch):
-    monkeypatch.setattr(ds_mod, "_hub_reachable", lambda timeout_s=3.0: False)
+    monkeypatch.setattr(data_files, "_hub_reachable", lambda timeout_s=3.0: False)
     with pytest.raises(DataError, match="dataset 'podsrl-no-such/dataset-xyz': not found locally and the hub is "
                                         "unreachable"):
         DatasetTask("podsrl-no-such/dataset-xyz")

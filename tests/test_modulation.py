@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from podsrl.algo.modulation import dynamo_modulation, token_entropy
+from podsrl.algo.logprobs import token_entropy
+from podsrl.algo.modulation import dynamo_modulation
 from podsrl.errors import ConfigError
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28

@@ -61,11 +61,3 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(pi || ref): exp(q - p) - (q - p) - 1, q = ref log-prob, p = policy log-prob."""
     d = ref_logprobs - logprobs
     return torch.exp(d) - d - 1
-
-
-def token_logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
-    """[B, T] log-prob of `tokens` under softmax(logits / T) and the full-vocabulary entropy of that distribution."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    token_logp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(-1)
-    return token_logp, entropy

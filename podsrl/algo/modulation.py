@@ -1,4 +1,4 @@
-"""Token-level advantage modulation (METHODS.md §4, DynaMO) and full-vocabulary token entropy.
+"""Token-level advantage modulation (METHODS.md §4, DynaMO); its entropy comes from podsrl.algo.logprobs.
 
 The trainer calls a modulation once per micro-batch, after the forward pass, and multiplies the advantages
 by the returned factor before the clipped policy loss: A_final = A * factor. Factors are computed under
@@ -14,24 +14,6 @@ from torch import Tensor
 from podsrl.errors import ConfigError
 
 _EPS = 1e-8
-
-
-def token_entropy(logits: Tensor, chunk_size: int | None = 256) -> Tensor:
-    """[B,T,V] logits -> [B,T] entropy H = −Σ_v p_v log p_v over the full vocabulary, in float32.
-
-    Computed from log_softmax (stable for large logits; -inf logits contribute 0, not NaN). Chunked over T so
-    the float32 copy of the logits never exceeds B*chunk_size*V elements. Differentiable; detach where needed.
-    """
-    if logits.dim() != 3:
-        raise ValueError(f"logits must be [B, T, V], got {tuple(logits.shape)}")
-    step = logits.shape[1] if not chunk_size else int(chunk_size)
-    parts = []
-    for start in range(0, logits.shape[1], max(step, 1)):
-        logp = torch.log_softmax(logits[:, start : start + step].float(), dim=-1)
-        parts.append(-(logp.exp() * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1))
-    if not parts:
-        return logits.new_zeros(logits.shape[:2], dtype=torch.float32)
-    return torch.cat(parts, dim=1)
 
 
 def _masked_stats(values: Tensor, valid: Tensor, prefix: str) -> dict[str, float]:
@@ -106,7 +88,8 @@ def dynamo_modulation(
         u = torch.where(valid, logp.exp() * (logp + entropy.detach().to(dtype)), torch.zeros_like(adv))
         u_mean = u.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1)
         delta_h = torch.where(valid, -xi * (u - u_mean), torch.zeros_like(adv)).abs()
-        x = delta_h / (delta_h.max() + _EPS)  # masked entries are 0, so the max is over valid tokens (or 0)
+        peak = delta_h.max() if delta_h.numel() else 0.0  # no rows at all: an FSDP rank's padding micro-batch
+        x = delta_h / (peak + _EPS)  # masked entries are 0, so the max is over valid tokens (or 0)
         stab = lambda_min + (1.0 - lambda_min) * torch.sigmoid(-gamma * (x - tau))
         stab = torch.where(valid, stab, ones)
 

@@ -10,6 +10,11 @@ Conventions (the report states them too):
   target is linearly interpolated, which removes most of the eval-interval quantisation (methods whose steps
   last different times are evaluated at different wall-clock points). `None` means never reached.
 - Speed-up = baseline time / method time (> 1: the method is faster).
+- Final: the raw accuracy of the last eval point.
+- Area under the accuracy-vs-time curve: the trapezoid integral of the raw accuracy over [0, T], divided by T
+  (so it reads as a time-averaged accuracy). T is, per seed, the earliest end among the configs' runs of that
+  seed: every run of a seed is integrated over the same wall-clock, which keeps the pairs like for like.
+- Paired statistics of each config against the baseline: podsrl/experiments/stats.py.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import numpy as np
 import yaml
 
 from podsrl.errors import DataError, UserError
+from podsrl.experiments.stats import PairedStat, paired_stat
 
 ACCURACY = "eval/accuracy"
 TIME = "time/elapsed"
@@ -224,6 +230,26 @@ def peak_accuracy(accuracies: Sequence[float] | np.ndarray, smooth_window: int =
     return float(np.max(smooth(accuracies, smooth_window)))
 
 
+def area_under_curve(
+    times: Sequence[float] | np.ndarray, accuracies: Sequence[float] | np.ndarray, horizon: float
+) -> float:
+    """Trapezoid integral of accuracy over [times[0], horizon] divided by its length (linear in-between).
+
+    The curve is cut at `horizon` by linear interpolation; a horizon at or before the first eval point gives
+    the first accuracy.
+    """
+    t, acc = np.asarray(times, dtype=float), np.asarray(accuracies, dtype=float)
+    if len(t) != len(acc) or len(t) == 0:
+        raise ValueError(f"need as many times as accuracies (>= 1), got {len(t)} and {len(acc)}")
+    if horizon <= t[0]:
+        return float(acc[0])
+    inside = t < horizon
+    xs = np.append(t[inside], horizon)
+    ys = np.append(acc[inside], np.interp(horizon, t, acc))
+    area = float(np.sum((xs[1:] - xs[:-1]) * (ys[1:] + ys[:-1]) / 2))
+    return area / (horizon - t[0])
+
+
 def plateau_accuracy(accuracies: Sequence[float] | np.ndarray, fraction: float = 0.2) -> float:
     """Mean of the raw accuracy over the last `fraction` of eval points (at least one point)."""
     if not 0 < fraction <= 1:
@@ -257,8 +283,11 @@ class RunResult:
     """Numbers for one run against the comparison's target."""
 
     record: RunRecord
+    final: float
     peak: float
     plateau: float
+    auc: float  # time-averaged accuracy over the seed's common horizon (see the module docstring)
+    horizon: float
     target: float
     time_to_target: float | None
     rollouts_to_target: float | None
@@ -278,10 +307,29 @@ class ConfigSummary:
     speedup: Spread  # over seeds paired with a baseline seed where both reached the target
     totals: dict[str, Spread] = field(default_factory=dict)  # total/* and time/elapsed
     step_times: dict[str, Spread] = field(default_factory=dict)  # STEP_TIME_KEYS
+    paired: dict[str, PairedStat] = field(default_factory=dict)  # PAIRED_METRICS vs the baseline; {} for it
 
     @property
     def seeds(self) -> list[int | None]:
         return [r.record.seed for r in self.runs]
+
+
+# metric name -> (RunResult attribute, higher is better); the paired statistics' metrics, in report order
+PAIRED_METRICS: dict[str, tuple[str, bool]] = {
+    "final": ("final", True),
+    "peak": ("peak", True),
+    "plateau": ("plateau", True),
+    "auc": ("auc", True),
+    "time_to_target": ("time_to_target", False),
+}
+
+PAIRED_TITLES = {
+    "final": "final acc",
+    "peak": "peak acc",
+    "plateau": "plateau acc",
+    "auc": "area under acc-vs-time / T",
+    "time_to_target": "time to target (s)",
+}
 
 
 @dataclass
@@ -341,6 +389,10 @@ def compare_runs(
     order = [baseline] + [k for k in groups if k != baseline]
     base_peaks = {r.seed: peak_accuracy(r.accuracy, smooth_window) for r in groups[baseline]}
     mean_target = float(np.mean(list(base_peaks.values())))
+    horizons: dict[int | None, float] = {}  # per seed: the earliest end of a run of that seed
+    for label in order:
+        for r in groups[label]:
+            horizons[r.seed] = min(horizons.get(r.seed, math.inf), float(r.times[-1]))
 
     results: dict[str, list[RunResult]] = {}
     for label in order:
@@ -351,8 +403,11 @@ def compare_runs(
             results[label].append(
                 RunResult(
                     record=r,
+                    final=float(r.accuracy[-1]),
                     peak=peak_accuracy(r.accuracy, smooth_window),
                     plateau=plateau_accuracy(r.accuracy, plateau_fraction),
+                    auc=area_under_curve(r.times, r.accuracy, horizons[r.seed]),
+                    horizon=horizons[r.seed],
                     target=target,
                     time_to_target=time_to_target(r.times, r.accuracy, target, smooth_window, interpolate),
                     rollouts_to_target=None
@@ -381,8 +436,19 @@ def compare_runs(
                 step_times={
                     k: Spread.of(x.record.train_means.get(k) for x in runs_l) for k in STEP_TIME_KEYS
                 },
+                paired={} if label == baseline else paired_metrics(results[baseline], runs_l),
             )
         )
     return Comparison(
         baseline, target_mode, mean_target, smooth_window, plateau_fraction, interpolate, configs
     )
+
+
+def paired_metrics(baseline: list[RunResult], method: list[RunResult]) -> dict[str, PairedStat]:
+    """PAIRED_METRICS of `method` against `baseline`, paired by seed."""
+    out = {}
+    for metric, (attr, higher_is_better) in PAIRED_METRICS.items():
+        base = {r.record.seed: getattr(r, attr) for r in baseline}
+        values = {r.record.seed: getattr(r, attr) for r in method}
+        out[metric] = paired_stat(metric, base, values, higher_is_better)
+    return out

@@ -9,7 +9,8 @@ from matplotlib import rcParams
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from podsrl.experiments.analysis import TIME, TOKENS_TRAINED, Comparison, smooth
+from podsrl.experiments.analysis import PAIRED_TITLES, TIME, TOKENS_TRAINED, Comparison, smooth
+from podsrl.experiments.stats import PairedStat
 
 _GRID_POINTS = 200
 
@@ -37,6 +38,12 @@ def seed_band(
     return grid, stacked.mean(0), stacked.min(0), stacked.max(0)
 
 
+def paired_legend(cfg_paired: dict[str, PairedStat], metric: str = "auc", baseline: str = "baseline") -> str:
+    """One line for a plot legend: the config's paired difference and verdict on `metric` ('' for the baseline)."""
+    p = cfg_paired.get(metric)
+    return "" if p is None else f"{PAIRED_TITLES[metric]} vs {baseline}: {p.short()}"
+
+
 def plot_comparison(comparison: Comparison, path: str | Path, title: str | None = None) -> Path:
     """Write a two-panel PNG: smoothed held-out accuracy vs training wall-clock and vs tokens trained."""
     path = Path(path)
@@ -59,6 +66,10 @@ def plot_comparison(comparison: Comparison, path: str | Path, title: str | None 
                 continue
             grid, mean, low, high = band
             label = f"{cfg.label} ({len(cfg.runs)} seed{'s' if len(cfg.runs) != 1 else ''})"
+            # The paired verdicts vs the baseline, so the figure carries its own evidence.
+            label += "".join(
+                f"\n  {paired_legend(cfg.paired, m, comparison.baseline)}" for m in ("auc", "final") if m in cfg.paired
+            )
             if len(grid) == 1:
                 ax.plot(grid, mean, "o", color=color, label=label)
             else:

@@ -12,7 +12,17 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from podsrl.errors import UserError
-from podsrl.experiments.analysis import STEP_TIME_KEYS, Comparison, RunResult, Spread, compare_runs, load_run
+from podsrl.experiments.analysis import (
+    PAIRED_METRICS,
+    PAIRED_TITLES,
+    STEP_TIME_KEYS,
+    Comparison,
+    RunResult,
+    Spread,
+    compare_runs,
+    load_run,
+)
+from podsrl.experiments.stats import ALPHA, POWER, PairedStat
 
 NOT_REACHED = "not reached"
 HEADER_FILE = "header.md"  # written by `podsrl compare`, picked up by `podsrl report` on the same folder
@@ -66,8 +76,75 @@ def comparison_rows(comparison: Comparison) -> list[dict]:
         row["speedup_seeds"] = cfg.speedup.n
         row |= {name: cfg.totals[key].mean if key in cfg.totals else None for name, key in TOTALS}
         row |= {f"mean_{k.replace('/', '_')}_s": cfg.step_times[k].mean for k in STEP_TIME_KEYS}
+        row |= _spread_columns("final", Spread.of(x.final for x in cfg.runs))
+        row |= _spread_columns("auc", Spread.of(x.auc for x in cfg.runs))
+        for metric in PAIRED_METRICS:
+            row |= _paired_columns(metric, cfg.paired.get(metric))
         rows.append(row)
     return rows
+
+
+def _paired_columns(metric: str, p: PairedStat | None) -> dict:
+    """vs-baseline columns of one metric (empty for the baseline itself)."""
+    values = (
+        (None,) * 6
+        if p is None
+        else (p.pairs, p.mean_diff, p.ci_low, p.ci_high, p.verdict, p.seeds_needed)
+    )
+    names = ("pairs", "diff", "ci_low", "ci_high", "verdict", "seeds_needed")
+    return {f"{metric}_{name}": v for name, v in zip(names, values)}
+
+
+def verdict_lines(rows: list[dict]) -> list[str]:
+    """Console summary from comparison_rows: one line per non-baseline config and paired metric."""
+    lines = []
+    for row in rows[1:]:
+        for metric, title in PAIRED_TITLES.items():
+            diff, verdict = row.get(f"{metric}_diff"), row.get(f"{metric}_verdict")
+            if verdict is None:
+                continue
+            digits = 1 if metric == "time_to_target" else 3
+            text = f"{row['config']} vs {rows[0]['config']}, {title}: "
+            text += "no pairs" if diff is None else f"{diff:+.{digits}f}"
+            if row[f"{metric}_ci_low"] is not None:
+                text += f" [{row[f'{metric}_ci_low']:+.{digits}f}, {row[f'{metric}_ci_high']:+.{digits}f}]"
+            text += f" ({row[f'{metric}_pairs']} pairs) {verdict}"
+            if row[f"{metric}_seeds_needed"] is not None:
+                text += f"; ~{row[f'{metric}_seeds_needed']} seeds would resolve it"
+            lines.append(text)
+    return lines
+
+
+def paired_table(comparison: Comparison) -> str:
+    """Markdown: per config and metric, mean paired difference [95% interval], pairs, verdict, seeds needed."""
+    rows = []
+    for cfg in comparison.configs[1:]:
+        for metric, p in cfg.paired.items():
+            digits = 1 if metric == "time_to_target" else 3
+            if p.mean_diff is None:
+                diff = "—"
+            else:
+                diff = f"{p.mean_diff:+.{digits}f}"
+                if p.ci_low is not None:
+                    diff += f" [{p.ci_low:+.{digits}f}, {p.ci_high:+.{digits}f}]"
+            needed = "—" if p.seeds_needed is None else str(p.seeds_needed)
+            verdict = f"**{p.verdict}**" if p.verdict != "inconclusive" else p.verdict
+            rows.append(
+                [f"`{cfg.label}`", PAIRED_TITLES[metric], diff, f"{p.pairs}/{p.seeds}", verdict, needed]
+            )
+    if not rows:
+        return ""
+    return _table(
+        [
+            "config",
+            "metric",
+            f"mean difference vs `{comparison.baseline}` [bootstrap {1 - ALPHA:.0%} interval]",
+            "pairs",
+            "verdict",
+            "seeds to resolve",
+        ],
+        rows,
+    )
 
 
 def _speedup_cell(res: RunResult, base: dict) -> str | float:
@@ -91,8 +168,11 @@ def run_rows(comparison: Comparison) -> list[dict]:
                 {
                     "config": cfg.label,
                     "seed": rec.seed,
+                    "final": res.final,
                     "peak": res.peak,
                     "plateau": res.plateau,
+                    "auc": res.auc,
+                    "auc_horizon_s": res.horizon,
                     "target": res.target,
                     "time_to_target_s": NOT_REACHED if res.time_to_target is None else res.time_to_target,
                     "rollouts_to_target": NOT_REACHED
@@ -156,6 +236,17 @@ def render_markdown(comparison: Comparison, header: str | None = None) -> str:
         "Cells show mean ± std [min–max] over seeds; times and speed-ups over the seeds that reached the",
         "target (count shown when not all did).",
     ]
+    paired_note = [
+        f"Paired by seed (seed s of a config minus seed s of `{c.baseline}`): mean difference with an expanded",
+        f"percentile bootstrap {1 - ALPHA:.0%} interval; verdict better / worse when the interval excludes 0",
+        "(time to target: lower is better), else inconclusive with the seeds a paired t-test would need to",
+        f"resolve the observed difference at the observed spread (two-sided {ALPHA}, power {POWER}).",
+        "Final = last eval point; area = trapezoid integral of accuracy over the seed's common wall-clock",
+        "[0, T] (T = earliest end among that seed's runs) divided by T; final, peak and plateau use each run's",
+        "whole curve, like for like only under an equal budget. Time to target uses the pairs where both",
+        "reached it. With 3 seeds the interval is the range of the 3 differences (a verdict means all",
+        "three agree; ~25% chance under no effect): see docs/statistics.md.",
+    ]
     parts = [header.strip() + "\n"] if header else []
     parts.append(" ".join(method) + "\n")
     summary = []
@@ -205,8 +296,10 @@ def render_markdown(comparison: Comparison, header: str | None = None) -> str:
         [
             f"`{r['config']}`",
             str(r["seed"]),
+            _cell(r["final"], 3),
             _cell(r["peak"], 3),
             _cell(r["plateau"], 3),
+            _cell(r["auc"], 3),
             _cell(r["target"], 3),
             _cell(r["time_to_target_s"], 1),
             _cell(r["rollouts_to_target"], 0),
@@ -217,14 +310,21 @@ def render_markdown(comparison: Comparison, header: str | None = None) -> str:
         ]
         for r in run_rows(c)
     ]
+    paired = paired_table(c)
+    if paired:
+        parts.append("\nPaired by seed against the baseline:\n")
+        parts.append(" ".join(paired_note) + "\n")
+        parts.append(paired)
     parts.append("\nPer run:\n")
     parts.append(
         _table(
             [
                 "config",
                 "seed",
+                "final",
                 "peak",
                 "plateau",
+                "area / T",
                 "target",
                 "time to target (s)",
                 "rollouts generated to target",
@@ -344,5 +444,6 @@ def report_main(args: argparse.Namespace) -> int:
         interpolate=not args.no_interpolate,
         header=header,
     )
+    print("\n".join(verdict_lines(rows)))
     print(f"{len(rows)} config(s) compared; wrote {out / 'results.md'}, results.csv, runs.csv, accuracy.png")
     return 0

@@ -35,7 +35,7 @@ from rich.progress import (
 )
 
 from podsrl.errors import UserError
-from podsrl.experiments.report import HEADER_FILE, add_analysis_arguments, build_report
+from podsrl.experiments.report import HEADER_FILE, add_analysis_arguments, build_report, verdict_lines
 
 _POLL_SECONDS = 0.5
 _LOG_TAIL_LINES = 15
@@ -345,6 +345,8 @@ def run_compare(
     if result.report_error:
         console.print(f"[bold red]report not written: {result.report_error}[/bold red]")
     else:
+        for line in verdict_lines(result.rows or []):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
         console.print(f"report: {out / 'results.md'}, {out / 'accuracy.png'}")
     if result.failures:
         console.print(

@@ -7,29 +7,27 @@ permutation seeded by (seed, epoch), so a run's data position is a single intege
 
 from __future__ import annotations
 
-import csv
 import hashlib
-import json
+import logging
 import math
-import os
-import socket
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import torch
 
 from podsrl.batch import Problem
 from podsrl.errors import DataError
 from podsrl.tasks.base import Task
+from podsrl.tasks.data_files import MAX_LINE_BYTES, read_rows
+
+log = logging.getLogger("podsrl")
 
 ANSWER_FORMATS = ("raw", "gsm8k", "boxed", "auto")
 PROMPT_COLUMNS = ("prompt", "question", "problem", "input", "query")
 ANSWER_COLUMNS = ("answer", "solution", "target", "output", "gold")
-LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-MAX_LINE_BYTES = 10 * 1024 * 1024  # a line longer than this is almost certainly not one problem
+_NUMBER = re.compile(r"^[-+]?(\d{1,3}(,\d{3})+|\d+)(\.\d+)?$")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -62,6 +60,17 @@ def extract_boxed(text: str) -> str | None:
     return None
 
 
+def numeric_answer(value: Any) -> str | None:
+    """A gold answer that is just a number, normalised: an int/float cell (42, 42.0 -> "42") or a text such as
+    "1,234" -> "1234". None for anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return str(int(value)) if float(value).is_integer() else repr(float(value))
+    text = str(value).strip()
+    return text.replace(",", "") if _NUMBER.match(text) else None
+
+
 def extract_answer(text: str, answer_format: str) -> str | None:
     """The gold answer from a solution text; `auto` tries '####', then \\boxed, then takes the text as is."""
     if answer_format == "raw":
@@ -77,150 +86,6 @@ def extract_answer(text: str, answer_format: str) -> str | None:
             return extract_boxed(text)
         return text.strip() or None
     raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# readers: each yields (row label for messages, row dict)
-
-
-def _read_jsonl(path: Path, max_line_bytes: int) -> Iterator[tuple[str, dict]]:
-    with open(path, "rb") as f:
-        if path.suffix == ".json" and f.read(1).lstrip() == b"[":  # a JSON array of objects
-            f.seek(0)
-            try:
-                rows = json.loads(f.read().decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise DataError(f"{path}: not a valid UTF-8 JSON file ({exc})") from exc
-            for i, row in enumerate(rows):
-                yield f"row {i}", _must_be_object(row, path, f"row {i}")
-            return
-        f.seek(0)
-        lineno = 0
-        while True:
-            raw = f.readline(max_line_bytes + 1)
-            if not raw:
-                return
-            lineno += 1
-            if len(raw) > max_line_bytes:
-                raise DataError(f"{path}: line {lineno} is longer than {max_line_bytes} bytes; "
-                                "is this a JSON-lines file with one problem per line?")
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise DataError(f"{path}: line {lineno} is not valid UTF-8 ({exc.reason} at byte {exc.start})") \
-                    from exc
-            if not text.strip():
-                continue
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}: line {lineno} is not valid JSON ({exc.msg})") from exc
-            yield f"line {lineno}", _must_be_object(row, path, f"line {lineno}")
-
-
-def _must_be_object(row: Any, path: Path, label: str) -> dict:
-    if not isinstance(row, dict):
-        raise DataError(f"{path}: {label} is a JSON {type(row).__name__}, expected an object with named fields")
-    return row
-
-
-def _read_csv(path: Path, max_line_bytes: int) -> Iterator[tuple[str, dict]]:
-    csv.field_size_limit(max_line_bytes)
-    try:
-        with open(path, encoding="utf-8", newline="") as f:
-            reader = csv.DictReader(f)
-            try:
-                for row in reader:
-                    if None in row:
-                        raise DataError(f"{path}: line {reader.line_num} has more fields than the header")
-                    yield f"line {reader.line_num}", row
-            except csv.Error as exc:
-                raise DataError(f"{path}: line {reader.line_num + 1}: {exc}") from exc  # the line being read
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from exc
-
-
-def _read_parquet(path: Path) -> Iterator[tuple[str, dict]]:
-    import pyarrow.parquet as pq
-
-    try:
-        rows = pq.read_table(path).to_pylist()
-    except Exception as exc:
-        raise DataError(f"{path}: cannot read as parquet ({type(exc).__name__}: {exc})") from exc
-    for i, row in enumerate(rows):
-        yield f"row {i}", row
-
-
-def _hub_reachable(timeout_s: float = 3.0) -> bool:
-    """A quick TCP probe of the hub, so an offline machine gets a clear error instead of minutes of retries.
-    With a proxy configured the probe proves nothing, so it is skipped (assume reachable)."""
-    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
-        return True
-    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
-    try:
-        socket.create_connection((host, 443), timeout=timeout_s).close()
-        return True
-    except OSError:
-        return False
-
-
-@contextmanager
-def _offline() -> Iterator[None]:
-    """Use only the local Hugging Face cache for the duration (no network retries)."""
-    import datasets.config as dc
-    import huggingface_hub.constants as hc
-
-    saved = dc.HF_HUB_OFFLINE, hc.HF_HUB_OFFLINE
-    dc.HF_HUB_OFFLINE = hc.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        dc.HF_HUB_OFFLINE, hc.HF_HUB_OFFLINE = saved
-
-
-def _read_hub(name: str, config: str | None, split: str) -> Iterator[tuple[str, dict]]:
-    import datasets
-
-    reachable = _hub_reachable()
-    try:
-        if reachable:
-            ds = datasets.load_dataset(name, config, split=split)
-        else:
-            with _offline():
-                ds = datasets.load_dataset(name, config, split=split)
-    except Exception as exc:
-        where = "not found locally and the hub is unreachable" if not reachable else \
-            "could not be loaded from the hub"
-        raise DataError(f"dataset {name!r}: {where} ({type(exc).__name__}: {str(exc)[:300]}); give a local "
-                        "jsonl/parquet/csv path, or check the name, config and split") from exc
-    for i, row in enumerate(ds):
-        yield f"split {split!r} row {i}", row
-
-
-def read_rows(source: str, split: str = "train", config: str | None = None,
-              max_line_bytes: int = MAX_LINE_BYTES) -> list[tuple[str, dict]]:
-    """All rows of a local file (by suffix) or a hub dataset (anything else), with labels for messages."""
-    path = Path(source).expanduser()
-    kind = LOCAL_SUFFIXES.get(path.suffix.lower())
-    if path.is_dir():
-        raise DataError(f"{path}: is a directory; give a .jsonl, .json, .parquet or .csv file")
-    if kind is None and not path.exists():
-        return list(_read_hub(source, config, split))
-    if not path.is_file():
-        raise DataError(f"{path}: file not found")
-    if kind is None:
-        raise DataError(f"{path}: unknown file type {path.suffix!r}; use .jsonl, .json, .parquet or .csv")
-    if path.stat().st_size == 0:
-        raise DataError(f"{path}: file is empty")
-    if kind == "json":
-        rows = list(_read_jsonl(path, max_line_bytes))
-    elif kind == "csv":
-        rows = list(_read_csv(path, max_line_bytes))
-    else:
-        rows = list(_read_parquet(path))
-    if not rows:
-        raise DataError(f"{path}: no rows")
-    return rows
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -248,9 +113,10 @@ class DatasetTask(Task):
     source: a local .jsonl/.json/.parquet/.csv path, or a Hugging Face dataset name (with `config`).
     prompt_column / answer_column: None picks the first present of PROMPT_COLUMNS / ANSWER_COLUMNS.
     id_column: a column to use as uid (else a hash of the question text). Other columns go to metadata.
-    answer_format: raw | gsm8k | boxed | auto (see `extract_answer`).
-    Eval set: `eval_split` (a hub split name or a local file) or `eval_fraction` of the rows held out by seed;
-    neither gives an empty eval set. `eval_limit` keeps the first k eval problems.
+    answer_format: raw | gsm8k | boxed | auto (see `extract_answer`) for text answers; a number cell is the answer.
+    Eval set: `eval_split` (a hub split name or a local file), else `eval_fraction` of the distinct questions held
+    out by seed (at most `eval_limit`), else none. Eval questions never occur in training: a question held out
+    is held out with all its duplicates, and eval_split questions that also occur in training are dropped.
     format_prompt: turns a question into the text given to the tokenizer (see podsrl.tasks.templates).
     No verifier of its own: the `correct` reward checks answers with math-verify.
     """
@@ -284,29 +150,51 @@ class DatasetTask(Task):
         self.source, self.seed = source, int(seed)
         self._columns = (prompt_column, answer_column, id_column, answer_format)
         self._format = format_prompt or (lambda q: q)
-        train = self._problems(source, read_rows(source, split, config, max_line_bytes))
+        train, train_labels = self._problems(source, read_rows(source, split, config, max_line_bytes))
         if eval_split is not None:
             local = Path(source).expanduser().exists()
             if local and not Path(eval_split).expanduser().is_file():
                 raise DataError(f"eval_split {eval_split!r}: file not found (with a local dataset file, "
                                 "eval_split is the path of the eval file)")
             eval_src = eval_split if local else source
-            eval_problems = self._problems(eval_src, read_rows(eval_src, eval_split, config, max_line_bytes))
+            held, held_labels = self._problems(eval_src, read_rows(eval_src, eval_split, config, max_line_bytes))
+            seen = {p.prompt for p in train}
+            kept = [(p, lab) for p, lab in zip(held, held_labels) if p.prompt not in seen]
+            if len(kept) < len(held):
+                log.info("dataset %s: %d eval questions of %s also occur in training and were dropped",
+                         Path(source).name, len(held) - len(kept), eval_src)
+            held, held_labels = [p for p, _ in kept], [lab for _, lab in kept]
         elif eval_fraction:
-            order = epoch_permutation(len(train), self.seed, -1)  # "epoch -1": never a training order
-            k = max(1, math.ceil(eval_fraction * len(train)))
-            held = set(order[:k].tolist())
-            if k >= len(train):
-                raise DataError(f"{source}: eval_fraction {eval_fraction} leaves no training rows")
-            eval_problems = [p for i, p in enumerate(train) if i in held]
-            train = [p for i, p in enumerate(train) if i not in held]
+            train, train_labels, held, held_labels = self._hold_out(train, train_labels, eval_fraction, eval_limit)
         else:
-            eval_problems = []
-        self.train_problems = train
-        self._eval = eval_problems[:eval_limit] if eval_limit is not None else eval_problems
+            held, held_labels = [], []
+        self.train_problems, self._train_labels = train, train_labels
+        self._eval, self._eval_labels = held[:eval_limit], held_labels[:eval_limit]
         self._perm_epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
 
-    def _problems(self, source: str, rows: list[tuple[str, dict]]) -> list[Problem]:
+    def _hold_out(self, train: list[Problem], labels: list[str], fraction: float, limit: int | None):
+        """Hold out ceil(fraction * distinct questions) of them (at most `limit`), chosen by the seed alone; a
+        question that occurs several times is held out with all its copies (one of them is evaluated)."""
+        questions = list(dict.fromkeys(p.prompt for p in train))  # distinct, in file order
+        k = min(math.ceil(fraction * len(questions)), limit if limit is not None else len(questions))
+        if k < 1 or k >= len(questions):
+            log.warning("dataset %s: %d distinct questions are too few to hold out an eval set "
+                        "(task.eval_fraction=%g); training without evaluation", self.source, len(questions), fraction)
+            return train, labels, [], []
+        order = epoch_permutation(len(questions), self.seed, -1)  # "epoch -1": never a training order
+        held = {questions[int(i)] for i in order[:k]}
+        rest = [(p, lab) for p, lab in zip(train, labels) if p.prompt not in held]
+        first: dict[str, tuple[Problem, str]] = {}
+        for p, lab in zip(train, labels):
+            if p.prompt in held:
+                first.setdefault(p.prompt, (p, lab))
+        log.info("dataset %s: no eval_split given, so %d of %d distinct questions (task.eval_fraction=%g, seed %d) "
+                 "are held out for evaluation and never trained on", Path(self.source).name, k, len(questions),
+                 fraction, self.seed)
+        evals = list(first.values())
+        return [p for p, _ in rest], [lab for _, lab in rest], [p for p, _ in evals], [lab for _, lab in evals]
+
+    def _problems(self, source: str, rows: list[tuple[str, dict]]) -> tuple[list[Problem], list[str]]:
         prompt_col, answer_col, id_col, fmt = self._columns
         columns = list(rows[0][1].keys())
         prompt_col = prompt_col or next((c for c in PROMPT_COLUMNS if c in columns), None)
@@ -315,7 +203,7 @@ class DatasetTask(Task):
             which = "prompt" if prompt_col is None else "answer"
             raise DataError(f"{source}: no {which} column found among {columns}; set the {which} column "
                             f"(looked for {PROMPT_COLUMNS if which == 'prompt' else ANSWER_COLUMNS})")
-        out = []
+        out, labels = [], []
         for label, row in rows:
             where = f"{source}: {label}"
             for col in (prompt_col, answer_col, id_col):
@@ -328,14 +216,32 @@ class DatasetTask(Task):
             if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
                 raise DataError(f"{where}: column {answer_col!r} must be text or a number, got "
                                 f"{type(answer).__name__}")
-            gold = extract_answer(str(answer), fmt)
+            if isinstance(answer, float) and not math.isfinite(answer):
+                raise DataError(f"{where}: column {answer_col!r} is {answer!r}, not an answer")
+            if isinstance(answer, str):  # "1,234" as a whole answer is the number 1234
+                gold = extract_answer(answer, fmt)
+                gold = (numeric_answer(gold) or gold) if gold is not None else None
+            else:  # a number cell (jsonl / parquet) is the answer whatever the format: 42.0 -> "42"
+                gold = numeric_answer(answer)
             if gold is None:
                 raise DataError(f"{where}: no answer found in column {answer_col!r} with answer_format {fmt!r} "
                                 f"({str(answer)[-60:]!r})")
             uid = str(row[id_col]) if id_col is not None else prompt_uid(question)
             meta = {k: v for k, v in row.items() if k not in (prompt_col, answer_col, id_col)}
             out.append(Problem(uid=uid, prompt=self._format(question), answer=gold, metadata=meta))
-        return out
+            labels.append(where)
+        return out, labels
+
+    def limit_prompts(self, rule) -> dict[str, tuple[int, int]]:
+        """Apply a podsrl.tasks.prompt_length.PromptLimit to the training and eval problems; (filtered,
+        truncated) counts of each."""
+        self.train_problems, self._train_labels, *train = rule.apply(self.train_problems, self._train_labels)
+        if not self.train_problems:
+            raise DataError(f"{self.source}: every training prompt is longer than {rule.max_tokens} tokens "
+                            "(task.max_prompt_length)")
+        self._eval, self._eval_labels, *held = rule.apply(self._eval, self._eval_labels)
+        self._perm_epoch = -1
+        return {"train": tuple(train), "eval": tuple(held)}
 
     def __len__(self) -> int:
         return len(self.train_problems)

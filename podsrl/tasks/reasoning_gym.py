@@ -18,6 +18,7 @@ from typing import Any
 
 from podsrl.batch import Problem
 from podsrl.errors import ConfigError
+from podsrl.extras import require
 from podsrl.tasks.base import Task
 from podsrl.tasks.datasets import epoch_permutation
 
@@ -43,6 +44,7 @@ def extract_completion_answer(completion: str) -> str:
 
 
 def _create(name: str, size: int, seed: int, params: dict[str, Any]) -> Any:
+    require("reasoning_gym", f"the reasoning_gym task {name!r}")
     import reasoning_gym
 
     try:
@@ -85,6 +87,7 @@ class ReasoningGymTask(Task):
         self._cache: dict[int, Problem] = {}
         self._eval: list[Problem] | None = None
         self._perm_epoch, self._perm = -1, None
+        self._limited: list[Problem] | None = None  # the training problems after a prompt-length limit
         self.partial_credit_seen = False
 
     def _problem(self, ds: Any, index: int, kind: str) -> Problem:
@@ -94,11 +97,16 @@ class ReasoningGymTask(Task):
         return Problem(uid=uid, prompt=self._format(entry["question"]), answer=str(entry["answer"]),
                        metadata=dict(entry.get("metadata") or {}))
 
+    def __len__(self) -> int:
+        return self.size if self._limited is None else len(self._limited)
+
     def problem(self, index: int) -> Problem:
-        epoch, pos = divmod(int(index), self.size)
+        epoch, pos = divmod(int(index), len(self))
         if epoch != self._perm_epoch:
-            self._perm, self._perm_epoch = epoch_permutation(self.size, self.seed, epoch), epoch
+            self._perm, self._perm_epoch = epoch_permutation(len(self), self.seed, epoch), epoch
         row = int(self._perm[pos])
+        if self._limited is not None:
+            return self._limited[row]
         if row not in self._cache:
             self._cache[row] = self._problem(self._train, row, "train")
         return self._cache[row]
@@ -113,6 +121,20 @@ class ReasoningGymTask(Task):
                             self.dataset_name, len(out) - len(kept))
             self._eval = kept
         return list(self._eval)
+
+    def limit_prompts(self, rule) -> dict[str, tuple[int, int]]:
+        """Apply a podsrl.tasks.prompt_length.PromptLimit to every training and eval problem (generated now);
+        (filtered, truncated) counts of each."""
+        where = f"reasoning-gym {self.dataset_name}"
+        train = [self._problem(self._train, i, "train") for i in range(self.size)]
+        kept, _, *train_counts = rule.apply(train, [f"{where}: training problem {i}" for i in range(self.size)])
+        if not kept:
+            raise ConfigError(f"task: every {where} prompt is longer than {rule.max_tokens} tokens "
+                              "(task.max_prompt_length)")
+        held = self.eval_set()
+        self._eval, _, *eval_counts = rule.apply(held, [f"{where}: eval problem {i}" for i in range(len(held))])
+        self._limited, self._perm_epoch = kept, -1
+        return {"train": tuple(train_counts), "eval": tuple(eval_counts)}
 
     def _entry(self, problem: Problem) -> dict[str, Any]:
         entry = self._entries.get(problem.uid)

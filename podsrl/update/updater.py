@@ -1,9 +1,11 @@
 """The policy update: mu passes over the selected rollouts, split into mini-batches (one optimiser step each) and
 micro-batches (gradient accumulation). Only the rollouts handed in are forwarded, so memory and time scale with the
-number kept (PODS's m), not the number generated."""
+number kept (PODS's m), not the number generated. Log-probs come from the shared-prompt path when the model allows
+it (`update.shared_prompt`), else from the plain path; micro-batches are the same either way."""
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable
@@ -11,51 +13,28 @@ from collections.abc import Callable
 import torch
 
 from podsrl.algo.grad_noise import make_probe
-from podsrl.algo.loss import (
-    LOSS_AGGREGATIONS,
-    aggregation_stats,
-    clipped_policy_loss,
-    k3_kl,
-    token_logprobs_and_entropy,
-)
+from podsrl.algo.loss import LOSS_AGGREGATIONS, aggregation_stats, clipped_policy_loss, k3_kl
 from podsrl.batch import RolloutBatch
 from podsrl.config import Config
+from podsrl.update.plain import plain_logprobs
+from podsrl.update.shared_prompt import SharedPromptForward, unsupported_reason
 
-
-def sequence_logprobs(model, prompt_ids, prompt_mask, completion_ids, temperature: float):
-    """[B, Lc] log-probs of the completion tokens and [B, Lc] entropies, one forward pass of prompt + completion.
-
-    Position ids follow the left padding (as generation does); right padding of completions needs no mask since
-    causal attention never lets an earlier position see it.
-    """
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    length = completion_ids.shape[1]
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        logits_to_keep=length + 1,
-        use_cache=False,
-    ).logits[:, :-1]
-    return token_logprobs_and_entropy(logits, completion_ids, temperature)
+log = logging.getLogger("podsrl")
 
 
 class PolicyUpdater:
     """Owns the optimiser step; the trainer hands it a batch with advantages and gets metrics back."""
 
     def __init__(self, model, optimizer, scheduler, cfg: Config, device: torch.device, ref_model=None,
-                 modulation: Callable | None = None, grad_sync: Callable[[], None] | None = None,
-                 data_parallel=None) -> None:
+                 modulation: Callable | None = None, data_parallel=None) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.cfg, self.device, self.ref_model = cfg, device, ref_model
         self.modulation = modulation  # f(advantages, log_ratio, logprobs, entropy, mask) -> (factor, metrics)
-        self.grad_sync = grad_sync  # data-parallel all-reduce of gradients (None in one process)
-        # podsrl.distributed.DataParallel: splits each mini-batch across ranks, sums what they computed
+        # podsrl.distributed.DataParallel (or any implementation of its interface): splits each mini-batch across
+        # ranks, sums what they computed; None in one process
         self.dp = data_parallel
-        if data_parallel is not None and grad_sync is None:
-            self.grad_sync = data_parallel.grad_sync
+        self.shared = {id(m): self._shared_forward(m, role) for m, role in ((model, "policy"), (ref_model, "reference"))
+                       if m is not None}
         self.aggregate = LOSS_AGGREGATIONS[cfg.algo.loss_agg]
         self.nonfinite_in_a_row = 0
 
@@ -69,16 +48,27 @@ class PolicyUpdater:
         params = [p for p in self.model.parameters() if p.requires_grad]
         return make_probe(params, batch.group_index[mini], generator)
 
+    def _shared_forward(self, model, role: str) -> SharedPromptForward | None:
+        if not self.cfg.update.shared_prompt:
+            return None
+        reason = unsupported_reason(model)
+        if reason is not None:
+            log.warning("update: the shared-prompt path cannot drive the %s model (%s); using the plain path",
+                        role, reason)
+            return None
+        return SharedPromptForward(model, self.cfg.update.logits_chunk)
+
     def _forward(self, model, batch: RolloutBatch, rows: torch.Tensor):
-        b = batch
-        width = int(b.completion_mask[rows].sum(dim=1).max().clamp(min=1))  # trim right padding of this slice
-        return sequence_logprobs(
-            model,
-            b.prompt_ids[rows].to(self.device),
-            b.prompt_mask[rows].to(self.device),
-            b.completion_ids[rows, :width].to(self.device),
-            self.cfg.rollout.temperature,
-        ), width
+        """([B, W] log-probs, [B, W] entropies), W: the longest completion of these rows."""
+        # trim right padding of this slice (FSDP runs empty micro-batches too, to keep ranks in lockstep)
+        width = max(1, int(batch.completion_mask[rows].sum(dim=1).max())) if rows.numel() else 1
+        temperature, shared = self.cfg.rollout.temperature, self.shared.get(id(model))
+        if shared is not None and rows.numel() and shared.fits(batch, rows, width):
+            out = shared(batch, rows, width, self.device, temperature)
+            if out is not None:
+                return out, width
+        return plain_logprobs(model, batch, rows, width, self.device, temperature,
+                              self.cfg.update.logits_chunk), width
 
     @torch.no_grad()
     def _precompute(self, model, batch: RolloutBatch) -> torch.Tensor:
@@ -120,8 +110,8 @@ class PolicyUpdater:
                     loss_total = self.dp.sum(loss_total)
                 sums["loss"] += loss_total
                 weight_sums["loss"] += 1
-                if self.grad_sync is not None:
-                    self.grad_sync()
+                if self.dp is not None:
+                    self.dp.grad_sync()
                 if probe is not None:  # g summed over ranks, before clipping
                     noise_metrics = probe.metrics(self.dp.all_reduce_tensors_ if self.dp is not None else None)
                 max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")

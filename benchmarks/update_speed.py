@@ -1,0 +1,324 @@
+"""Update throughput of the shared-prompt path vs the plain path (`update.shared_prompt: true/false`).
+
+Two workloads, each one whole `PolicyUpdater.update` per timed call (forwards, backwards, optimiser steps):
+  default  the built-in default step's update: PODS 32 prompts x 64 -> 16 kept (512 rows), four mini-batches,
+           micro-batches of 256, the built-in tiny model (podsrl/configs/default.yaml); prompts are the arithmetic
+           task's, completions random digits of 2-6 tokens + EOS (the warmed-up model's lengths)
+  gsm8k    a GSM8K-shaped synthetic step: a random-init Qwen2 with a 32k vocabulary (~13M parameters), 200-token
+           prompts, completions of 50-400 tokens (uniform), one group of n = 16 rows, micro-batches of 16
+Arms are interleaved (shared, plain, plain, shared, ...) on two copies of the same model, `--repeats` timed updates
+each after one untimed; prints the median, min-max spread and the median of the per-repeat ratios. Then, per arm in a
+fresh process, the update's peak memory: CPU, peak resident set size sampled every 0.2 ms during one update minus
+the resident size just before it (MALLOC_MMAP_THRESHOLD_ fixed at 64 KiB so freed tensors leave the RSS); CUDA,
+torch.cuda.max_memory_allocated minus allocated before. FLOP/s: the work the update needs (6 x non-embedding
+parameters per token, each group's prompt counted once, plus 6 x vocabulary x width per predicted token; attention
+left out) over the median time, as a share of this machine's float32 GEMM rate measured with the same threads
+once per round (the median of those).
+
+`--attention` times the attention layout choice alone (forward + backward of one GSM8K-shaped group, 4 query and
+2 key/value heads of dim 64): one packed sequence with a dense block mask vs the prompt's keys index-expanded to
+length-bucketed completion rows (what shared_prompt.py does).
+
+    python benchmarks/update_speed.py [--workload default gsm8k] [--repeats 5] [--threads 1] [--device cpu]
+    python benchmarks/update_speed.py --attention
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from podsrl.batch import Problem, RolloutBatch  # noqa: E402
+from podsrl.config import load_config  # noqa: E402
+from podsrl.update import PolicyUpdater  # noqa: E402
+
+DEFAULT_CONFIG = str(Path(__file__).resolve().parents[1] / "podsrl/configs/default.yaml")
+KEPT = 16  # rollouts kept per prompt by the default PODS 64 -> 16
+
+
+def default_workload(seed: int = 0):
+    """The default step's update: model, config overrides and the 512-row batch."""
+    from podsrl.models import build_char_tokenizer, build_tiny_model
+    from podsrl.tasks import build_task
+
+    cfg = load_config(DEFAULT_CONFIG, [])
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(cfg.model.tiny, tokenizer, seed=seed)
+    task = build_task(cfg.task, tokenizer)
+    prompts = [tokenizer(task.problem(i).prompt)["input_ids"] for i in range(cfg.rollout.prompts_per_step)]
+    gen = torch.Generator().manual_seed(seed)
+    digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
+    completions = []
+    for _ in prompts:
+        for _ in range(KEPT):
+            length = int(torch.randint(2, 7, (1,), generator=gen))
+            completions.append([digits[int(i)] for i in torch.randint(0, 10, (length,), generator=gen)]
+                               + [tokenizer.eos_token_id])
+    batch = make_batch(prompts, KEPT, completions, tokenizer.pad_token_id, gen)
+    return model, DEFAULT_CONFIG, [], batch
+
+
+def gsm8k_workload(seed: int = 0, groups: int = 1):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    vocab, hidden, n = 32000, 256, 16
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True))
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (200,), generator=gen).tolist() for _ in range(groups)]
+    completions = [torch.randint(3, vocab, (int(torch.randint(50, 401, (1,), generator=gen)),),
+                                 generator=gen).tolist() for _ in range(groups * n)]
+    overrides = [f"rollout.n={n}", "optim.micro_batch_size=16", "rollout.max_new_tokens=400"]
+    return model, None, overrides, make_batch(prompts, n, completions, 0, gen)
+
+
+WORKLOADS = {"default": default_workload, "gsm8k": gsm8k_workload}
+
+
+def make_batch(prompts: list[list[int]], n: int, completions: list[list[int]], pad: int,
+               gen: torch.Generator) -> RolloutBatch:
+    rows = len(completions)
+    lp, lc = max(map(len, prompts)), max(map(len, completions))
+    prompt_ids = torch.full((rows, lp), pad)
+    prompt_mask = torch.zeros(rows, lp, dtype=torch.long)
+    completion_ids = torch.full((rows, lc), pad)
+    completion_mask = torch.zeros(rows, lc)
+    for r, c in enumerate(completions):
+        p = prompts[r // n]
+        prompt_ids[r, lp - len(p):] = torch.tensor(p)
+        prompt_mask[r, lp - len(p):] = 1
+        completion_ids[r, :len(c)] = torch.tensor(c)
+        completion_mask[r, :len(c)] = 1
+    return RolloutBatch(
+        problems=[Problem(uid=str(i), prompt="", answer="") for i in range(len(prompts))],
+        group_index=torch.arange(len(prompts)).repeat_interleave(n), prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask,
+        truncated=torch.zeros(rows, dtype=torch.bool), advantages=torch.randn(rows, generator=gen))
+
+
+def make_updater(model, config: str | None, overrides: list[str], shared: bool, device: str) -> PolicyUpdater:
+    cfg = load_config(config, [*overrides, f"update.shared_prompt={str(shared).lower()}"])
+    model = model.to(device)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    return PolicyUpdater(model, optimizer, scheduler, cfg, torch.device(device))
+
+
+def useful_flops(model, batch: RolloutBatch, cfg) -> float:
+    """Forward + backward FLOPs the update needs (see the module docstring), all passes."""
+    config = model.config
+    embed = config.vocab_size * config.hidden_size
+    body = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
+    groups = batch.group_index.unique()
+    prompt_tokens = sum(int(batch.prompt_mask[batch.group_index == g][0].sum()) for g in groups)
+    completion_tokens = float(batch.completion_mask.sum())
+    tokens = prompt_tokens + completion_tokens
+    return cfg.optim.epochs * (6 * body * tokens + 6 * embed * completion_tokens)
+
+
+def gemm_rate(device: str, size: int = 1024, repeats: int = 5) -> float:
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    times = []
+    for _ in range(repeats + 1):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return 2 * size**3 / min(times[1:])
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_arms(name: str, repeats: int, device: str) -> dict:
+    model, config, overrides, batch = WORKLOADS[name]()
+    arms = {s: make_updater(copy.deepcopy(model), config, overrides, s, device) for s in (True, False)}
+    times: dict[bool, list[float]] = {True: [], False: []}
+    rates = []  # the GEMM rate, re-measured every round: on a shared machine it moves with the load
+    for r in range(repeats + 1):
+        rates.append(gemm_rate(device, repeats=2))
+        for shared in (True, False) if r % 2 == 0 else (False, True):
+            sync(device)
+            t0 = time.perf_counter()
+            arms[shared].update(batch, torch.Generator().manual_seed(r))
+            sync(device)
+            if r > 0:  # the first round is the untimed warm-up
+                times[shared].append(time.perf_counter() - t0)
+    flops = useful_flops(model, batch, arms[True].cfg)
+    ratios = [p / s for s, p in zip(times[True], times[False])]
+    return {"rows": batch.num_rollouts, "tokens": float(batch.completion_mask.sum() + batch.prompt_mask.sum()),
+            "params": sum(p.numel() for p in model.parameters()), "times": times, "ratios": ratios,
+            "flops": flops, "gemm_rate": statistics.median(rates)}
+
+
+def attention_choice(repeats: int) -> None:
+    import torch.nn.functional as F
+
+    from podsrl.update.shared_prompt import build_plan
+
+    gen = torch.Generator().manual_seed(0)
+    lp, n, heads, kv_heads, dim = 200, 16, 4, 2, 64
+    lengths = torch.randint(50, 401, (n,), generator=gen)
+    width = int(lengths.max())
+    plan = build_plan(torch.randint(3, 1000, (1, lp), generator=gen).expand(n, lp), torch.ones(n, lp, dtype=torch.long),
+                      torch.randint(3, 1000, (n, width), generator=gen),
+                      (torch.arange(width) < lengths[:, None]).float(), torch.device("cpu"))
+    tokens = plan.ids.numel()
+
+    def sdpa(q, k, v, mask):
+        k, v = k.repeat_interleave(heads // kv_heads, dim=1), v.repeat_interleave(heads // kv_heads, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    # the packed stream's block mask: the prompt causal; completion r sees the prompt and its own earlier tokens
+    row = torch.full((tokens,), -1)
+    starts = lp + torch.cat([torch.zeros(1, dtype=torch.long), (lengths - 1).cumsum(0)[:-1]])
+    for r in range(n):
+        row[starts[r]: starts[r] + lengths[r] - 1] = r
+    pos = torch.arange(tokens)
+    block = (pos[:, None] >= pos[None, :]) & ((row[None, :] == -1) | (row[:, None] == row[None, :]))
+
+    def packed(q, k, v):
+        return sdpa(*(t.transpose(0, 1)[None] for t in (q, k, v)), block[None, None])[0].transpose(0, 1).flatten(1)
+
+    def expanded(q, k, v):
+        qp, kp, vp = (t[plan.prompt_index].transpose(1, 2) for t in (q, k, v))
+        out = [sdpa(qp, kp, vp, plan.prompt_mask).transpose(1, 2).flatten(2)[plan.prompt_real]]
+        for b in plan.buckets:
+            qc, kc, vc = (t[b.index].transpose(1, 2) for t in (q, k, v))
+            keys = torch.cat([kp[b.group, :, : b.prompt_width], kc], dim=2)
+            values = torch.cat([vp[b.group, :, : b.prompt_width], vc], dim=2)
+            out.append(sdpa(qc, keys, values, b.mask).transpose(1, 2).flatten(2)[b.real])
+        return torch.cat(out)[plan.restore]
+
+    arms = {"packed, dense block mask": packed, "expanded prompt keys + length buckets": expanded}
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    for r in range(repeats + 1):
+        for name in arms if r % 2 == 0 else list(arms)[::-1]:
+            q, k, v = (torch.randn(tokens, h, dim, requires_grad=True) for h in (heads, kv_heads, kv_heads))
+            t0 = time.perf_counter()
+            arms[name](q, k, v).sum().backward()
+            if r > 0:
+                times[name].append(time.perf_counter() - t0)
+    print(f"\n== attention layout, one group: {tokens} tokens, {len(plan.buckets)} length buckets, forward + backward")
+    for name, t in times.items():
+        print(f"  {name}: {spread(t)}")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_memory(name: str, shared: bool, device: str) -> int:
+    """Bytes above the pre-update level during one update (after one warm-up update), in this process."""
+    model, config, overrides, batch = WORKLOADS[name]()
+    updater = make_updater(model, config, overrides, shared, device)
+    updater.update(batch, torch.Generator().manual_seed(0))
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        updater.update(batch, torch.Generator().manual_seed(1))
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    before, peak, done = _rss(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.0002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    updater.update(batch, torch.Generator().manual_seed(1))
+    done.set()
+    sampler.join()
+    return max(peak[0], _rss()) - before
+
+
+def machine(threads: int, device: str) -> str:
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    load = os.getloadavg()
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores visible, {threads} torch "
+            f"threads, torch {torch.__version__}, load average {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}")
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} s ({min(values):.3f}-{max(values):.3f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU (0: torch's default)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--attention", action="store_true", help="only the attention layout comparison")
+    parser.add_argument("--memory-child", help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    if opts.memory_child:
+        name, shared = opts.memory_child.split(",")
+        print(json.dumps({"peak": peak_memory(name, shared == "1", opts.device)}))
+        return
+    print(f"machine: {machine(torch.get_num_threads(), opts.device)}")
+    if opts.attention:
+        attention_choice(opts.repeats)
+        return
+    for name in opts.workload:
+        t0 = time.perf_counter()
+        res = time_arms(name, opts.repeats, opts.device)
+        shared_t, plain_t, rate = res["times"][True], res["times"][False], res["gemm_rate"]
+        print(f"\n== {name}: {res['rows']} rows, {res['params'] / 1e6:.1f}M parameters, {opts.repeats} interleaved "
+              f"repeats per arm")
+        print(f"  shared-prompt update: {spread(shared_t)}  useful FLOP/s "
+              f"{res['flops'] / statistics.median(shared_t) / 1e9:.1f} G = "
+              f"{100 * res['flops'] / statistics.median(shared_t) / rate:.0f}% of GEMM rate")
+        print(f"  plain update:         {spread(plain_t)}  useful FLOP/s "
+              f"{res['flops'] / statistics.median(plain_t) / 1e9:.1f} G = "
+              f"{100 * res['flops'] / statistics.median(plain_t) / rate:.0f}% of GEMM rate")
+        print(f"  float32 GEMM rate (1024^3 matmul, best of 2, measured every round; median): {rate / 1e9:.1f} GFLOP/s")
+        r = res["ratios"]
+        print(f"  speed-up plain/shared: median {statistics.median(r):.2f}x (per-repeat {min(r):.2f}-{max(r):.2f}x); "
+              f"target >= {2.0 if name == 'default' else 1.4}x")
+        if not opts.skip_memory:
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(opts.threads or "")}
+            peaks = {}
+            for shared in (True, False):
+                out = subprocess.run([sys.executable, __file__, "--memory-child", f"{name},{int(shared)}", "--threads",
+                                      str(opts.threads), "--device", opts.device], capture_output=True, text=True,
+                                     check=True, env=env)
+                peaks[shared] = json.loads(out.stdout.strip().splitlines()[-1])["peak"]
+            how = "peak RSS delta" if opts.device == "cpu" else "max_memory_allocated delta"
+            print(f"  peak memory ({how}): shared {peaks[True] / 2**20:.1f} MiB, plain {peaks[False] / 2**20:.1f} MiB "
+                  f"({peaks[True] / max(peaks[False], 1):.2f}x)")
+        print(f"  ({time.perf_counter() - t0:.0f} s)")
+    print(f"\nend load average: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Prompt length: what happens to prompts longer than `task.max_prompt_length` tokens (verl's
+`filter_overlong_prompts`, TRL's `max_prompt_length`), decided once at start-up.
+
+  filter        drop the problem (counted and reported at start-up),
+  truncate_left keep the last max_prompt_length tokens (the question's end and the generation prompt survive),
+  error         stop with the file and row named.
+
+The limit is checked against the model's context together with `rollout.max_new_tokens` before any generation, so
+a prompt can never make an engine allocate past the model's positions.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Any
+
+from podsrl.batch import Problem
+from podsrl.errors import ConfigError, DataError
+
+log = logging.getLogger("podsrl")
+
+POLICIES = ("filter", "truncate_left", "error")
+
+
+def model_context(model: Any) -> int | None:
+    """Longest sequence (prompt + completion) the model's positions cover, or None when it does not say."""
+    value = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def resolve_limit(max_prompt_length: int, max_new_tokens: int, context: int | None) -> int | None:
+    """The prompt-token limit in force: task.max_prompt_length, or (0) whatever the context leaves after the
+    completion. ConfigError when prompt + completion cannot fit the model's context."""
+    if context is None:
+        return max_prompt_length or None
+    room = context - max_new_tokens
+    if room < 1:
+        raise ConfigError(f"rollout.max_new_tokens: {max_new_tokens} leaves no room for a prompt in the model's "
+                          f"context of {context} tokens (max_position_embeddings)")
+    if max_prompt_length > room:
+        raise ConfigError(f"task.max_prompt_length: {max_prompt_length} + rollout.max_new_tokens "
+                          f"{max_new_tokens} exceeds the model's context of {context} tokens; lower one of them")
+    return max_prompt_length or room
+
+
+@dataclass
+class PromptLimit:
+    """Applies one policy to lists of problems."""
+
+    tokenizer: Any
+    max_tokens: int
+    policy: str = "filter"
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"task.overlong_prompts: {self.policy!r} is not one of {', '.join(POLICIES)}")
+
+    def _length(self, texts: list[str]) -> list[int]:
+        return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False).input_ids]
+
+    def _truncate(self, text: str) -> str:
+        """The text of the last max_tokens tokens. Re-tokenising a cut text can merge differently at the cut, so
+        the cut moves right until the text itself is within the limit."""
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        keep = self.max_tokens
+        while True:
+            cut = self.tokenizer.decode(ids[len(ids) - keep:], skip_special_tokens=False)
+            if self._length([cut])[0] <= self.max_tokens or keep <= 1:
+                return cut
+            keep -= 1
+
+    def apply(self, problems: list[Problem], labels: list[str]) -> tuple[list[Problem], list[str], int, int]:
+        """(problems within the limit, their row labels such as 'train.jsonl: line 7', number filtered,
+        number truncated), per the policy."""
+        lengths = self._length([p.prompt for p in problems]) if problems else []
+        kept, kept_labels, filtered, truncated = [], [], 0, 0
+        for problem, label, n in zip(problems, labels, lengths):
+            if n <= self.max_tokens:
+                kept.append(problem)
+                kept_labels.append(label)
+            elif self.policy == "error":
+                raise DataError(f"{label}: the prompt is {n} tokens, longer than the limit of {self.max_tokens} "
+                                "(task.max_prompt_length); shorten it, or set task.overlong_prompts to filter or "
+                                "truncate_left")
+            elif self.policy == "filter":
+                filtered += 1
+            else:
+                kept.append(replace(problem, prompt=self._truncate(problem.prompt)))
+                kept_labels.append(label)
+                truncated += 1
+        return kept, kept_labels, filtered, truncated
+
+
+def limit_task_prompts(task: Any, tokenizer: Any, max_prompt_length: int, policy: str, max_new_tokens: int,
+                       context: int | None) -> int | None:
+    """Check the limit against the model's context and apply it to the task (tasks with a finite problem list);
+    one start-up log line says what was filtered or truncated. Returns the limit in force."""
+    limit = resolve_limit(max_prompt_length, max_new_tokens, context)
+    if limit is None or not hasattr(task, "limit_prompts"):
+        return limit
+    rule = PromptLimit(tokenizer, limit, policy)
+    counts = task.limit_prompts(rule)  # {"train": (filtered, truncated), "eval": (filtered, truncated)}
+    done = [f"{what} {kind}: {n}" for what, (f, t) in counts.items() for kind, n in (("filtered", f),
+                                                                                     ("truncated", t)) if n]
+    source = "task.max_prompt_length" if max_prompt_length else "model context - rollout.max_new_tokens"
+    log.info("prompt length: limit %d tokens (%s), overlong prompts %s%s", limit, source,
+             "filter" if policy == "filter" else policy, f"; {', '.join(done)}" if done else "; none overlong")
+    return limit

@@ -1,0 +1,6 @@
+"""The policy update: `PolicyUpdater` (updater.py) over log-probs from the shared-prompt path (shared_prompt.py) or
+the plain reference path (plain.py)."""
+
+from podsrl.update.updater import PolicyUpdater
+
+__all__ = ["PolicyUpdater"]

@@ -1,0 +1,251 @@
+"""The shared-prompt forward: each distinct prompt of a micro-batch runs once, completions run without padding.
+
+What the plain path computes per row (prompt + completion, padded to the longest of each) is recomputed here as one
+packed token stream per micro-batch: the distinct prompts' real tokens, then each row's completion tokens except its
+last (no position reads the last token's output). Linear layers, norms and MLPs run over that stream, so their work
+is the real tokens, each prompt counted once. Attention runs in padded blocks:
+- prompts: [G, Lp] causal self-attention;
+- completions: rows bucketed by length (sorted, each bucket padded to its own longest), each row's queries
+  attending to its prompt's keys/values (index-expanded from the prompt block, so the prompt's gradient collects
+  every row's) and causally to its own completion.
+Only positions that predict a completion token reach the output layer, through chunked log-probs/entropy (never a
+[tokens, vocab] float32 tensor). Positions and masks are those of the plain path, so log-probs, entropies and
+gradients equal it up to float rounding (tests/test_update_shared_prompt.py).
+
+Measured choice (`python benchmarks/update_speed.py --attention`, one GSM8K-shaped group of a 200-token prompt and
+16 completions of 50-400 tokens, attention forward + backward on one CPU thread): one packed sequence per group with
+a dense block mask took 4-8x longer than the index-expanded prompt keys with length buckets (1.84 vs 0.24 s, and
+5.4 vs 1.3 s under heavier load): on CPU the masked attention is [sum of lengths]^2 whatever the mask allows.
+
+Drives the decoder layers of Llama, Mistral, Qwen2 and Qwen3 models from their own submodules (LoRA-wrapped ones
+included); `unsupported_reason` says why another model falls back to the plain path.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from podsrl.algo.logprobs import head_logprobs_and_entropy
+from podsrl.batch import RolloutBatch
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+_ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a peft wrapper (its layers carry the adapters in place)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") and hasattr(model, "peft_config") else model
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why the shared-prompt path cannot drive this model (None when it can)."""
+    base = base_model(model)
+    config = getattr(base, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in MODEL_TYPES:
+        return f"model type {kind!r} is not one of {', '.join(MODEL_TYPES)}"
+    body = getattr(base, "model", None)
+    if body is None or not all(hasattr(body, n) for n in ("embed_tokens", "rotary_emb", "layers", "norm")):
+        return f"{type(base).__name__} has no embed_tokens/rotary_emb/layers/norm decoder stack"
+    head = getattr(base, "lm_head", None)
+    if type(head) is not torch.nn.Linear:
+        return f"its output layer is a {type(head).__name__}, not a plain Linear (e.g. LoRA on lm_head)"
+    for layer in body.layers:
+        if not all(hasattr(layer, n) for n in _LAYER_PARTS) or not all(
+                hasattr(layer.self_attn, n) for n in _ATTN_PARTS):
+            return f"decoder layer {type(layer).__name__} does not have the Llama layout"
+    if getattr(config, "attention_dropout", 0.0):
+        return "attention dropout > 0 (the plain path's dropout draws could not be reproduced)"
+    return None
+
+
+def sliding_window(model: torch.nn.Module) -> int | None:
+    """The smallest attention window of any layer (None: full attention everywhere)."""
+    config = base_model(model).config
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None and all(t == "full_attention" for t in types):
+        return None
+    return window
+
+
+@dataclass
+class Bucket:
+    """Completion rows of similar length, padded to the longest of them."""
+
+    group: Tensor  # [b] prompt of each row
+    index: Tensor  # [b, Lb] packed index of each completion slot (padding slots point at a real token)
+    real: Tensor  # [b, Lb] bool, real slots
+    mask: Tensor  # [b, 1, Lb, Lpb + Lb] bool: the prompt's real keys, then causal over the completion
+    prompt_width: int  # Lpb, the longest prompt of these rows
+
+
+@dataclass
+class Plan:
+    """Index tensors of one micro-batch's packed stream (built on CPU, moved to the device once)."""
+
+    ids: Tensor  # [N] packed tokens: distinct prompts, then completion inputs
+    positions: Tensor  # [N]
+    prompt_index: Tensor  # [G, Lp] packed index of each prompt slot (padding slots point at a real token)
+    prompt_mask: Tensor  # [G, 1, Lp, Lp] bool, causal and real keys only
+    prompt_real: Tensor  # [G, Lp] bool, real prompt slots
+    buckets: list[Bucket]
+    restore: Tensor  # [N] attention outputs (prompt blocks, then buckets, real slots) -> packed order
+    pred_index: Tensor  # [T] packed positions whose output predicts a completion token, row-major
+    targets: Tensor  # [T] the completion tokens they predict
+    valid: Tensor  # [B, W] bool, where the T values go in the row x width output
+
+
+def build_plan(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
+               device: torch.device) -> Plan | None:
+    """The plan of rows given as left-padded prompts and right-padded completions; None when a row has an empty
+    prompt or a completion mask with holes (the plain path handles those)."""
+    W = completion_ids.shape[1]
+    lengths = completion_mask.sum(dim=1).long()
+    col = torch.arange(W)
+    valid = col < lengths[:, None]
+    if not torch.equal(valid, completion_mask.bool()):
+        return None
+    key = prompt_ids.masked_fill(prompt_mask == 0, -1)
+    distinct, group = torch.unique(key, dim=0, return_inverse=True)
+    real = distinct >= 0
+    lp = real.sum(dim=1)
+    if bool((lp == 0).any()):
+        return None
+    Lp = int(lp.max())
+    # prompts: real tokens packed in group order (left padding is a prefix, so row-major order is token order)
+    p_start = lp.cumsum(0) - lp
+    n_prompt = int(lp.sum())
+    p_tokens = distinct[real]
+    p_pos = torch.arange(n_prompt) - p_start.repeat_interleave(lp)
+    slot = torch.arange(Lp)
+    p_real = slot < lp[:, None]
+    prompt_index = torch.where(p_real, p_start[:, None] + slot, p_start[:, None])
+    causal = torch.ones(Lp, Lp, dtype=torch.bool).tril()
+    p_attn_mask = (causal[None] & p_real[:, None, :])[:, None]
+    # completions: all tokens but the last are inputs
+    n_in = (lengths - 1).clamp(min=0)
+    c_start = n_prompt + n_in.cumsum(0) - n_in
+    c_in = col < n_in[:, None]
+    c_tokens = completion_ids[c_in]
+    c_pos = (lp[group][:, None] + col)[c_in]
+    buckets = []
+    outputs = [torch.arange(n_prompt)]
+    order = torch.argsort(n_in, descending=True, stable=True)
+    order = order[n_in[order] > 0]
+    for rows in _length_buckets(order, n_in):
+        lb = int(n_in[rows[0]])
+        cslot = torch.arange(lb)
+        c_real = cslot < n_in[rows][:, None]
+        index = torch.where(c_real, c_start[rows][:, None] + cslot, c_start[rows][:, None])
+        lpb = int(lp[group[rows]].max())
+        prompt_keys = (torch.arange(lpb) < lp[group[rows]][:, None])[:, None, :].expand(-1, lb, -1)
+        own = torch.ones(lb, lb, dtype=torch.bool).tril()[None].expand(len(rows), -1, -1)
+        mask = torch.cat([prompt_keys, own], dim=2)[:, None]
+        buckets.append(Bucket(group[rows].to(device), index.to(device), c_real.to(device), mask.to(device), lpb))
+        outputs.append(index[c_real])
+    # predictions: the prompt's last token predicts completion token 0, completion input j predicts token j + 1
+    grid = c_start[:, None] + col - 1
+    grid[:, 0] = (p_start + lp - 1)[group]
+    pred_index = grid[valid]
+    return Plan(
+        ids=torch.cat([p_tokens, c_tokens]).to(device),
+        positions=torch.cat([p_pos, c_pos]).to(device),
+        prompt_index=prompt_index.to(device),
+        prompt_mask=p_attn_mask.to(device),
+        prompt_real=p_real.to(device),
+        buckets=buckets,
+        restore=torch.argsort(torch.cat(outputs)).to(device),
+        pred_index=pred_index.to(device),
+        targets=completion_ids[valid].to(device),
+        valid=valid.to(device),
+    )
+
+
+def _length_buckets(order: Tensor, n_in: Tensor, keep: float = 0.75, min_saving: int = 512) -> list[Tensor]:
+    """Rows sorted by length (longest first), cut where a row is shorter than `keep` x its bucket's longest and the
+    cut saves at least `min_saving` padded query slots: padding stays under ~1/keep of the real work, and short
+    completions (where an attention call costs more than the padding) stay in one call."""
+    buckets, start = [], 0
+    lengths = n_in[order].tolist()
+    for i in range(1, len(lengths) + 1):
+        if i == len(lengths) or (lengths[i] < keep * lengths[start]
+                                 and (lengths[start] - lengths[i]) * (len(lengths) - i) >= min_saving):
+            buckets.append(order[start:i])
+            start = i
+    return buckets
+
+
+class SharedPromptForward:
+    """Log-probs and entropies of rows of a batch under a model it can drive (see `unsupported_reason`)."""
+
+    def __init__(self, model: torch.nn.Module, logits_chunk: int) -> None:
+        self.base = base_model(model)
+        self.body = self.base.model
+        self.head = self.base.lm_head
+        self.layers = list(self.body.layers[: self.base.config.num_hidden_layers])
+        self.window = sliding_window(model)
+        self.chunk = logits_chunk
+        attn_module = sys.modules[type(self.layers[0].self_attn).__module__]
+        self.rotary = attn_module.apply_rotary_pos_emb  # the model's own rotary application
+
+    def fits(self, batch: RolloutBatch, rows: Tensor, width: int) -> bool:
+        """False when some row is longer than a sliding window (then windowed attention would differ)."""
+        if self.window is None:
+            return True
+        longest = int(batch.prompt_mask[rows].sum(dim=1).max()) + width
+        return longest <= self.window
+
+    def __call__(self, batch: RolloutBatch, rows: Tensor, width: int, device: torch.device,
+                 temperature: float) -> tuple[Tensor, Tensor] | None:
+        """([B, width] log-probs, [B, width] entropies; 0 outside the completion mask), or None when this
+        micro-batch has rows the plan cannot express."""
+        plan = build_plan(batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows, :width],
+                          batch.completion_mask[rows, :width], device)
+        if plan is None:
+            return None
+        x = self.body.embed_tokens(plan.ids)
+        cos, sin = self.body.rotary_emb(x[None], plan.positions[None])
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, plan)
+            if i == len(self.layers) - 1:  # only predicting positions are read after the last layer
+                x = x[plan.pred_index]
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        hidden = self.body.norm(x)
+        logp, entropy = head_logprobs_and_entropy(hidden, self.head.weight, self.head.bias, plan.targets,
+                                                  temperature, self.chunk)
+        zeros = torch.zeros(plan.valid.shape, dtype=logp.dtype, device=logp.device)
+        return zeros.masked_scatter(plan.valid, logp), zeros.masked_scatter(plan.valid, entropy)
+
+    def _attention(self, attn: torch.nn.Module, x: Tensor, cos: Tensor, sin: Tensor, plan: Plan) -> Tensor:
+        n, head_dim = x.shape[0], attn.head_dim
+        q = attn.q_proj(x).view(n, -1, head_dim)
+        k = attn.k_proj(x).view(n, -1, head_dim)
+        v = attn.v_proj(x).view(n, -1, head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before the rotation
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = self.rotary(q[None], k[None], cos, sin, unsqueeze_dim=2)
+        q, k = q[0], k[0]
+        # prompts: [G, H, Lp, d]
+        qp, kp, vp = (t[plan.prompt_index].transpose(1, 2) for t in (q, k, v))
+        out = [self._sdpa(attn, qp, kp, vp, plan.prompt_mask).transpose(1, 2).flatten(2)[plan.prompt_real]]
+        for b in plan.buckets:
+            qc, kc, vc = (t[b.index].transpose(1, 2) for t in (q, k, v))
+            keys = torch.cat([kp[b.group, :, : b.prompt_width], kc], dim=2)
+            values = torch.cat([vp[b.group, :, : b.prompt_width], vc], dim=2)
+            out.append(self._sdpa(attn, qc, keys, values, b.mask).transpose(1, 2).flatten(2)[b.real])
+        return attn.o_proj(torch.cat(out)[plan.restore])
+
+    @staticmethod
+    def _sdpa(attn: torch.nn.Module, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)

@@ -1,0 +1,227 @@
+"""FSDP2 (`train.strategy: fsdp`): a 2-rank gloo update on sharded parameters equals the one-process update on the
+same batch (GRPO and PODS with uneven groups, mini-batches, epochs, a KL reference, DynaMO's token modulation, LoRA,
+and one row for two ranks), the generation copy holds the updated weights, and the sharded state of
+torch.distributed.checkpoint round-trips exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from podsrl.config import load_config
+from podsrl.methods import METHODS, offline_context
+from podsrl.update import PolicyUpdater
+from tests.test_distributed import generation_request, make_batch, make_model
+from tests.tiny_lm import TokStub
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+STRATEGY = ["train.strategy=fsdp", "optim.max_grad_norm=0.2"]
+# name -> (config overrides, generated group sizes, fixed advantages or None = from the selection stage)
+SCENARIOS = {
+    "grpo": (["algo.beta=0.05", "optim.mini_batches=2", "optim.micro_batch_size=2"], [5, 1, 3, 2], None),
+    "pods": (["rollout.n=6", "method=pods", "pods.m=3", "optim.mini_batches=2", "optim.epochs=2",
+              "optim.micro_batch_size=2", "algo.beta=0.05", "algo.loss_agg=seq_mean_token_mean"],
+             [6, 4, 6, 2, 6], None),
+    "dynamo": (["method=dynamo", "dynamo.modulation=true", "optim.micro_batch_size=1", "optim.mini_batches=2",
+                "optim.epochs=2"], [5, 1, 3, 2], None),
+    "lora": (["model.lora_rank=4", "optim.micro_batch_size=2"], [4, 3], None),
+    "one_row": (["optim.micro_batch_size=4"], [1], [0.7]),
+}
+
+
+def run_scenario(name: str, ctx=None) -> dict:
+    """One update of scenario `name` with SGD (parameters move by the gradient itself); with a DistContext it runs
+    as one FSDP rank. Returns the rows, metrics, and the full parameters after the step."""
+    overrides, sizes, advantages = SCENARIOS[name]
+    cfg = load_config(None, [*STRATEGY, *overrides])
+    batch = make_batch(sizes, seed=len(name))
+    method = METHODS[cfg.method](cfg)
+    kept, _ = method.select(batch, offline_context(cfg, torch.Generator().manual_seed(1)))
+    if advantages is not None:
+        kept.advantages = torch.tensor(advantages)
+    model, ref = make_model().train(), (make_model() if cfg.algo.beta > 0 else None)
+    if ref is not None:
+        ref.requires_grad_(False)
+    with torch.no_grad():  # the reference must differ from the policy for the KL term to matter
+        for p in model.parameters():
+            p.add_(0.01)
+    if cfg.model.lora_rank:
+        from podsrl.lora import apply_lora
+
+        torch.manual_seed(3)
+        model = apply_lora(model, cfg.model.lora_rank, target_modules=["q_proj", "v_proj"])
+        with torch.no_grad():  # non-zero B: the adapter changes the output, so both A and B get gradients
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.1)
+    dp = ctx.data_parallel(model, ref, cfg.train) if ctx is not None else None
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    updater = PolicyUpdater(model, optimizer, scheduler, cfg, torch.device("cpu"), ref,
+                            modulation=method.token_modulation(),
+                            data_parallel=dp)
+    metrics = updater.update(kept.trim_padding(), torch.Generator().manual_seed(2))
+    out = {"rows": kept.num_rollouts, "metrics": metrics, "params": _full_params(model)}
+    generation_model = model
+    if dp is not None:
+        dp.sync_generation_model()
+        generation_model = dp.generation_model
+        out["generation"] = torch.cat([p.reshape(-1) for p in generation_model.parameters()])
+        out["sharded"] = sum(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+    if name == "grpo":  # the in-process engine samples from the updated weights
+        from podsrl.engines.base import SamplingParams
+        from podsrl.engines.fast import FastEngine
+
+        prompts, counts, seeds = generation_request()
+        out["rollouts"] = FastEngine(generation_model, TokStub()).generate(
+            prompts, counts, SamplingParams(max_new_tokens=8, return_logprobs=True), seeds)
+    return out
+
+
+def _full_params(model) -> torch.Tensor:
+    from podsrl.fsdp import full_tensor
+
+    return torch.cat([full_tensor(p, torch.device("cpu")).detach().reshape(-1) for p in model.parameters()])
+
+
+def _checkpoint_roundtrip(ctx, tmp: Path) -> dict:
+    """Two AdamW steps; the sharded state is saved after the first, loaded into fresh ranks' shards, stepped again."""
+    from podsrl.checkpoint import load_sharded_tensors, save_sharded_tensors
+
+    cfg = load_config(None, STRATEGY)
+
+    def build():
+        model = make_model().train()
+        dp = ctx.data_parallel(model, None, cfg.train)
+        return model, dp, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(model, optimizer):
+        ids = torch.arange(2, 12).reshape(2, 5)
+        model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    model, dp, optimizer = build()
+    step(model, optimizer)
+    tensors, groups = dp.checkpoint_state(optimizer)
+    save_sharded_tensors(tensors, tmp / "sharded")
+    step(model, optimizer)
+    expected = _full_params(model)
+    model2, dp2, optimizer2 = build()
+    template, _ = dp2.checkpoint_state(optimizer2)
+    load_sharded_tensors(template, tmp / "sharded")
+    dp2.load_checkpoint_state(optimizer2, template, groups)
+    step(model2, optimizer2)
+    return {"expected": expected, "resumed": _full_params(model2), "files": sorted(p.name for p in
+                                                                                   (tmp / "sharded").iterdir())}
+
+
+def _rank_main(rank: int, world: int, tmp: str) -> None:
+    from podsrl.distributed import init_distributed
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
+    ctx = init_distributed(torch.device("cpu"))  # joins the existing group
+    out = {"updates": {name: run_scenario(name, ctx) for name in SCENARIOS},
+           "checkpoint": _checkpoint_roundtrip(ctx, Path(tmp))}
+    torch.save(out, Path(tmp) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp")
+    mp.spawn(_rank_main, args=(2, str(tmp)), nprocs=2, join=True)
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_fsdp_update_equals_one_process(two_ranks, name):
+    single = run_scenario(name)
+    assert single["metrics"]["grad_norm"] > 0.2  # clipping is active, so the global norm matters
+    for r in two_ranks:
+        out = r["updates"][name]
+        assert out["sharded"] > 0
+        assert out["rows"] == single["rows"]
+        assert set(out["metrics"]) == set(single["metrics"])
+        for k, v in single["metrics"].items():
+            assert out["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+        torch.testing.assert_close(out["params"], single["params"], rtol=0, atol=1e-5)
+        torch.testing.assert_close(out["generation"], single["params"], rtol=0, atol=1e-5)
+        if name == "grpo":
+            got, want = out["rollouts"], single["rollouts"]
+            assert torch.equal(got.completion_ids, want.completion_ids)
+            torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-4)
+    moved = (single["params"] - _full_params(_initial(name))).abs().max()
+    assert moved > 1e-3  # the step did something the comparison could miss
+
+
+def _initial(name: str):
+    """The scenario's starting policy (for the 'it moved' check)."""
+    overrides = SCENARIOS[name][0]
+    model = make_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    if "model.lora_rank=4" in overrides:
+        from podsrl.lora import apply_lora
+
+        torch.manual_seed(3)
+        model = apply_lora(model, 4, target_modules=["q_proj", "v_proj"])
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.1)
+    return model
+
+
+def test_sharded_checkpoint_resumes_exactly(two_ranks):
+    for r in two_ranks:
+        c = r["checkpoint"]
+        assert torch.equal(c["resumed"], c["expected"])
+        assert c["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one file of shards per rank
+
+
+def test_fsdp_micro_batches_have_equal_counts():
+    from podsrl.distributed import DistContext
+    from podsrl.fsdp import FullyShardedDataParallel
+
+    for rows, size, world in [(11, 4, 2), (12, 2, 2), (1, 4, 2), (7, 2, 3), (3, 1, 2)]:
+        shares = []
+        for rank in range(world):
+            dp = FullyShardedDataParallel.__new__(FullyShardedDataParallel)  # the split needs no process group
+            dp.ctx = DistContext(torch.device("cpu"), rank, world)
+            shares.append(dp.micro_batches(torch.arange(rows), size))
+        assert torch.cat([m for share in shares for m in share]).tolist() == list(range(rows))
+        assert len({len(share) for share in shares}) == 1  # same number of forward/backward passes everywhere
+        assert all(m.numel() <= size for share in shares for m in share)
+
+
+def test_sharded_metadata_that_names_other_code_is_refused(tmp_path):
+    """A `.metadata` from someone else is unpickled through an allow-list: a global outside it is an error."""
+    import pickle
+
+    from podsrl.checkpoint import load_sharded_tensors
+    from podsrl.errors import UserError
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("ran code while loading a checkpoint",))
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(UserError, match="builtins.print is not allowed"):
+        load_sharded_tensors({"model": {"w": torch.zeros(2)}}, tmp_path)
+
+
+def test_fsdp_config_refuses_what_it_cannot_do():
+    from podsrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="log.grad_noise"):
+        load_config(None, ["train.strategy=fsdp", "log.grad_noise=true"])
+    with pytest.raises(ConfigError, match="train.cpu_offload"):
+        load_config(None, ["train.cpu_offload=true"])

@@ -1,0 +1,81 @@
+"""Chunked log-probs and entropy (podsrl/algo/logprobs.py) against torch's log_softmax with autograd: values and
+gradients, from logits and from hidden states + output layer, any chunk size, -inf logits, no NaN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from podsrl.algo.logprobs import head_logprobs_and_entropy, token_logprobs_and_entropy
+
+
+def reference(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
+    logp = torch.log_softmax(logits.double() / temperature, dim=-1)
+    p = logp.exp()
+    entropy = -torch.where(p > 0, p * logp, torch.zeros((), dtype=p.dtype)).sum(-1)
+    return logp.gather(-1, tokens[..., None])[..., 0], entropy
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 1000])
+def test_from_logits_matches_reference(chunk):
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 5, 11, generator=gen, dtype=torch.float64) * 3).requires_grad_(True)
+    tokens = torch.randint(0, 11, (3, 5), generator=gen)
+    a, b = torch.randn(3, 5, generator=gen, dtype=torch.float64), torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    logp, ent = token_logprobs_and_entropy(logits, tokens, 0.7, chunk)
+    (g,) = torch.autograd.grad((a * logp + b * ent).sum(), logits)
+    ref_logp, ref_ent = reference(logits, tokens, 0.7)
+    (ref_g,) = torch.autograd.grad((a * ref_logp + b * ref_ent).sum(), logits)
+    torch.testing.assert_close(logp, ref_logp)
+    torch.testing.assert_close(ent, ref_ent)
+    torch.testing.assert_close(g, ref_g)
+    # one output alone (the other's gradient is None): only its term
+    (g_logp,) = torch.autograd.grad((a * token_logprobs_and_entropy(logits, tokens, 0.7, chunk)[0]).sum(), logits)
+    (ref_g_logp,) = torch.autograd.grad((a * reference(logits, tokens, 0.7)[0]).sum(), logits)
+    torch.testing.assert_close(g_logp, ref_g_logp)
+
+
+def test_from_hidden_matches_reference():
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(13, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(17, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(17, generator=gen, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, 17, (13,), generator=gen)
+    a, b = torch.randn(13, generator=gen, dtype=torch.float64), torch.randn(13, generator=gen, dtype=torch.float64)
+    logp, ent = head_logprobs_and_entropy(hidden, weight, bias, tokens, 1.3, 4)
+    grads = torch.autograd.grad((a * logp + b * ent).sum(), (hidden, weight, bias))
+    ref_logp, ref_ent = reference(torch.nn.functional.linear(hidden, weight, bias), tokens, 1.3)
+    ref_grads = torch.autograd.grad((a * ref_logp + b * ref_ent).sum(), (hidden, weight, bias))
+    torch.testing.assert_close(logp, ref_logp)
+    torch.testing.assert_close(ent, ref_ent)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
+    # a frozen output layer (LoRA): only the hidden states get a gradient
+    frozen = weight.detach()
+    (g_hidden,) = torch.autograd.grad(head_logprobs_and_entropy(hidden, frozen, None, tokens, 1.0, 5)[0].sum(),
+                                      (hidden,))
+    ref = reference(hidden @ frozen.t(), tokens, 1.0)[0].sum()
+    torch.testing.assert_close(g_hidden, torch.autograd.grad(ref, hidden)[0])
+
+
+def test_minus_inf_logits_are_nan_safe():
+    logits = torch.randn(4, 9, dtype=torch.float64)
+    logits[:, 5:] = -torch.inf  # banned tokens
+    logits.requires_grad_(True)
+    tokens = torch.tensor([0, 1, 2, 4])
+    logp, ent = token_logprobs_and_entropy(logits, tokens, 1.0, 2)
+    (logp.sum() + ent.sum()).backward()
+    assert torch.isfinite(logp).all() and torch.isfinite(ent).all() and torch.isfinite(logits.grad).all()
+    torch.testing.assert_close(ent, torch.distributions.Categorical(logits=logits.detach()[:, :5]).entropy())
+    assert (logits.grad[:, 5:] == 0).all()
+
+
+def test_float32_output_for_low_precision_and_empty_inputs():
+    logp, ent = token_logprobs_and_entropy(torch.zeros(2, 3, 8, dtype=torch.bfloat16), torch.zeros(2, 3,
+                                           dtype=torch.long))
+    assert logp.dtype == ent.dtype == torch.float32
+    torch.testing.assert_close(ent, torch.full((2, 3), torch.log(torch.tensor(8.0)).item()))
+    empty = token_logprobs_and_entropy(torch.zeros(2, 0, 8), torch.zeros(2, 0, dtype=torch.long))
+    assert empty[0].shape == empty[1].shape == (2, 0)
+    assert head_logprobs_and_entropy(torch.zeros(0, 4), torch.zeros(8, 4), None, torch.zeros(0, dtype=torch.long))[
+        0].shape == (0,)
