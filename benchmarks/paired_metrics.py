@@ -65,7 +65,8 @@ def main() -> None:
         diffs = [meth[s][key] - base[s][key] for s in seeds]
         paired = paired_stat(key, {s: base[s][key] for s in seeds}, {s: meth[s][key] for s in seeds})
         lo, hi = (math.nan, math.nan) if paired.ci_low is None else (paired.ci_low, paired.ci_high)
-        verdict = {BETTER: "higher", WORSE: "lower"}.get(paired.verdict, paired.verdict)
+        verdict = ("one seed: no verdict" if len(seeds) < 2 else
+                   {BETTER: "higher", WORSE: "lower"}.get(paired.verdict, paired.verdict))
         spread = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
         print(f"| {key} | {' / '.join(f'{base[s][key]:.4g}' for s in seeds)} | "
               f"{' / '.join(f'{meth[s][key]:.4g}' for s in seeds)} | {statistics.mean(diffs):+.4g} ± {spread:.2g} | "
