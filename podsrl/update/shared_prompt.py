@@ -46,10 +46,6 @@ def base_model(model: torch.nn.Module) -> torch.nn.Module:
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why the shared-prompt path cannot drive this model (None when it can)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(model, FSDPModule):  # it calls layer parts directly, FSDP2 gathers only in each layer's forward
-        return "its parameters are sharded by FSDP2"
     base = base_model(model)
     config = getattr(base, "config", None)
     kind = getattr(config, "model_type", None)
