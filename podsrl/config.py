@@ -245,8 +245,12 @@ class UpdateConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = _f(200, "RL steps (the run also stops at max_seconds / max_rollouts if set).")
-    max_seconds: float = _f(0.0, "Wall-clock training budget in seconds, eval excluded (0 = none): the run stops "
+    max_seconds: float = _f(0.0, "Training budget in seconds of train.clock, eval excluded (0 = none): the run stops "
                             "there (`podsrl compare --budget-seconds` sets it for equal wall-clock).")
+    clock: Literal["wall", "cpu"] = _f(
+        "wall", "What max_seconds, warn_seconds and time/elapsed count: wall = wall-clock; cpu = this process's CPU "
+        "time (all its threads; not Ray workers or other ranks). With OMP_NUM_THREADS=1, cpu is a training clock "
+        "that other jobs on a shared machine do not stretch (equal-time comparisons on a busy CPU).")
     warn_seconds: float = _f(0.0, "Warn once when training passes this many seconds (eval excluded; 0 = never). "
                              "A guard that never stops the run: its outcome stays set by max_steps.")
     max_rollouts: int = _f(0, "Budget of generated rollouts (0 = none).")

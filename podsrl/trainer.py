@@ -136,7 +136,7 @@ class Trainer:
     def train_step(self) -> StepRecord:
         cfg = self.cfg
         record = StepRecord()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         faults.fire("step", self.step + 1)
         ctx = self._context(record)  # before drawing: the epoch is that of the step's first problem
         kept, select_metrics = self.collect_and_select(self.next_problems(cfg.rollout.prompts_per_step), ctx, record)
@@ -153,7 +153,7 @@ class Trainer:
         record.timers["time/update"] = time.perf_counter() - t_upd
         method_metrics = self.method.end_step(record.generated, ctx)
         step_time = time.perf_counter() - t0
-        self.elapsed += step_time
+        self.elapsed += time.process_time() - cpu0 if cfg.train.clock == "cpu" else step_time
         self.step += 1
         if self.updater.nonfinite_in_a_row >= cfg.train.max_nonfinite_steps:
             raise UserError(f"training stopped: {self.updater.nonfinite_in_a_row} consecutive steps with a "
