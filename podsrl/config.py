@@ -174,6 +174,9 @@ class GresoConfig:
     p_init: float = _f(0.5, "Starting p_easy and p_hard: a prompt all-correct on its last z visits is skipped with "
                        "probability 1 - max(p_easy^z, min_keep); likewise all-wrong with p_hard.")
     min_keep: float = _f(0.01, "Smallest probability of keeping a prompt however long its streak.")
+    skip: Literal["both", "easy", "hard"] = _f(
+        "both", "Which predictions may skip a prompt: both (the method), easy (all-correct streaks only: prompts the "
+        "model fails are always rolled out) or hard (all-wrong streaks only). For ablations.")
     target_zero_variance: float = _f(0.25, "Target share T of zero-variance groups: p_easy adapts towards T/3 "
                                      "all-correct groups per step, p_hard towards 2T/3 all-wrong ones.")
     p_step: float = _f(0.01, "Change of p_easy / p_hard after each step (from the second epoch on).")

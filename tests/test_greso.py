@@ -213,3 +213,26 @@ def test_trains_end_to_end(tmp_path, warmup_cache):
         assert 0.05 <= r["examples/p_easy"] <= 0.95 and 0.05 <= r["examples/p_hard"] <= 0.95
     assert sum(r["examples/skipped_easy"] + r["examples/skipped_hard"] for r in steps) > 0
     assert steps[0]["examples/skipped_easy"] + steps[0]["examples/skipped_hard"] == 0, "no history at step 1"
+
+
+@pytest.mark.parametrize("skip, skipped", [("both", (3, 4)), ("easy", (4, 0)), ("hard", (0, 4))])
+def test_skip_switch_limits_which_streaks_skip(skip, skipped):
+    """greso.skip=easy never skips an all-wrong streak (and =hard never an all-correct one): the ablation that
+    tests whether skipping unsolved prompts is what costs pass@k."""
+    from podsrl.methods.greso import Greso
+    from tests.method_helpers import ScriptedContext, problems
+
+    pool = problems(8)
+    # 20-visit streaks with a negligible floor: every eligible prompt is skipped (probability 1 - 0.5^20)
+    cfg = greso_config(**{"greso.skip": skip, "greso.max_scan": 0, "greso.min_keep": 1e-9,
+                          "rollout.prompts_per_step": 8})
+    ctx = ScriptedContext(cfg, lambda uid, k: True, seed=5, pool=[])
+    for i, p in enumerate(pool):  # p0-p3 all-correct, p4-p7 all-wrong on their last 20 visits
+        for _ in range(20):
+            visit(ctx.stats, p.uid, [i < 4] * 8)
+    method = Greso(cfg)
+    batch, _ = method.collect(pool, ctx)
+    out = method.end_step([batch], ctx)
+    # with both, all eight are skipped and the first (p0, easy) is rolled out anyway, counted as kept
+    assert (out["examples/skipped_easy"], out["examples/skipped_hard"]) == skipped
+    assert out["examples/kept"] == 8 - sum(skipped) == batch.num_groups

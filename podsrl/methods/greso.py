@@ -56,6 +56,10 @@ class Greso(Method):
         """Per problem SKIPPED_EASY, SKIPPED_HARD or KEPT (one pair of uniform draws each, easy test first),
         counted into this step's totals."""
         easy, hard = ctx.stats.streaks([p.uid for p in problems])
+        if self.cfg.greso.skip == "easy":  # a streak of 0 is never skipped
+            hard = torch.zeros_like(hard)
+        elif self.cfg.greso.skip == "hard":
+            easy = torch.zeros_like(easy)
         draws = torch.rand((len(problems), 2), generator=ctx.rng)
         codes = skip_decisions(easy, hard, self.p_easy, self.p_hard, draws, floor=self.cfg.greso.min_keep).tolist()
         for code in codes:
