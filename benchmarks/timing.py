@@ -6,6 +6,7 @@
   median and its range [min-max] over the rounds, not a ratio of two best-ofs taken minutes apart.
 - The machine line records cores, torch threads, torch version and the load average before and after: on a shared
   machine the spread is only meaningful next to the load it was measured under.
+- Memory: the peak above the level before one call, sampled while it runs (CPU resident set size or CUDA allocator).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -48,10 +50,12 @@ def load_average() -> str:
         return "unknown"
 
 
-def machine_line(threads: int | None = None) -> str:
-    """Cores, torch threads, torch version and the 1/5/15-minute load average now."""
+def machine_line(threads: int | None = None, device: str = "cpu") -> str:
+    """Cores, torch threads, torch version and the 1/5/15-minute load average now (the GPU's name on CUDA)."""
     import torch
 
+    if device.startswith("cuda"):
+        return f"machine: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, load average {load_average()}"
     threads = torch.get_num_threads() if threads is None else threads
     return (
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
@@ -84,3 +88,35 @@ def ratio(numerator: Sequence[float], denominator: Sequence[float]) -> Spread:
     if len(numerator) != len(denominator):
         raise ValueError(f"{len(numerator)} vs {len(denominator)} rounds")
     return Spread.of([a / b for a, b in zip(numerator, denominator)])
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_memory_during(call: Callable[[], object], device: str = "cpu") -> int:
+    """Bytes above the level before `call` at its peak: the CUDA allocator's peak, or on CPU the resident set size
+    sampled every 0.2 ms by a thread (run with MALLOC_MMAP_THRESHOLD_ set so freed tensors leave the RSS)."""
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        call()
+        torch.cuda.synchronize()
+        return max(torch.cuda.max_memory_allocated() - before, 0)
+    before, peak, done = _rss_bytes(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_bytes())
+            time.sleep(0.0002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    call()
+    done.set()
+    sampler.join()
+    return max(peak[0], _rss_bytes(), before) - before

@@ -14,20 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.timing import MIN_REPEATS, Spread, load_average, machine_line, ratio
+from benchmarks.timing import MIN_REPEATS, Spread, load_average, machine_line, peak_memory_during, ratio
 
 SETTINGS = {"grpo 16-16": (16, 16), "pods 64->16": (64, 16), "grpo 64-64": (64, 64)}
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def measure(n: int, m: int, prompts: int, length: int, layers: int, width: int, device: str) -> dict:
@@ -61,19 +55,9 @@ def measure(n: int, m: int, prompts: int, length: int, layers: int, width: int, 
     kept, _ = METHODS[cfg.method](cfg).select(batch, offline_context(cfg, torch.Generator().manual_seed(0)))
     # One warm-up update so optimiser state and allocator pools exist before we measure.
     updater.update(kept, torch.Generator().manual_seed(0))
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        updater.update(kept, torch.Generator().manual_seed(0))
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
-    else:
-        before = _rss_bytes()
-        updater.update(kept, torch.Generator().manual_seed(0))
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    peak = peak_memory_during(lambda: updater.update(kept, torch.Generator().manual_seed(0)), device)
     params = sum(p.numel() for p in model.parameters())
-    return {"trained_rows": kept.num_rollouts, "peak_bytes": max(peak, 0), "params": params}
+    return {"trained_rows": kept.num_rollouts, "peak_bytes": peak, "params": params}
 
 
 def main() -> None:
@@ -93,7 +77,8 @@ def main() -> None:
     def child(n: int, m: int) -> dict:
         out = subprocess.run([sys.executable, __file__, "--child", f"{n},{m}", "--prompts", str(args.prompts),
                               "--length", str(args.length), "--layers", str(args.layers), "--width",
-                              str(args.width), "--device", args.device], capture_output=True, text=True, check=True)
+                              str(args.width), "--device", args.device], capture_output=True, text=True, check=True,
+                             env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})  # freed tensors leave the RSS
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     print(machine_line() + " (each setting in a child process, same threads)")

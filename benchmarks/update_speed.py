@@ -29,11 +29,9 @@ import argparse
 import copy
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -41,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.timing import Spread, machine_line, peak_memory_during  # noqa: E402
 from podsrl.batch import Problem, RolloutBatch  # noqa: E402
 from podsrl.config import load_config  # noqa: E402
 from podsrl.update import PolicyUpdater  # noqa: E402
@@ -225,48 +224,16 @@ def attention_choice(repeats: int) -> None:
         print(f"  {name}: {spread(t)}")
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def peak_memory(name: str, shared: bool, device: str) -> int:
     """Bytes above the pre-update level during one update (after one warm-up update), in this process."""
     model, config, overrides, batch = WORKLOADS[name]()
     updater = make_updater(model, config, overrides, shared, device)
     updater.update(batch, torch.Generator().manual_seed(0))
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        updater.update(batch, torch.Generator().manual_seed(1))
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
-    before, peak, done = _rss(), [0], threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], _rss())
-            time.sleep(0.0002)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    updater.update(batch, torch.Generator().manual_seed(1))
-    done.set()
-    sampler.join()
-    return max(peak[0], _rss()) - before
-
-
-def machine(threads: int, device: str) -> str:
-    if device.startswith("cuda"):
-        return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    load = os.getloadavg()
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores visible, {threads} torch "
-            f"threads, torch {torch.__version__}, load average {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}")
+    return peak_memory_during(lambda: updater.update(batch, torch.Generator().manual_seed(1)), device)
 
 
 def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f} s ({min(values):.3f}-{max(values):.3f})"
+    return Spread.of(values).text(digits=3, unit=" s")
 
 
 def main() -> None:
@@ -285,7 +252,7 @@ def main() -> None:
         name, shared = opts.memory_child.split(",")
         print(json.dumps({"peak": peak_memory(name, shared == "1", opts.device)}))
         return
-    print(f"machine: {machine(torch.get_num_threads(), opts.device)}")
+    print(machine_line(device=opts.device))
     if opts.attention:
         attention_choice(opts.repeats)
         return

@@ -1,5 +1,7 @@
 """benchmarks/timing.py: arms interleaved in rotated order, per-round ratios, median and range."""
 
+import time
+
 import pytest
 
 from benchmarks.timing import Spread, interleaved, machine_line, ratio
@@ -26,3 +28,18 @@ def test_ratio_is_per_round_and_summarised():
 def test_machine_line_records_cores_threads_torch_and_load():
     line = machine_line()
     assert "cores" in line and "torch threads" in line and "torch 2." in line and "load average" in line
+
+
+def test_peak_memory_during_sees_a_transient_allocation():
+    import torch
+
+    from benchmarks.timing import peak_memory_during
+
+    def call():  # 64 MiB held for 50 ms, then freed: only a sampled peak sees it
+        block = torch.ones(16 * 2**20)
+        time.sleep(0.05)
+        del block
+
+    peak = peak_memory_during(call)
+    assert 48 * 2**20 <= peak <= 200 * 2**20
+    assert peak_memory_during(lambda: None) < 8 * 2**20
