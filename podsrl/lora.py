@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from podsrl.errors import ConfigError, UserError
+from podsrl.extras import require
 
 
 def _linear_names(model: torch.nn.Module) -> set[str]:
@@ -30,6 +31,7 @@ def apply_lora(
     target_modules: module names (e.g. ["q_proj", "v_proj"]) or "all-linear" (every linear layer except the
     output head). Unknown names raise ConfigError listing the model's linear layers.
     """
+    require("peft", "LoRA (model.lora_rank > 0)")
     from peft import LoraConfig, TaskType, get_peft_model
 
     if rank < 1:
@@ -55,6 +57,7 @@ def save_adapter(model: Any, path: str | Path) -> None:
 
 def load_adapter(base_model: torch.nn.Module, path: str | Path, trainable: bool = False) -> Any:
     """`base_model` with the adapter saved at `path` (trainable=True to continue training it)."""
+    require("peft", f"loading the LoRA adapter {path}")
     from peft import PeftModel
 
     if not (Path(path) / "adapter_config.json").is_file():

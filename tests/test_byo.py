@@ -268,6 +268,19 @@ def test_missing_math_verify_is_one_line_at_start_up(tmp_path, monkeypatch):
         build_reward_manager(["correct"], task)
 
 
+def test_missing_peft_names_its_extra(monkeypatch):
+    import sys
+
+    from podsrl.lora import apply_lora, load_adapter
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed
+    with pytest.raises(UserError, match=r"LoRA \(model.lora_rank > 0\) needs the optional package 'peft'.*"
+                                        r"pip install 'podsrl\[tasks\]'"):
+        apply_lora(torch.nn.Linear(2, 2))
+    with pytest.raises(UserError, match=r"needs the optional package 'peft'"):
+        load_adapter(torch.nn.Linear(2, 2), "adapter")
+
+
 class _Task(DatasetTask):
     def __init__(self):  # noqa: D107 - no file needed
         self.name = "t"
