@@ -10,7 +10,7 @@ is the real tokens, each prompt counted once. Attention runs in padded blocks:
   every row's) and causally to its own completion.
 Only positions that predict a completion token reach the output layer, through chunked log-probs/entropy (never a
 [tokens, vocab] float32 tensor). Positions and masks are those of the plain path, so log-probs, entropies and
-gradients equal it up to float rounding (tests/test_update_shared_prompt.py).
+gradients equal it up to float rounding (tests/test_update_shared_prompt.py; sharded, tests/test_fsdp.py).
 
 Measured choice (`python benchmarks/update_speed.py --attention`, one GSM8K-shaped group of a 200-token prompt and
 16 completions of 50-400 tokens, attention forward + backward on one CPU thread): one packed sequence per group with
@@ -25,8 +25,8 @@ their `forward` swapped for this path's computation for the duration of the call
 on those modules runs as around their own forward: FSDP2's `fully_shard` (podsrl/fsdp.py shards each decoder layer,
 then the root) all-gathers the unit's parameters before, reshards after, re-gathers them in the backward and
 reduce-scatters the gradients after it; the root's hooks queue the end-of-backward callback. Nothing FSDP-specific is
-needed here, and one process or DDP runs the same code. The alternative, explicit `unshard()` of every unit, would
-leave FSDP2's backward hooks unregistered (no reduce-scatter) and was not taken.
+needed here, and one process or DDP runs the same code. Explicit `unshard()` of each unit would gather the
+parameters but skip the forward hooks that register FSDP2's backward work (re-gather, gradient reduce-scatter).
 """
 
 from __future__ import annotations
@@ -243,7 +243,8 @@ class SharedPromptForward:
     @contextmanager
     def _routed(self) -> Iterator[None]:
         """While open, calling the root runs `_model_forward` and calling a decoder layer runs `_layer_forward`
-        (instance attributes shadow the class's `forward`; the previous state is restored on exit)."""
+        (instance attributes shadow the class's `forward`; the previous state is restored on exit). Nothing else
+        calls the model while an update runs (generation is not concurrent with it)."""
         swapped = [(self.root, self._model_forward)]
         swapped += [(layer, functools.partial(self._layer_forward, layer)) for layer in self.layers]
         saved = [(module, module.__dict__.get("forward")) for module, _ in swapped]
