@@ -1,10 +1,12 @@
 """FSDP2 (`train.strategy: fsdp`): a 2-rank gloo update on sharded parameters equals the one-process update on the
 same batch (GRPO and PODS with uneven groups, mini-batches, epochs, a KL reference, DynaMO's token modulation, LoRA,
-and one row for two ranks), the generation copy holds the updated weights, and the sharded state of
+one row for two ranks, parameters kept gathered after the forward), with the shared-prompt path and with the plain
+path, and the two paths equal each other; the generation copy holds the updated weights, and the sharded state of
 torch.distributed.checkpoint round-trips exactly."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -31,14 +33,18 @@ SCENARIOS = {
                 "optim.epochs=2"], [5, 1, 3, 2], None),
     "lora": (["model.lora_rank=4", "optim.micro_batch_size=2"], [4, 3], None),
     "one_row": (["optim.micro_batch_size=4"], [1], [0.7]),
+    "no_reshard": (["train.fsdp_reshard_after_forward=false", "optim.micro_batch_size=2", "algo.beta=0.05"],
+                   [3, 2, 2], None),
 }
+PATHS = {"shared_prompt": True, "plain": False}  # update.shared_prompt
 
 
-def run_scenario(name: str, ctx=None) -> dict:
+def run_scenario(name: str, ctx=None, shared: bool = True) -> dict:
     """One update of scenario `name` with SGD (parameters move by the gradient itself); with a DistContext it runs
-    as one FSDP rank. Returns the rows, metrics, and the full parameters after the step."""
+    as one FSDP rank. Returns the rows, metrics, the full parameters after the step, and which models the
+    shared-prompt path drove."""
     overrides, sizes, advantages = SCENARIOS[name]
-    cfg = load_config(None, [*STRATEGY, *overrides])
+    cfg = load_config(None, [*STRATEGY, *overrides, f"update.shared_prompt={str(shared).lower()}"])
     batch = make_batch(sizes, seed=len(name))
     method = METHODS[cfg.method](cfg)
     kept, _ = method.select(batch, offline_context(cfg, torch.Generator().manual_seed(1)))
@@ -66,7 +72,8 @@ def run_scenario(name: str, ctx=None) -> dict:
                             modulation=method.token_modulation(),
                             data_parallel=dp)
     metrics = updater.update(kept.trim_padding(), torch.Generator().manual_seed(2))
-    out = {"rows": kept.num_rollouts, "metrics": metrics, "params": _full_params(model)}
+    out = {"rows": kept.num_rollouts, "metrics": metrics, "params": _full_params(model),
+           "shared_drives": [updater.shared.get(id(m)) is not None for m in (model, ref) if m is not None]}
     generation_model = model
     if dp is not None:
         dp.sync_generation_model()
@@ -121,14 +128,41 @@ def _checkpoint_roundtrip(ctx, tmp: Path) -> dict:
                                                                                    (tmp / "sharded").iterdir())}
 
 
+def _other_unit_reason(ctx) -> dict:
+    """The shared-prompt path's fallback on an FSDP2 layout it cannot drive: an MLP sharded as a unit of its own,
+    whose parameters only its own forward would gather."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from podsrl.fsdp import shard_model
+
+    model = make_model().train()
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    fully_shard(model.model.layers[0].mlp, mesh=mesh)
+    shard_model(model, {"mesh": mesh}, reshard_after_forward=True)
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("podsrl").addHandler(handler)
+    try:
+        cfg = load_config(None, STRATEGY)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        updater = PolicyUpdater(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), cfg,
+                                torch.device("cpu"))
+    finally:
+        logging.getLogger("podsrl").removeHandler(handler)
+    return {"drives": updater.shared[id(model)] is not None, "warnings": warnings}
+
+
 def _rank_main(rank: int, world: int, tmp: str) -> None:
     from podsrl.distributed import init_distributed
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
     ctx = init_distributed(torch.device("cpu"))  # joins the existing group
-    out = {"updates": {name: run_scenario(name, ctx) for name in SCENARIOS},
-           "checkpoint": _checkpoint_roundtrip(ctx, Path(tmp))}
+    out = {"updates": {(name, path): run_scenario(name, ctx, shared) for name in SCENARIOS
+                       for path, shared in PATHS.items()},
+           "checkpoint": _checkpoint_roundtrip(ctx, Path(tmp)), "other_unit": _other_unit_reason(ctx)}
     torch.save(out, Path(tmp) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -140,13 +174,15 @@ def two_ranks(tmp_path_factory):
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_fsdp_update_equals_one_process(two_ranks, name):
-    single = run_scenario(name)
+def test_fsdp_update_equals_one_process(two_ranks, name, path):
+    single = run_scenario(name, shared=PATHS[path])
     assert single["metrics"]["grad_norm"] > 0.2  # clipping is active, so the global norm matters
     for r in two_ranks:
-        out = r["updates"][name]
+        out = r["updates"][name, path]
         assert out["sharded"] > 0
+        assert out["shared_drives"] == single["shared_drives"] == [PATHS[path]] * len(out["shared_drives"])
         assert out["rows"] == single["rows"]
         assert set(out["metrics"]) == set(single["metrics"])
         for k, v in single["metrics"].items():
@@ -159,6 +195,35 @@ def test_fsdp_update_equals_one_process(two_ranks, name):
             torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-4)
     moved = (single["params"] - _full_params(_initial(name))).abs().max()
     assert moved > 1e-3  # the step did something the comparison could miss
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_fsdp_shared_prompt_equals_plain(two_ranks, name):
+    """Under FSDP2 the shared-prompt update gives the plain path's loss, metrics and updated parameters (its
+    gathering, gradient reduce-scatter and lockstep padding rows go through the same FSDP2 hooks)."""
+    start = _full_params(_initial(name))
+    for r in two_ranks:
+        shared, plain = r["updates"][name, "shared_prompt"], r["updates"][name, "plain"]
+        assert set(shared["metrics"]) == set(plain["metrics"])
+        for k, v in plain["metrics"].items():
+            assert shared["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+        print(f"{name}: weights rel. {_rel(shared['params'], plain['params']):.1e}, "
+              f"step rel. {_rel(shared['params'] - start, plain['params'] - start):.1e}")
+        assert _rel(shared["params"], plain["params"]) <= 1e-5
+        # the step itself, not just the weights it moved (DynaMO's factor amplifies rounding most: ~6e-6)
+        assert _rel(shared["params"] - start, plain["params"] - start) <= 1e-5
+
+
+def test_fsdp_unit_the_shared_path_cannot_gather_falls_back(two_ranks):
+    for r in two_ranks:
+        out = r["other_unit"]
+        assert not out["drives"]
+        assert len(out["warnings"]) == 1
+        assert "model.layers.0.mlp is an FSDP2 unit of its own" in out["warnings"][0] and "plain path" in out["warnings"][0]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def _initial(name: str):

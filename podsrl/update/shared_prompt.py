@@ -10,7 +10,7 @@ is the real tokens, each prompt counted once. Attention runs in padded blocks:
   every row's) and causally to its own completion.
 Only positions that predict a completion token reach the output layer, through chunked log-probs/entropy (never a
 [tokens, vocab] float32 tensor). Positions and masks are those of the plain path, so log-probs, entropies and
-gradients equal it up to float rounding (tests/test_update_shared_prompt.py).
+gradients equal it up to float rounding (tests/test_update_shared_prompt.py; sharded, tests/test_fsdp.py).
 
 Measured choice (`python benchmarks/update_speed.py --attention`, one GSM8K-shaped group of a 200-token prompt and
 16 completions of 50-400 tokens, attention forward + backward on one CPU thread): one packed sequence per group with
@@ -18,13 +18,23 @@ a dense block mask took 4-8x longer than the index-expanded prompt keys with len
 5.4 vs 1.3 s under heavier load): on CPU the masked attention is [sum of lengths]^2 whatever the mask allows.
 
 Drives the decoder layers of Llama, Mistral, Qwen2 and Qwen3 models from their own submodules (LoRA-wrapped ones
-included); `unsupported_reason` says why another model falls back to the plain path (other architectures, and
-FSDP2-sharded models, whose parameter gathering hangs on the module forwards this path does not call; DDP is fine).
+included); `unsupported_reason` says why another model falls back to the plain path.
+
+Module hooks (FSDP2): the computation still enters through the model's and each decoder layer's own `__call__`, with
+their `forward` swapped for this path's computation for the duration of the call (`_routed`). So whatever is hooked
+on those modules runs as around their own forward: FSDP2's `fully_shard` (podsrl/fsdp.py shards each decoder layer,
+then the root) all-gathers the unit's parameters before, reshards after, re-gathers them in the backward and
+reduce-scatters the gradients after it; the root's hooks queue the end-of-backward callback. Nothing FSDP-specific is
+needed here, and one process or DDP runs the same code. Explicit `unshard()` of each unit would gather the
+parameters but skip the forward hooks that register FSDP2's backward work (re-gather, gradient reduce-scatter).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -63,18 +73,22 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
             return f"decoder layer {type(layer).__name__} does not have the Llama layout"
     if getattr(config, "attention_dropout", 0.0):
         return "attention dropout > 0 (the plain path's dropout draws could not be reproduced)"
-    if _fsdp_sharded(base):
-        return ("it is FSDP2-sharded: its parameters are gathered by the module forward hooks that this path, calling "
-                "the layers' submodules, would bypass")
+    other = _other_fsdp_unit(model, body.layers)
+    if other is not None:
+        return (f"{other} is an FSDP2 unit of its own: only the root and the decoder layers are called through "
+                "their forward here, so its parameters would not be gathered")
     return None
 
 
-def _fsdp_sharded(model: torch.nn.Module) -> bool:
+def _other_fsdp_unit(model: torch.nn.Module, layers: torch.nn.ModuleList) -> str | None:
+    """The name of an FSDP2-sharded module other than `model` itself and its decoder layers (None: there is none)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch builds without distributed
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+        return None
+    called = {id(model), *(id(layer) for layer in layers)}
+    return next((name for name, m in model.named_modules() if isinstance(m, FSDPModule) and id(m) not in called),
+                None)
 
 
 def sliding_window(model: torch.nn.Module) -> int | None:
@@ -198,6 +212,7 @@ class SharedPromptForward:
     """Log-probs and entropies of rows of a batch under a model it can drive (see `unsupported_reason`)."""
 
     def __init__(self, model: torch.nn.Module, logits_chunk: int) -> None:
+        self.root = model  # called as a whole: its hooks (FSDP2's root unit) run around the computation
         self.base = base_model(model)
         self.body = self.base.model
         self.head = self.base.lm_head
@@ -222,18 +237,45 @@ class SharedPromptForward:
                           batch.completion_mask[rows, :width], device)
         if plan is None:
             return None
+        with self._routed():
+            return self.root(plan, temperature)
+
+    @contextmanager
+    def _routed(self) -> Iterator[None]:
+        """While open, calling the root runs `_model_forward` and calling a decoder layer runs `_layer_forward`
+        (instance attributes shadow the class's `forward`; the previous state is restored on exit). Nothing else
+        calls the model while an update runs (generation is not concurrent with it)."""
+        swapped = [(self.root, self._model_forward)]
+        swapped += [(layer, functools.partial(self._layer_forward, layer)) for layer in self.layers]
+        saved = [(module, module.__dict__.get("forward")) for module, _ in swapped]
+        try:
+            for module, forward in swapped:
+                module.forward = forward
+            yield
+        finally:
+            for module, previous in saved:
+                if previous is None:
+                    module.__dict__.pop("forward", None)
+                else:
+                    module.forward = previous
+
+    def _model_forward(self, plan: Plan, temperature: float) -> tuple[Tensor, Tensor]:
         x = self.body.embed_tokens(plan.ids)
         cos, sin = self.body.rotary_emb(x[None], plan.positions[None])
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, plan)
-            if i == len(self.layers) - 1:  # only predicting positions are read after the last layer
-                x = x[plan.pred_index]
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = layer(x, cos, sin, plan, i == len(self.layers) - 1)
         hidden = self.body.norm(x)
         logp, entropy = head_logprobs_and_entropy(hidden, self.head.weight, self.head.bias, plan.targets,
                                                   temperature, self.chunk)
         zeros = torch.zeros(plan.valid.shape, dtype=logp.dtype, device=logp.device)
         return zeros.masked_scatter(plan.valid, logp), zeros.masked_scatter(plan.valid, entropy)
+
+    def _layer_forward(self, layer: torch.nn.Module, x: Tensor, cos: Tensor, sin: Tensor, plan: Plan,
+                       last: bool) -> Tensor:
+        x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, plan)
+        if last:  # only predicting positions are read after the last layer
+            x = x[plan.pred_index]
+        return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def _attention(self, attn: torch.nn.Module, x: Tensor, cos: Tensor, sin: Tensor, plan: Plan) -> Tensor:
         n, head_dim = x.shape[0], attn.head_dim
