@@ -9,6 +9,10 @@ std over seeds, and the bootstrap 95% interval and verdict of `podsrl compare` (
 percentile bootstrap of the paired differences, 10,000 resamples, fixed seed). With 3 seeds the interval is the range
 of the three differences; the verdict says "inconclusive" when it contains 0. `step` counts
 the steps a run took; `final/<key>` is the last step record's value (e.g. cumulative totals).
+
+`--at step` (or any key of the eval records, e.g. `total/rollouts_generated`) adds the held-out metrics of both
+runs of a pair at the same point: the smaller of the two runs' last values of that key, each run's metrics linearly
+interpolated between its evals. With `step`, that compares the methods at equal updates, whatever a step cost.
 """
 
 from __future__ import annotations
@@ -21,10 +25,27 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
+
 from podsrl.experiments.stats import BETTER, WORSE, paired_stat  # noqa: E402
 from podsrl.tracking import read_metrics  # noqa: E402
 
 FINAL = ("eval/accuracy", "eval/avg@4", "eval/pass@4")
+
+
+def eval_curve(run_dir: Path, axis: str) -> tuple[list[float], dict[str, list[float]]]:
+    """x = the eval records' `axis` values; y = each held-out metric at those points."""
+    evals = [r for r in read_metrics(run_dir / "metrics.jsonl") if "eval/accuracy" in r]
+    return [float(r[axis]) for r in evals], {k: [r[k] for r in evals] for k in FINAL if k in evals[-1]}
+
+
+def at_common_point(base_dir: Path, method_dir: Path, axis: str) -> tuple[dict[str, float], dict[str, float]]:
+    """Both runs' held-out metrics at the smaller of their last `axis` values."""
+    (xb, yb), (xm, ym) = eval_curve(base_dir, axis), eval_curve(method_dir, axis)
+    x = min(xb[-1], xm[-1])
+    label = f"{{}} at equal {axis}"
+    return ({label.format(k): float(np.interp(x, xb, v)) for k, v in yb.items()} | {f"common {axis}": x},
+            {label.format(k): float(np.interp(x, xm, v)) for k, v in ym.items()} | {f"common {axis}": x})
 
 
 def run_values(run_dir: Path, keys: list[str], after_step: int) -> dict[str, float]:
@@ -50,17 +71,27 @@ def main() -> None:
     parser.add_argument("method")
     parser.add_argument("--keys", nargs="*", default=[])
     parser.add_argument("--after-step", type=int, default=0)
+    parser.add_argument("--at", help="also compare held-out metrics at an equal value of this eval-record key "
+                        "(e.g. step, total/rollouts_generated)")
     args = parser.parse_args()
     folder = Path(args.folder)
     seeds = sorted(int(p.name[4:]) for p in (folder / args.baseline).glob("seed*")
                    if (folder / args.method / p.name / "summary.json").exists() and (p / "summary.json").exists())
     base = {s: run_values(folder / args.baseline / f"seed{s}", args.keys, args.after_step) for s in seeds}
     meth = {s: run_values(folder / args.method / f"seed{s}", args.keys, args.after_step) for s in seeds}
+    for s in seeds if args.at else []:
+        at_base, at_meth = at_common_point(folder / args.baseline / f"seed{s}", folder / args.method / f"seed{s}",
+                                           args.at)
+        base[s].update(at_base)
+        meth[s].update(at_meth)
     print(f"`{args.method}` − `{args.baseline}`, paired over seeds {seeds}; step metrics over steps > {args.after_step}")
     print("| metric | baseline per seed | method per seed | mean diff ± std | bootstrap 95% | verdict |")
     print("|---|---|---|---|---|---|")
     for key in base[seeds[0]]:
         if not all(key in base[s] and key in meth[s] for s in seeds):
+            continue
+        if key.startswith("common "):  # the shared point itself, not a comparison
+            print(f"| {key} | {' / '.join(f'{base[s][key]:.4g}' for s in seeds)} | (same) | | | |")
             continue
         diffs = [meth[s][key] - base[s][key] for s in seeds]
         paired = paired_stat(key, {s: base[s][key] for s in seeds}, {s: meth[s][key] for s in seeds})
