@@ -14,10 +14,12 @@ from podsrl.experiments.report import build_report, verdict_lines
 from podsrl.experiments.stats import (
     BETTER,
     INCONCLUSIVE,
+    MAX_SEEDS,
     WORSE,
     bootstrap_interval,
     paired_stat,
     seeds_needed,
+    seeds_text,
     t_quantile,
 )
 from tests.test_experiments import write_run
@@ -39,6 +41,9 @@ def test_seeds_needed_matches_paired_t_power_tables():
     assert seeds_needed(0.8, 1.0) == 15
     assert seeds_needed(0.0, 1.0) is None
     assert seeds_needed(0.3, 0.0) == 2
+    # a float-rounding difference (1e-9 at spread 0.01) is capped, not a 14-digit seed count
+    assert seeds_needed(1e-9, 0.01) == MAX_SEEDS + 1 and seeds_text(MAX_SEEDS + 1) == "> 1000"
+    assert seeds_text(34) == "~34"
 
 
 def test_bootstrap_interval_of_three_is_their_range_and_deterministic():

@@ -22,7 +22,7 @@ from podsrl.experiments.analysis import (
     compare_runs,
     load_run,
 )
-from podsrl.experiments.stats import ALPHA, POWER, PairedStat
+from podsrl.experiments.stats import ALPHA, POWER, PairedStat, seeds_text
 
 NOT_REACHED = "not reached"
 HEADER_FILE = "header.md"  # written by `podsrl compare`, picked up by `podsrl report` on the same folder
@@ -110,7 +110,7 @@ def verdict_lines(rows: list[dict]) -> list[str]:
                 text += f" [{row[f'{metric}_ci_low']:+.{digits}f}, {row[f'{metric}_ci_high']:+.{digits}f}]"
             text += f" ({row[f'{metric}_pairs']} pairs) {verdict}"
             if row[f"{metric}_seeds_needed"] is not None:
-                text += f"; ~{row[f'{metric}_seeds_needed']} seeds would resolve it"
+                text += f"; {seeds_text(row[f'{metric}_seeds_needed'])} seeds would resolve it"
             lines.append(text)
     return lines
 
@@ -127,7 +127,7 @@ def paired_table(comparison: Comparison) -> str:
                 diff = f"{p.mean_diff:+.{digits}f}"
                 if p.ci_low is not None:
                     diff += f" [{p.ci_low:+.{digits}f}, {p.ci_high:+.{digits}f}]"
-            needed = "—" if p.seeds_needed is None else str(p.seeds_needed)
+            needed = "—" if p.seeds_needed is None else seeds_text(p.seeds_needed)
             verdict = f"**{p.verdict}**" if p.verdict != "inconclusive" else p.verdict
             rows.append(
                 [f"`{cfg.label}`", PAIRED_TITLES[metric], diff, f"{p.pairs}/{p.seeds}", verdict, needed]

@@ -30,6 +30,7 @@ import numpy as np
 
 ALPHA = 0.05
 POWER = 0.8
+MAX_SEEDS = 1000  # beyond this, "seeds to resolve" reads as: no difference worth resolving
 BOOTSTRAP_RESAMPLES = 10_000
 BOOTSTRAP_SEED = 0  # the interval is a pure function of the differences: same runs, same report
 BETTER, WORSE, INCONCLUSIVE = "better", "worse", "inconclusive"
@@ -88,7 +89,8 @@ def bootstrap_interval(
 
 
 def seeds_needed(mean_diff: float, sd_diff: float, alpha: float = ALPHA, power: float = POWER) -> int | None:
-    """Paired-t sample size to detect `mean_diff` at spread `sd_diff` (see the module docstring); None if 0."""
+    """Paired-t sample size to detect `mean_diff` at spread `sd_diff` (see the module docstring); None if 0,
+    MAX_SEEDS + 1 for any size above MAX_SEEDS (`seeds_text` writes it as "> 1000")."""
     if mean_diff == 0 or not math.isfinite(sd_diff):
         return None
     if sd_diff == 0:
@@ -96,9 +98,15 @@ def seeds_needed(mean_diff: float, sd_diff: float, alpha: float = ALPHA, power: 
     effect = abs(mean_diff) / sd_diff
     z = NormalDist().inv_cdf(1 - alpha / 2) + NormalDist().inv_cdf(power)
     n = max(2, math.floor((z / effect) ** 2))  # the normal-theory size; t quantiles only ever raise it
+    if n > MAX_SEEDS:
+        return MAX_SEEDS + 1
     while n < ((t_quantile(1 - alpha / 2, n - 1) + t_quantile(power, n - 1)) / effect) ** 2:
         n += 1
     return n
+
+
+def seeds_text(needed: int) -> str:
+    return f"> {MAX_SEEDS}" if needed > MAX_SEEDS else f"~{needed}"
 
 
 @dataclass(frozen=True)
@@ -125,7 +133,7 @@ class PairedStat:
             text += f" [{self.ci_low:+.{digits}f}, {self.ci_high:+.{digits}f}]"
         text += f" {self.verdict}"
         if self.verdict == INCONCLUSIVE and self.seeds_needed is not None:
-            text += f", ~{self.seeds_needed} seeds"
+            text += f", {seeds_text(self.seeds_needed)} seeds"
         return text
 
 
