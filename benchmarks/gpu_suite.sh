@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# Issue #21's GPU measurements as one device call (~9 minutes): every part has its own time limit and a part that
+# fails or runs out of time is recorded and the next one runs. Writes at most 8 files (what a device call brings
+# back) to --out (default: $OUT, else /tmp/gpu_suite): summary.txt (one line per part), machine.txt, tests.txt,
+# generation.txt, update_speed.txt, update_memory.txt, default_float32.txt, default_bfloat16.txt.
+#
+#   bash benchmarks/gpu_suite.sh                                # on the GPU machine, all parts
+#   bash benchmarks/gpu_suite.sh --parts "default" --scale 3    # one part again, with 3x its time limit
+#   bash benchmarks/gpu_suite.sh --smoke --out /tmp/gs          # on a CPU: the plumbing, tiny sizes, ~4 minutes
+#
+# Wheels carried to the machine (benchmarks/gpu_wheels.sh) are installed first when .whl/ exists.
+set -u
+cd "$(dirname "$0")/.."
+
+out=${OUT:-/tmp/gpu_suite}
+smoke=0
+parts="machine tests generation update_speed update_memory default"
+scale=1
+while [ $# -gt 0 ]; do
+    case $1 in
+        --out) out=$2; shift 2 ;;
+        --smoke) smoke=1; shift ;;
+        --parts) parts=$2; shift 2 ;;
+        --scale) scale=$2; shift 2 ;;
+        *) echo "gpu_suite.sh: unknown argument $1 (see the header)" >&2; exit 2 ;;
+    esac
+done
+
+mkdir -p "$out"
+summary=$out/summary.txt
+: >"$summary"
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} \
+        || echo "wheels in .whl/ did not install; going on without them" | tee -a "$summary"
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+device=cuda
+if [ "$smoke" = 1 ]; then  # a busy CPU: child processes start slowly, so the limits are doubled
+    device=cpu
+    scale=$(awk -v k="$scale" 'BEGIN { print 2 * k }')
+fi
+
+# part NAME LIMIT_S FILE CMD...: CMD's output appended to FILE, killed after LIMIT_S x scale; a status line to summary
+part() {
+    local name=$1 limit file=$3 start=$SECONDS rc status
+    limit=$(awk -v s="$2" -v k="$scale" 'BEGIN { printf "%d", s * k }')
+    shift 3
+    echo "== $name (limit ${limit}s): $*" | tee -a "$file"
+    timeout -k 10 "$limit" "$@" >>"$file" 2>&1
+    rc=$?
+    case $rc in
+        0) status=ok ;;
+        124 | 137) status="TIMED OUT at ${limit}s" ;;
+        *) status="failed (exit $rc)" ;;
+    esac
+    echo "$name: $status, $((SECONDS - start)) s -> $(basename "$file")" | tee -a "$summary"
+}
+
+has() { "$py" -c "import $1" >/dev/null 2>&1; }
+
+machine() {
+    local f=$out/machine.txt
+    { date -u; uname -a; nproc; free -g; nvidia-smi || echo "no nvidia-smi"
+      "$py" -c "import sys, torch, transformers; print(sys.version); print('torch', torch.__version__, 'cuda', \
+torch.version.cuda, 'available', torch.cuda.is_available()); print('transformers', transformers.__version__); \
+torch.cuda.is_available() and print(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0))"
+      for m in pytest xdist pytest_timeout hypothesis math_verify reasoning_gym datasets peft trl ray tensorboard \
+               rich matplotlib; do has "$m" && echo "import $m: ok" || echo "import $m: MISSING"; done
+      "$py" -m pip list 2>/dev/null; } >"$f" 2>&1
+    echo "machine: written -> machine.txt" | tee -a "$summary"
+}
+
+tests() {
+    local f=$out/tests.txt args=(-q -rs -p no:cacheprovider --device "$device" --maxfail=30)
+    if ! has pytest; then
+        echo "tests: pytest is not installed here; not run" | tee -a "$summary" "$f"
+        return
+    fi
+    has pytest_timeout && args+=(--timeout=240)
+    if [ "$smoke" = 1 ]; then
+        args+=(tests/test_engines.py::test_logprobs_equal_fresh_forward tests/test_selection.py)
+    elif has xdist; then
+        args+=(-n 6 --dist loadfile)  # module fixtures stay in one worker; 6 CUDA contexts fit easily
+    fi
+    part tests 160 "$f" "$py" -m pytest "${args[@]}"
+}
+
+generation() {
+    local args=(--device "$device")
+    [ "$smoke" = 1 ] && args+=(--dtype float32 --models tiny --n 2 4 --prompts 2 --prompt-len 8 --max-new-tokens 8
+                               --repeats 1 --peak-size 256)
+    part generation 95 "$out/generation.txt" "$py" benchmarks/gpu_generation.py "${args[@]}"
+}
+
+update_speed() {
+    local args=(--device "$device" --repeats 3)
+    [ "$smoke" = 1 ] && args=(--device cpu --repeats 1 --workload default --skip-memory)
+    part update_speed 70 "$out/update_speed.txt" "$py" benchmarks/update_speed.py "${args[@]}"
+}
+
+update_memory() {
+    local args=(--device "$device" --repeats 5)
+    [ "$smoke" = 1 ] && args=(--device cpu --repeats 1 --prompts 1 --length 8 --layers 1 --width 32)
+    part update_memory 40 "$out/update_memory.txt" "$py" benchmarks/update_memory.py "${args[@]}"
+}
+
+# The default run (`podsrl train`, configs/default.yaml) in one dtype: wall time, then its last eval record.
+default_run() {
+    local dtype=$1 f=$out/default_$1.txt run=/tmp/gpu_suite_runs/default_$1
+    local args=(output_dir="$run" model.device="$device" model.dtype="$dtype" warmup.cache_dir="$run-warmup"
+                log.progress=false log.plot=false)
+    [ "$smoke" = 1 ] && args+=(warmup.steps=5 warmup.batch_size=8 rollout.prompts_per_step=2 rollout.n=4 pods.m=2
+                               rollout.max_new_tokens=4 task.eval_size=8 train.max_steps=2 train.eval_every=100
+                               model.tiny.num_layers=1 model.tiny.hidden_size=32 model.tiny.intermediate_size=64)
+    rm -rf "$run" "$run-warmup"
+    part "default $dtype" 70 "$f" "$py" -m podsrl train "${args[@]}"
+    "$py" benchmarks/run_summary.py "$run" >>"$f" 2>&1 || echo "no metrics to summarise in $run" >>"$f"
+}
+
+default() {
+    default_run float32
+    default_run bfloat16
+}
+
+echo "gpu_suite: parts '$parts', device $device, scale $scale, out $out" | tee -a "$summary"
+for p in $parts; do
+    case $p in
+        machine | tests | generation | update_speed | update_memory | default) "$p" ;;
+        *) echo "unknown part $p (machine tests generation update_speed update_memory default)" | tee -a "$summary" ;;
+    esac
+done
+echo "gpu_suite: done in $SECONDS s" | tee -a "$summary"
