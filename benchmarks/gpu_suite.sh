@@ -43,11 +43,15 @@ if [ "$smoke" = 1 ]; then  # a busy CPU: child processes start slowly, so the li
     scale=$(awk -v k="$scale" 'BEGIN { print 2 * k }')
 fi
 
-# part NAME LIMIT_S FILE CMD...: CMD's output appended to FILE, killed after LIMIT_S x scale; a status line to summary
+# part NAME LIMIT_S FILE CMD...: CMD's output to FILE (emptied at its first part of this suite run, appended to
+# after), killed after LIMIT_S x scale; a status line to summary
+declare -A written
 part() {
     local name=$1 limit file=$3 start=$SECONDS rc status
     limit=$(awk -v s="$2" -v k="$scale" 'BEGIN { printf "%d", s * k }')
     shift 3
+    [ -n "${written[$file]:-}" ] || : >"$file"
+    written[$file]=1
     echo "== $name (limit ${limit}s): $*" | tee -a "$file"
     timeout -k 10 "$limit" "$@" >>"$file" 2>&1
     rc=$?
@@ -59,17 +63,17 @@ part() {
     echo "$name: $status, $((SECONDS - start)) s -> $(basename "$file")" | tee -a "$summary"
 }
 
-has() { "$py" -c "import $1" >/dev/null 2>&1; }
+has() { timeout 60 "$py" -c "import $1" >/dev/null 2>&1; }
 
 machine() {
     local f=$out/machine.txt
-    { date -u; uname -a; nproc; free -g; nvidia-smi || echo "no nvidia-smi"
-      "$py" -c "import sys, torch, transformers; print(sys.version); print('torch', torch.__version__, 'cuda', \
+    { date -u; uname -a; nproc; free -g; timeout 30 nvidia-smi || echo "no nvidia-smi"
+      timeout 60 "$py" -c "import sys, torch, transformers; print(sys.version); print('torch', torch.__version__, 'cuda', \
 torch.version.cuda, 'available', torch.cuda.is_available()); print('transformers', transformers.__version__); \
 torch.cuda.is_available() and print(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0))"
       for m in pytest xdist pytest_timeout hypothesis math_verify reasoning_gym datasets peft trl ray tensorboard \
                rich matplotlib; do has "$m" && echo "import $m: ok" || echo "import $m: MISSING"; done
-      "$py" -m pip list 2>/dev/null; } >"$f" 2>&1
+      timeout 60 "$py" -m pip list 2>/dev/null; } >"$f" 2>&1
     echo "machine: written -> machine.txt" | tee -a "$summary"
 }
 
@@ -85,7 +89,7 @@ tests() {
     elif has xdist; then
         args+=(-n 6 --dist loadfile)  # module fixtures stay in one worker; 6 CUDA contexts fit easily
     fi
-    part tests 160 "$f" "$py" -m pytest "${args[@]}"
+    part tests 150 "$f" "$py" -m pytest "${args[@]}"
 }
 
 generation() {
@@ -98,7 +102,7 @@ generation() {
 update_speed() {
     local args=(--device "$device" --repeats 3)
     [ "$smoke" = 1 ] && args=(--device cpu --repeats 1 --workload default --skip-memory)
-    part update_speed 70 "$out/update_speed.txt" "$py" benchmarks/update_speed.py "${args[@]}"
+    part update_speed 60 "$out/update_speed.txt" "$py" benchmarks/update_speed.py "${args[@]}"
 }
 
 update_memory() {
@@ -107,20 +111,32 @@ update_memory() {
     part update_memory 40 "$out/update_memory.txt" "$py" benchmarks/update_memory.py "${args[@]}"
 }
 
-# The default run (`podsrl train`, configs/default.yaml) in one dtype: wall time, then its last eval record.
-default_run() {
-    local dtype=$1 f=$out/default_$1.txt run=/tmp/gpu_suite_runs/default_$1
-    local args=(output_dir="$run" model.device="$device" model.dtype="$dtype" warmup.cache_dir="$run-warmup"
-                log.progress=false log.plot=false)
+runs=/tmp/gpu_suite_runs
+
+# The overrides of the default run (`podsrl train`, configs/default.yaml) as this suite runs it.
+default_args() {
+    local args=(warmup.cache_dir="$runs/warmup" log.progress=false log.plot=false model.device="$device")
     [ "$smoke" = 1 ] && args+=(warmup.steps=5 warmup.batch_size=8 rollout.prompts_per_step=2 rollout.n=4 pods.m=2
                                rollout.max_new_tokens=4 task.eval_size=8 train.max_steps=2 train.eval_every=100
                                model.tiny.num_layers=1 model.tiny.hidden_size=32 model.tiny.intermediate_size=64)
-    rm -rf "$run" "$run-warmup"
-    part "default $dtype" 70 "$f" "$py" -m podsrl train "${args[@]}"
+    echo "${args[@]}"
+}
+
+# One dtype's run: its log, then steps done, the training clock and the last eval record.
+default_run() {
+    local dtype=$1 f=$out/default_$1.txt run=$runs/default_$1
+    rm -rf "$run"
+    # shellcheck disable=SC2046  # default_args' words are whole overrides without spaces
+    part "default $dtype" 65 "$f" "$py" -m podsrl train $(default_args) output_dir="$run" model.dtype="$dtype"
     "$py" benchmarks/run_summary.py "$run" >>"$f" 2>&1 || echo "no metrics to summarise in $run" >>"$f"
 }
 
+# The warm-up runs once, on the CPU (podsrl/warmup.py), cached under a key that ignores device and dtype: both
+# dtypes start from the same weights and their clocks compare the RL steps alone. Its log heads default_float32.txt.
 default() {
+    rm -rf "$runs"
+    # shellcheck disable=SC2046
+    part warmup 60 "$out/default_float32.txt" "$py" -m podsrl warmup $(default_args) output_dir="$runs/warmup-run"
     default_run float32
     default_run bfloat16
 }
