@@ -81,7 +81,7 @@ def main() -> None:
                              env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})  # freed tensors leave the RSS
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    print(machine_line() + " (each setting in a child process, same threads)")
+    print(machine_line(device=args.device) + " (each setting in a child process, same threads)")
     # Interleaved rounds (benchmarks/timing.py's rule, for memory): round r runs every setting once, rotated.
     names = list(SETTINGS)
     runs: dict[str, list[dict]] = {name: [] for name in names}

@@ -230,8 +230,10 @@ def load_checkpoint_files(path: Path) -> tuple[dict, dict, dict]:
     weights_only=True refuses anything but tensors and plain containers, so a checkpoint received from someone
     else cannot run code when loaded; such a file is reported, not loaded."""
     try:
-        optimizer_state = torch.load(path / "optimizer.pt", weights_only=True)
-        rng_state = torch.load(path / "rng.pt", weights_only=True)
+        # onto the CPU: a GPU run's checkpoint loads where that GPU is absent (optimizer.load_state_dict moves the
+        # state to its parameters' device); without it torch raises a RuntimeError taken below for a bad file
+        optimizer_state = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
+        rng_state = torch.load(path / "rng.pt", weights_only=True, map_location="cpu")
     except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"checkpoint {path}: optimizer.pt/rng.pt hold something other than tensors and plain "

@@ -5,6 +5,43 @@ import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+DEVICE_ENV = "PODSRL_TEST_DEVICE"
+DEVICES = ("cpu", "cuda")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", choices=DEVICES, default=os.environ.get(DEVICE_ENV, "cpu"),
+                     help=f"device the device-independent tests build their models and runs on (env {DEVICE_ENV}); "
+                          "tests marked cpu_only are skipped off the CPU")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu_only(reason): CPU by nature (gloo/torchrun ranks, numbers recorded "
+                                       "on CPU); skipped under --device cuda")
+    device = config.getoption("--device")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"--device cuda: torch {torch.__version__} sees no CUDA device "
+                                f"(its CUDA build: {torch.version.cuda or 'none'})")
+    # the environment reaches subprocess runs too; on CPU the GPUs are hidden so `model.device=auto` stays there
+    os.environ[DEVICE_ENV] = device
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--device") == "cpu":
+        return
+    for item in items:
+        marker = item.get_closest_marker("cpu_only")
+        if marker is not None:
+            why = marker.args[0] if marker.args else "CPU by nature"
+            item.add_marker(pytest.mark.skip(reason=f"cpu_only: {why}"))
+
+
+def device_under_test() -> torch.device:
+    """The device chosen with --device (the tests' helpers move models and name `model.device` with it)."""
+    return torch.device(os.environ.get(DEVICE_ENV, "cpu"))
+
 
 @pytest.fixture(scope="session")
 def warmup_cache(tmp_path_factory):
@@ -16,6 +53,7 @@ def tiny_overrides(run_dir, warmup_cache, **extra) -> list[str]:
     """A run small enough for a 2-core CI machine: a 2-layer model, few prompts, short completions."""
     base = {
         "output_dir": str(run_dir),
+        "model.device": device_under_test().type,
         "warmup.cache_dir": warmup_cache,
         "warmup.steps": 10,
         "warmup.batch_size": 32,

@@ -16,6 +16,7 @@ from podsrl.engines.fast import FastEngine
 from podsrl.engines.hf import HFEngine
 from podsrl.engines.sampling import filter_logits, row_uniforms, sample_rows, splitmix64
 from podsrl.errors import ConfigError
+from tests.conftest import device_under_test
 from tests.tiny_lm import EOS, PAD, tiny_causal_lm
 from tests.tiny_lm import TokStub as Tok
 
@@ -24,7 +25,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_model(kind: str = "qwen", peak: float = 1.0, eos_bias: float = 0.0, attn: str = "sdpa", seed: int = 0):
-    return tiny_causal_lm(VOCAB, kind=kind, peak=peak, eos_bias=eos_bias, attn=attn, seed=seed)
+    model = tiny_causal_lm(VOCAB, kind=kind, peak=peak, eos_bias=eos_bias, attn=attn, seed=seed)
+    return model.to(device_under_test())
 
 
 def random_prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
@@ -34,11 +36,12 @@ def random_prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
 
 def full_forward_logprobs(model, out, temperature: float) -> torch.Tensor:
     """log_softmax(logits / T) of the completion tokens from one fresh forward pass over prompt + completion."""
-    ids = torch.cat([out.prompt_ids, out.completion_ids], dim=1)
-    mask = torch.cat([out.prompt_mask, out.completion_mask.long()], dim=1)
+    # engine outputs are on the CPU; the model may not be
+    ids = torch.cat([out.prompt_ids, out.completion_ids], dim=1).to(model.device)
+    mask = torch.cat([out.prompt_mask, out.completion_mask.long()], dim=1).to(model.device)
     positions = (mask.cumsum(1) - 1).clamp_min(0)
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.cpu()
     lp = out.prompt_ids.shape[1]
     scaled = logits[:, lp - 1 : -1].float() / temperature
     return (
@@ -103,12 +106,12 @@ def test_greedy_equals_generate(kind, attn):
     counts = [1, 2, 1, 1, 3]
     with torch.no_grad():
         free = model.generate(
-            input_ids=torch.tensor([p[-1:] for p in prompts]),
+            input_ids=torch.tensor([p[-1:] for p in prompts], device=model.device),
             do_sample=False,
             max_new_tokens=12,
             eos_token_id=None,
             pad_token_id=PAD,
-        )[:, 1:]
+        )[:, 1:].cpu()
     # stop on a token some free-running greedy rows emit early: varied lengths without an arbitrary EOS bias
     stop = int(torch.mode(free[:, 2:8].flatten()).values)
     params = SamplingParams(max_new_tokens=12, greedy=True, stop_token_ids=(stop,))
@@ -116,14 +119,14 @@ def test_greedy_equals_generate(kind, attn):
     hf = HFEngine(model, Tok()).generate(prompts, counts, params, torch.arange(8))
     with torch.no_grad():
         ref = model.generate(
-            input_ids=fast.prompt_ids,
-            attention_mask=fast.prompt_mask,
+            input_ids=fast.prompt_ids.to(model.device),
+            attention_mask=fast.prompt_mask.to(model.device),
             do_sample=False,
             max_new_tokens=12,
             eos_token_id=[EOS, stop],
             pad_token_id=PAD,
         )
-    ref = ref[:, fast.prompt_ids.shape[1] :]
+    ref = ref[:, fast.prompt_ids.shape[1] :].cpu()
     assert torch.equal(fast.completion_ids, ref) and torch.equal(hf.completion_ids, ref)
     assert torch.equal(fast.completion_mask, hf.completion_mask)
     lengths = fast.completion_mask.sum(1)
@@ -149,7 +152,7 @@ def test_sampling_distribution_matches_softmax_and_generate():
     fast = FastEngine(model, Tok()).generate(prompt, [n], params, torch.arange(n))
     hf = HFEngine(model, Tok()).generate(prompt, [n], params, torch.arange(n))
     with torch.no_grad():
-        first = model(torch.tensor(prompt)).logits[0, -1] / 0.9
+        first = model(torch.tensor(prompt, device=model.device)).logits[0, -1].cpu() / 0.9
     exact = filter_logits(first[None], 0, 0.95)[0].softmax(-1).double()
     for out in (fast, hf):
         freq = torch.bincount(out.completion_ids[:, 0], minlength=VOCAB).double() / n

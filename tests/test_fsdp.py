@@ -20,7 +20,7 @@ from podsrl.update import PolicyUpdater
 from tests.test_distributed import generation_request, make_batch, make_model
 from tests.tiny_lm import TokStub
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.cpu_only("two gloo ranks on CPU")]
 
 STRATEGY = ["train.strategy=fsdp", "optim.max_grad_norm=0.2"]
 # name -> (config overrides, generated group sizes, fixed advantages or None = from the selection stage)

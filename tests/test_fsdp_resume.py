@@ -17,6 +17,7 @@ from tests.faults.common import assert_same_run, tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
+pytestmark = pytest.mark.cpu_only("two gloo ranks under torchrun")
 
 
 def torchrun(run: Path, cache: str | None, env: dict | None = None) -> subprocess.CompletedProcess:

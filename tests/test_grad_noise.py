@@ -17,7 +17,7 @@ from podsrl.methods import METHODS, offline_context
 from podsrl.tracking import read_metrics
 from podsrl.trainer import Trainer
 from podsrl.update import PolicyUpdater
-from tests.conftest import tiny_overrides
+from tests.conftest import device_under_test, tiny_overrides
 from tests.test_distributed import make_batch, make_model
 
 SIZES = [5, 1, 3, 2, 4]  # odd K = 5 and groups of unequal size
@@ -26,10 +26,10 @@ SIZES = [5, 1, 3, 2, 4]  # odd K = 5 and groups of unequal size
 def setup(*overrides: str):
     cfg = load_config(None, ["optim.max_grad_norm=0", *overrides])
     kept, _ = METHODS[cfg.method](cfg).select(make_batch(SIZES, seed=3), offline_context(cfg, torch.Generator().manual_seed(1)))
-    model = make_model()
+    model = make_model().to(device_under_test())
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # params move by exactly -g
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    return cfg, kept.trim_padding(), model, PolicyUpdater(model, optimizer, scheduler, cfg, torch.device("cpu"))
+    return cfg, kept.trim_padding(), model, PolicyUpdater(model, optimizer, scheduler, cfg, device_under_test())
 
 
 def flat(model) -> torch.Tensor:

@@ -8,7 +8,7 @@ import pytest
 
 from tests.method_regression import CASES, FIXTURE, run_case
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.cpu_only("compares with metrics recorded on CPU")]
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -7,21 +7,24 @@ import pytest
 import torch
 
 from podsrl.algo.logprobs import head_logprobs_and_entropy, token_logprobs_and_entropy
+from tests.conftest import device_under_test
+
+DEV = device_under_test()  # inputs are drawn on the CPU (seeded), then moved
 
 
 def reference(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
     logp = torch.log_softmax(logits.double() / temperature, dim=-1)
     p = logp.exp()
-    entropy = -torch.where(p > 0, p * logp, torch.zeros((), dtype=p.dtype)).sum(-1)
+    entropy = -torch.where(p > 0, p * logp, torch.zeros((), dtype=p.dtype, device=p.device)).sum(-1)
     return logp.gather(-1, tokens[..., None])[..., 0], entropy
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 1000])
 def test_from_logits_matches_reference(chunk):
     gen = torch.Generator().manual_seed(0)
-    logits = (torch.randn(3, 5, 11, generator=gen, dtype=torch.float64) * 3).requires_grad_(True)
-    tokens = torch.randint(0, 11, (3, 5), generator=gen)
-    a, b = torch.randn(3, 5, generator=gen, dtype=torch.float64), torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    logits = (torch.randn(3, 5, 11, generator=gen, dtype=torch.float64) * 3).to(DEV).requires_grad_(True)
+    tokens = torch.randint(0, 11, (3, 5), generator=gen).to(DEV)
+    a, b = (torch.randn(3, 5, generator=gen, dtype=torch.float64).to(DEV) for _ in range(2))
     logp, ent = token_logprobs_and_entropy(logits, tokens, 0.7, chunk)
     (g,) = torch.autograd.grad((a * logp + b * ent).sum(), logits)
     ref_logp, ref_ent = reference(logits, tokens, 0.7)
@@ -37,11 +40,10 @@ def test_from_logits_matches_reference(chunk):
 
 def test_from_hidden_matches_reference():
     gen = torch.Generator().manual_seed(1)
-    hidden = torch.randn(13, 6, generator=gen, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(17, 6, generator=gen, dtype=torch.float64, requires_grad=True)
-    bias = torch.randn(17, generator=gen, dtype=torch.float64, requires_grad=True)
-    tokens = torch.randint(0, 17, (13,), generator=gen)
-    a, b = torch.randn(13, generator=gen, dtype=torch.float64), torch.randn(13, generator=gen, dtype=torch.float64)
+    hidden, weight, bias = (torch.randn(*shape, generator=gen, dtype=torch.float64).to(DEV).requires_grad_(True)
+                            for shape in ((13, 6), (17, 6), (17,)))
+    tokens = torch.randint(0, 17, (13,), generator=gen).to(DEV)
+    a, b = (torch.randn(13, generator=gen, dtype=torch.float64).to(DEV) for _ in range(2))
     logp, ent = head_logprobs_and_entropy(hidden, weight, bias, tokens, 1.3, 4)
     grads = torch.autograd.grad((a * logp + b * ent).sum(), (hidden, weight, bias))
     ref_logp, ref_ent = reference(torch.nn.functional.linear(hidden, weight, bias), tokens, 1.3)
@@ -59,10 +61,10 @@ def test_from_hidden_matches_reference():
 
 
 def test_minus_inf_logits_are_nan_safe():
-    logits = torch.randn(4, 9, dtype=torch.float64)
+    logits = torch.randn(4, 9, dtype=torch.float64, device=DEV)
     logits[:, 5:] = -torch.inf  # banned tokens
     logits.requires_grad_(True)
-    tokens = torch.tensor([0, 1, 2, 4])
+    tokens = torch.tensor([0, 1, 2, 4], device=DEV)
     logp, ent = token_logprobs_and_entropy(logits, tokens, 1.0, 2)
     (logp.sum() + ent.sum()).backward()
     assert torch.isfinite(logp).all() and torch.isfinite(ent).all() and torch.isfinite(logits.grad).all()
@@ -71,10 +73,10 @@ def test_minus_inf_logits_are_nan_safe():
 
 
 def test_float32_output_for_low_precision_and_empty_inputs():
-    logp, ent = token_logprobs_and_entropy(torch.zeros(2, 3, 8, dtype=torch.bfloat16), torch.zeros(2, 3,
-                                           dtype=torch.long))
+    logp, ent = token_logprobs_and_entropy(torch.zeros(2, 3, 8, dtype=torch.bfloat16, device=DEV),
+                                           torch.zeros(2, 3, dtype=torch.long, device=DEV))
     assert logp.dtype == ent.dtype == torch.float32
-    torch.testing.assert_close(ent, torch.full((2, 3), torch.log(torch.tensor(8.0)).item()))
+    torch.testing.assert_close(ent.cpu(), torch.full((2, 3), torch.log(torch.tensor(8.0)).item()))
     empty = token_logprobs_and_entropy(torch.zeros(2, 0, 8), torch.zeros(2, 0, dtype=torch.long))
     assert empty[0].shape == empty[1].shape == (2, 0)
     assert head_logprobs_and_entropy(torch.zeros(0, 4), torch.zeros(8, 4), None, torch.zeros(0, dtype=torch.long))[

@@ -28,7 +28,7 @@ from podsrl.tracking import read_metrics
 from podsrl.trainer import Trainer
 from podsrl.update import PolicyUpdater
 from podsrl.update.shared_prompt import build_plan, unsupported_reason
-from tests.conftest import tiny_overrides
+from tests.conftest import device_under_test, tiny_overrides
 
 TOL = 1e-5
 
@@ -75,10 +75,14 @@ def make_batch(sizes: list[int], vocab: int, seed: int = 0, max_prompt: int = 9,
 def make_updater(model, shared: bool, *overrides: str, ref=None, modulation=None) -> PolicyUpdater:
     cfg = load_config(None, [f"update.shared_prompt={str(shared).lower()}", "update.logits_chunk=7",
                              "rollout.max_new_tokens=12", "rollout.temperature=0.8", *overrides])
+    device = device_under_test()
+    model.to(device)  # in place: the caller's model is the one updated
+    if ref is not None:
+        ref.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=0.05)  # no Adam: its normalisation would amplify rounding noise
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    return PolicyUpdater(model, optimizer, scheduler, cfg, torch.device("cpu"), ref, modulation)
+    return PolicyUpdater(model, optimizer, scheduler, cfg, device, ref, modulation)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -188,7 +188,9 @@ def random_subset(
     if n <= m:
         return mask.clone()
     _require_finite(torch.isfinite(rewards) | ~mask)
-    keys = torch.rand((num_groups, n), generator=generator, device=rewards.device)
+    # drawn where the generator lives (a CPU generator cannot draw on CUDA), then moved to the rewards' device
+    key_device = generator.device if generator is not None else rewards.device
+    keys = torch.rand((num_groups, n), generator=generator, device=key_device).to(rewards.device)
     keys = torch.where(mask, keys, torch.full_like(keys, -1.0))  # padding never beats a real row
     top = torch.topk(keys, m, dim=1).indices
     keep = torch.zeros_like(mask).scatter_(1, top, True)

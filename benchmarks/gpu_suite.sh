@@ -1,0 +1,159 @@
+#!/usr/bin/env bash
+# Issue #21's GPU measurements as one device call (~9 minutes): every part has its own time limit and a part that
+# fails or runs out of time is recorded and the next one runs. Writes at most 8 files (what a device call brings
+# back) to --out (default: $OUT, else /tmp/gpu_suite): summary.txt (one line per part), machine.txt, tests.txt,
+# generation.txt, update_speed.txt, update_memory.txt, default_float32.txt, default_bfloat16.txt.
+#
+#   bash benchmarks/gpu_suite.sh                                # on the GPU machine, all parts
+#   bash benchmarks/gpu_suite.sh --parts "default" --scale 3    # one part again, with 3x its time limit
+#   bash benchmarks/gpu_suite.sh --smoke --out /tmp/gs          # on a CPU: the plumbing, tiny sizes, ~4 minutes
+#
+# Wheels carried to the machine (benchmarks/gpu_wheels.sh) are installed first when .whl/ exists.
+set -u
+cd "$(dirname "$0")/.."
+
+out=${OUT:-/tmp/gpu_suite}
+smoke=0
+parts="machine tests generation update_speed update_memory default"
+scale=1
+while [ $# -gt 0 ]; do
+    case $1 in
+        --out) out=$2; shift 2 ;;
+        --smoke) smoke=1; shift ;;
+        --parts) parts=$2; shift 2 ;;
+        --scale) scale=$2; shift 2 ;;
+        *) echo "gpu_suite.sh: unknown argument $1 (see the header)" >&2; exit 2 ;;
+    esac
+done
+
+mkdir -p "$out"
+summary=$out/summary.txt
+: >"$summary"
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} \
+        || echo "wheels in .whl/ did not install; going on without them" | tee -a "$summary"
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+device=cuda
+if [ "$smoke" = 1 ]; then  # a busy CPU: child processes start slowly, so the limits are doubled
+    device=cpu
+    scale=$(awk -v k="$scale" 'BEGIN { print 2 * k }')
+fi
+
+# part NAME LIMIT_S FILE CMD...: CMD's output to FILE (emptied at its first part of this suite run, appended to
+# after), killed after LIMIT_S x scale; a status line to summary
+declare -A written
+part() {
+    local name=$1 limit file=$3 start=$SECONDS rc status
+    limit=$(awk -v s="$2" -v k="$scale" 'BEGIN { printf "%d", s * k }')
+    shift 3
+    [ -n "${written[$file]:-}" ] || : >"$file"
+    written[$file]=1
+    echo "== $name (limit ${limit}s): $*" | tee -a "$file"
+    timeout -k 10 "$limit" "$@" >>"$file" 2>&1
+    rc=$?
+    case $rc in
+        0) status=ok ;;
+        124 | 137) status="TIMED OUT at ${limit}s" ;;
+        *) status="failed (exit $rc)" ;;
+    esac
+    echo "$name: $status, $((SECONDS - start)) s -> $(basename "$file")" | tee -a "$summary"
+}
+
+has() { timeout 60 "$py" -c "import $1" >/dev/null 2>&1; }
+
+machine() {
+    local f=$out/machine.txt
+    { date -u; uname -a; nproc; free -g; timeout 30 nvidia-smi || echo "no nvidia-smi"
+      timeout 60 "$py" -c "import sys, torch, transformers; print(sys.version); print('torch', torch.__version__, 'cuda', \
+torch.version.cuda, 'available', torch.cuda.is_available()); print('transformers', transformers.__version__); \
+torch.cuda.is_available() and print(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0))"
+      for m in pytest xdist pytest_timeout hypothesis math_verify reasoning_gym datasets peft trl ray tensorboard \
+               rich matplotlib; do has "$m" && echo "import $m: ok" || echo "import $m: MISSING"; done
+      timeout 60 "$py" -m pip list 2>/dev/null; } >"$f" 2>&1
+    echo "machine: written -> machine.txt" | tee -a "$summary"
+}
+
+# The modules where the device matters most run first, so their full report exists even if the rest runs out of
+# time; -v prints each result as it comes (a run killed by its limit still says which tests passed and failed).
+core_tests=(tests/test_engines.py tests/test_update_shared_prompt.py tests/test_update_logprobs.py
+            tests/test_grad_noise.py tests/test_default_run.py tests/test_trainer.py)
+
+tests() {
+    local f=$out/tests.txt args=(-v -rfEs -p no:cacheprovider --device "$device" --maxfail=30) rest=()
+    if ! has pytest; then
+        echo "tests: pytest is not installed here; not run" | tee -a "$summary" "$f"
+        return
+    fi
+    has pytest_timeout && args+=(--timeout=240)
+    if [ "$smoke" = 1 ]; then
+        part tests 150 "$f" "$py" -m pytest "${args[@]}" tests/test_engines.py::test_logprobs_equal_fresh_forward \
+            tests/test_selection.py
+        return
+    fi
+    has xdist && args+=(-n 6 --dist loadfile)  # module fixtures stay in one worker; 6 CUDA contexts fit easily
+    for t in "${core_tests[@]}"; do rest+=(--ignore "$t"); done
+    part "tests (core)" 75 "$f" "$py" -m pytest "${args[@]}" "${core_tests[@]}"
+    part "tests (rest)" 80 "$f" "$py" -m pytest "${args[@]}" "${rest[@]}" tests
+}
+
+generation() {
+    local args=(--device "$device")
+    [ "$smoke" = 1 ] && args+=(--dtype float32 --models tiny --n 2 4 --prompts 2 --prompt-len 8 --max-new-tokens 8
+                               --repeats 1 --peak-size 256)
+    part generation 85 "$out/generation.txt" "$py" benchmarks/gpu_generation.py "${args[@]}"
+}
+
+update_speed() {
+    local args=(--device "$device" --repeats 3)
+    [ "$smoke" = 1 ] && args=(--device cpu --repeats 1 --workload default --skip-memory)
+    part update_speed 60 "$out/update_speed.txt" "$py" benchmarks/update_speed.py "${args[@]}"
+}
+
+update_memory() {
+    local args=(--device "$device" --repeats 3)  # CUDA peaks are exact; 9 child processes, not 15
+    [ "$smoke" = 1 ] && args=(--device cpu --repeats 1 --prompts 1 --length 8 --layers 1 --width 32)
+    part update_memory 55 "$out/update_memory.txt" "$py" benchmarks/update_memory.py "${args[@]}"
+}
+
+runs=/tmp/gpu_suite_runs
+
+# The overrides of the default run (`podsrl train`, configs/default.yaml) as this suite runs it.
+default_args() {
+    local args=(warmup.cache_dir="$runs/warmup" log.progress=false log.plot=false model.device="$device")
+    [ "$smoke" = 1 ] && args+=(warmup.steps=5 warmup.batch_size=8 rollout.prompts_per_step=2 rollout.n=4 pods.m=2
+                               rollout.max_new_tokens=4 task.eval_size=8 train.max_steps=2 train.eval_every=100
+                               model.tiny.num_layers=1 model.tiny.hidden_size=32 model.tiny.intermediate_size=64)
+    echo "${args[@]}"
+}
+
+# One dtype's run: its log, then steps done, the training clock and the last eval record.
+default_run() {
+    local dtype=$1 f=$out/default_$1.txt run=$runs/default_$1
+    rm -rf "$run"
+    # shellcheck disable=SC2046  # default_args' words are whole overrides without spaces
+    part "default $dtype" 55 "$f" "$py" -m podsrl train $(default_args) output_dir="$run" model.dtype="$dtype"
+    "$py" benchmarks/run_summary.py "$run" >>"$f" 2>&1 || echo "no metrics to summarise in $run" >>"$f"
+}
+
+# The warm-up runs once, on the CPU (podsrl/warmup.py), cached under a key that ignores device and dtype: both
+# dtypes start from the same weights and their clocks compare the RL steps alone. Its log heads default_float32.txt.
+default() {
+    rm -rf "$runs"
+    # shellcheck disable=SC2046
+    part warmup 45 "$out/default_float32.txt" "$py" -m podsrl warmup $(default_args) output_dir="$runs/warmup-run"
+    default_run float32
+    default_run bfloat16
+}
+
+echo "gpu_suite: parts '$parts', device $device, scale $scale, out $out" | tee -a "$summary"
+for p in $parts; do
+    case $p in
+        machine | tests | generation | update_speed | update_memory | default) "$p" ;;
+        *) echo "unknown part $p (machine tests generation update_speed update_memory default)" | tee -a "$summary" ;;
+    esac
+done
+echo "gpu_suite: done in $SECONDS s" | tee -a "$summary"

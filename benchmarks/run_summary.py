@@ -1,0 +1,32 @@
+"""One run directory's outcome in a few lines: steps done, the training clock, the last eval record.
+
+    python benchmarks/run_summary.py runs/default
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from podsrl.tracking import read_metrics
+
+
+def summary(run_dir: Path) -> list[str]:
+    records = read_metrics(run_dir / "metrics.jsonl")
+    steps = [r for r in records if "reward" in r]
+    evals = [r for r in records if "eval/accuracy" in r]
+    lines = [f"run {run_dir}: {len(steps)} training steps, {len(evals)} eval records"]
+    if steps:
+        last = steps[-1]
+        lines.append(f"last step {last['step']}: time/elapsed {last.get('time/elapsed', float('nan')):.1f} s, "
+                     f"reward {last['reward']:.3f}")
+    for r in evals[-1:]:
+        lines.append("last eval: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                               for k, v in r.items() if k.startswith(("step", "eval/", "time/"))))
+    return lines
+
+
+if __name__ == "__main__":
+    print("\n".join(summary(Path(sys.argv[1]))))
