@@ -587,7 +587,7 @@ def config_reference_markdown() -> str:
     lines = ["# Configuration reference", "",
              "Every key, its default and what it does. Set them in a YAML file (`--config`) or on the command line "
              "as dotted overrides (`rollout.n=16`). Generated from `podsrl/config.py` by "
-             "`python -c \"from podsrl.config import config_reference_markdown as f; print(f())\" > docs/config.md`.",
+             "`python -c \"from podsrl.config import config_reference_markdown as f; print(f(), end='')\" > docs/config.md`.",
              "", "| key | default | meaning |", "|---|---|---|"]
     for key, default, text in config_help():
         lines.append(f"| `{key}` | `{default}` | {text.replace('|', '/')} |")
