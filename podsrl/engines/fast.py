@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from podsrl.algo.attention import grouped_attention
 from podsrl.engines.base import GenerationOutput, RolloutEngine, SamplingParams, left_pad
 from podsrl.engines.hf import HFEngine, eval_mode, model_device
 from podsrl.engines.rows import (
@@ -319,7 +320,7 @@ class FastEngine(RolloutEngine):
                     q, k = attn.q_norm(q), attn.k_norm(k)
                 q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
             keys, values = cache.layers[i].update(k, v)
-            out = _grouped_attention(q, keys, values, blocked, attn.scaling)
+            out = grouped_attention(q, keys, values, blocked, attn.scaling)
             hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
             x = layer.post_attention_layernorm(hidden)
             if fused is not None:
@@ -398,22 +399,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     (x cos + rotate_half(x) sin); queries and keys rotate in one call when they are one tensor."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor,
-                       scaling: float) -> torch.Tensor:
-    """softmax(q k^T * scaling, blocked keys excluded) v for q [B, H, Q, d] and keys/values [B, Hkv, K, d], query
-    head h reading key/value head h // (H / Hkv) as transformers' repeat_kv does; blocked [B, 1, Q, K] bool. A
-    query with every key blocked (left padding) gets a uniform average instead of NaN, as eager attention does;
-    its output is never read by a real position. Softmax in float32 at least, as the eager implementation."""
-    batch, heads, width, dim = q.shape
-    kv_heads, length = keys.shape[1], keys.shape[2]
-    groups = heads // kv_heads
-    scores = torch.matmul(q.reshape(batch, kv_heads, groups * width, dim), keys.transpose(-1, -2)) * scaling
-    scores = scores.view(batch, kv_heads, groups, width, length)
-    scores = scores.masked_fill(blocked[:, :, None], torch.finfo(scores.dtype).min)
-    probs = scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(values.dtype)
-    return torch.matmul(probs.view(batch, kv_heads, groups * width, length), values).view(batch, heads, width, dim)
 
 
 def compact(cache, finished: torch.Tensor, n_finished: int) -> torch.Tensor:
