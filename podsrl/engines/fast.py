@@ -9,8 +9,11 @@ Where the time goes in GRPO rollouts (many samples of few prompts, varied length
   filled prefix;
 - counter-based per-row sampling (see sampling.py): no multinomial, no global RNG, and a row's completion depends
   only on (weights, prompt, seed, params).
-The model's own forward is used (4D masks and position ids built here exactly as `generate` builds them), so greedy
-outputs equal `generate`'s. Models it cannot drive fall back to HFEngine with a logged reason.
+- on Llama/Mistral/Qwen2/Qwen3 models, the decoder stack driven from its own submodules (norms, projections, MLP)
+  with q/k/v and gate/up each one matmul and attention as grouped matmuls over the cache (on CPU, SDPA's flash
+  kernel and the per-layer forward's dispatch cost more than a decode step's matmuls at RL batch sizes).
+Masks and position ids are built here exactly as `generate` builds them, so greedy outputs equal `generate`'s (other
+models run the model's own forward). Models it cannot drive fall back to HFEngine with a logged reason.
 """
 
 from __future__ import annotations
@@ -148,9 +151,9 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 class FastEngine(RolloutEngine):
     """Fast in-process sampler; see the module docstring.
 
-    Options: shared_prefill (True), compaction (True), layer_loop (True: call the decoder layers directly on
-    Llama/Mistral/Qwen2/Qwen3 models from their submodules, q/k/v and gate/up fused, attention as grouped matmuls), compact_fraction (0.0: compact as soon as one row finishes;
-    f > 0: wait until a fraction f of the batch has finished), cache ("static" pre-allocated buffers or "dynamic"
+    Options: shared_prefill (True), compaction (True), layer_loop (True: drive the decoder layers of
+    Llama/Mistral/Qwen2/Qwen3 models from their submodules, see the module docstring), compact_fraction (0.0: compact
+    as soon as one row finishes; f > 0: wait until a fraction f of the batch has finished), cache ("static" pre-allocated buffers or "dynamic"
     transformers DynamicCache), eos_token_id, pad_token_id. Outputs are CPU tensors.
     """
 
