@@ -4,7 +4,9 @@ Part 1 (same model, tokenizer, batch, n = 16, 16 new tokens, beta = 0, lr 1e-4, 
 rollouts per step, TRL's GRPOTrainer and podsrl's trainer take steps in strict alternation (a TRL callback runs one
 podsrl step after each TRL step), `--repeats` timed steps each after one untimed; prints the median step time, the
 min-max spread, generation/update split, and the median of the per-step ratios TRL/podsrl (target: >= 2x).
-The tiny model is untrained here, so completions run to the full length in both frameworks.
+The tiny model is untrained here, so completions run to the full length in both frameworks. TRL keeps its own
+defaults, among them GRPOConfig's gradient_checkpointing=True (a recomputed forward in its backward, which podsrl
+does not do; measured ~1.1x of TRL's step here), printed beside its times.
 
 Part 2 (the built-in task with the warmed-up model, as `podsrl train` runs it): PODS 64->16 vs GRPO 16-16 steps,
 alternating, with their split into generate/score/select/update (target: ratio <= 1.3).
@@ -97,7 +99,8 @@ def part1(opts) -> None:
         print(f"{rollouts} rollouts/step")
         print(f"  podsrl step {med(p['time/step'])}  generate {med(p['time/generate'])}  "
               f"update {med(p['time/update'])}")
-        print(f"  TRL    step {med(trl_steps)}  generate {med(gen_times)}  rest {med(trl_update)}")
+        print(f"  TRL    step {med(trl_steps)}  generate {med(gen_times)}  rest {med(trl_update)}  "
+              f"(TRL's defaults, gradient_checkpointing={trl.args.gradient_checkpointing})")
         print(f"  TRL/podsrl full step: median {statistics.median(ratios):.2f}x (per step {min(ratios):.2f}-"
               f"{max(ratios):.2f}x); generation {statistics.median(gen_times) / statistics.median(p['time/generate']):.2f}x; "
               f"update {statistics.median(trl_update) / statistics.median(p['time/update']):.2f}x "

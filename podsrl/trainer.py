@@ -113,7 +113,7 @@ class Trainer:
         self.method = METHODS[cfg.method](cfg)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                           weight_decay=cfg.optim.weight_decay)
+                                           weight_decay=cfg.optim.weight_decay, fused=self._fused_adam(params))
         total_updates = cfg.train.max_steps * cfg.optim.epochs * cfg.optim.mini_batches
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_updates))
         self.updater = PolicyUpdater(self.model, self.optimizer, self.scheduler, cfg, self.device, self.ref_model,
@@ -130,6 +130,14 @@ class Trainer:
             dump_config(cfg, self.run_dir / "config.yaml")
         self.logger = (build_metrics_logger(cfg, self.run_dir, self.step if checkpoint is not None else None)
                        if self.dist.is_main else NullLogger())
+
+    def _fused_adam(self, params: list[torch.Tensor]) -> bool | None:
+        """AdamW's fused kernel (one pass per tensor; the per-tensor loop's dozen ops per parameter were ~5% of a
+        small model's update on CPU) for plain CPU/CUDA float parameters; torch's default (None) for FSDP2 shards."""
+        sharded = self.data_parallel is not None and self.data_parallel.sharded
+        plain = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                    for p in params)
+        return True if params and plain and not sharded else None
 
     # ------------------------------------------------------------------------------------------- one step
 

@@ -211,6 +211,40 @@ def test_layer_loop_matches_the_model_forward(kind):
         assert torch.allclose(a.logprobs, b.logprobs, atol=1e-6)
 
 
+def test_layer_loop_unfused_and_qwen3_match_the_model_forward():
+    """The layer loop fuses q/k/v and gate/up into one matmul each on plain Linear layers; a layer with wrapped
+    projections (as LoRA wraps them) runs them one by one, and Qwen3 normalises q/k per head: all equal the forward."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         max_position_embeddings=128, eos_token_id=1, pad_token_id=0)).eval()
+    with torch.no_grad():
+        qwen3.lm_head.weight.mul_(3.0)
+    wrapped = make_model("qwen", peak=3.0, eos_bias=2.0)
+    layer = wrapped.model.layers[1]
+
+    class Wrapped(torch.nn.Module):  # not a plain Linear: the loop must call it, not fuse its weight
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    layer.self_attn.k_proj = Wrapped(layer.self_attn.k_proj)
+    layer.mlp.up_proj = Wrapped(layer.mlp.up_proj)
+    prompts, counts, seeds = random_prompts([3, 8, 5]), [3, 2, 4], torch.arange(9) * 31
+    for model in (qwen3, wrapped):
+        looped, full = FastEngine(model, Tok()), FastEngine(model, Tok(), layer_loop=False)
+        params = SamplingParams(max_new_tokens=9, temperature=0.8, top_p=0.9)
+        a, b = (e.generate(prompts, counts, params, seeds) for e in (looped, full))
+        assert torch.equal(a.completion_ids, b.completion_ids)
+        assert torch.allclose(a.logprobs, b.logprobs, atol=1e-6)
+    assert looped._fused[0] is not None and looped._fused[1] is None
+
+
 def test_row_depends_only_on_its_seed():
     model = make_model("qwen", peak=3.0, eos_bias=1.5)
     a, b, c = random_prompts([4, 11, 2])

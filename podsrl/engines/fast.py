@@ -9,8 +9,11 @@ Where the time goes in GRPO rollouts (many samples of few prompts, varied length
   filled prefix;
 - counter-based per-row sampling (see sampling.py): no multinomial, no global RNG, and a row's completion depends
   only on (weights, prompt, seed, params).
-The model's own forward is used (4D masks and position ids built here exactly as `generate` builds them), so greedy
-outputs equal `generate`'s. Models it cannot drive fall back to HFEngine with a logged reason.
+- on Llama/Mistral/Qwen2/Qwen3 models, the decoder stack driven from its own submodules (norms, projections, MLP)
+  with q/k/v and gate/up each one matmul and attention as grouped matmuls over the cache (on CPU, SDPA's flash
+  kernel and the per-layer forward's dispatch cost more than a decode step's matmuls at RL batch sizes).
+Masks and position ids are built here exactly as `generate` builds them, so greedy outputs equal `generate`'s (other
+models run the model's own forward). Models it cannot drive fall back to HFEngine with a logged reason.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import logging
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
+from podsrl.algo.attention import grouped_attention
 from podsrl.engines.base import GenerationOutput, RolloutEngine, SamplingParams, left_pad
 from podsrl.engines.hf import HFEngine, eval_mode, model_device
 from podsrl.engines.rows import (
@@ -146,9 +151,9 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 class FastEngine(RolloutEngine):
     """Fast in-process sampler; see the module docstring.
 
-    Options: shared_prefill (True), compaction (True), layer_loop (True: call the decoder layers directly on
-    Llama/Mistral/Qwen2/Qwen3 models, the same modules and ops without the top-level forward's per-call work), compact_fraction (0.0: compact as soon as one row finishes;
-    f > 0: wait until a fraction f of the batch has finished), cache ("static" pre-allocated buffers or "dynamic"
+    Options: shared_prefill (True), compaction (True), layer_loop (True: drive the decoder layers of
+    Llama/Mistral/Qwen2/Qwen3 models from their submodules, see the module docstring), compact_fraction (0.0: compact
+    as soon as one row finishes; f > 0: wait until a fraction f of the batch has finished), cache ("static" pre-allocated buffers or "dynamic"
     transformers DynamicCache), eos_token_id, pad_token_id. Outputs are CPU tensors.
     """
 
@@ -186,6 +191,10 @@ class FastEngine(RolloutEngine):
             return
         self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._body = layer_loop_body(model) if layer_loop else None
+        if self._body is not None:
+            self._layers = list(self._body.layers[: model.config.num_hidden_layers])
+            self._kv_heads = model.config.num_key_value_heads
+            self._fused: list[tuple | None] = []
 
     def generate(
         self,
@@ -206,6 +215,8 @@ class FastEngine(RolloutEngine):
             prefill_ids, prefill_mask, expand = prompt_ids, prompt_mask, None
         stops = stop_ids(self.eos_ids, params)
         with torch.inference_mode(), eval_mode(self.model):
+            if self._body is not None:
+                self._fused = self._fused_weights()
             tokens, logprobs = self._decode(prefill_ids, prefill_mask, expand, rows, params, seeds, stops)
         mask, truncated = completion_mask(tokens, stops)
         return GenerationOutput(
@@ -248,7 +259,7 @@ class FastEngine(RolloutEngine):
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
         """Last-position logits [B, V]."""
         if self._body is not None:
-            return self._layer_loop(ids, self._attention_mask(mask), positions, cache)
+            return self._layer_loop(ids, mask, positions, cache)
         extra = {"logits_to_keep": 1} if self._keep_arg else {}
         out = self.model(
             input_ids=ids,
@@ -260,20 +271,68 @@ class FastEngine(RolloutEngine):
         )
         return out.logits[:, -1]
 
+    def _fused_weights(self) -> list[tuple | None]:
+        """Per layer, the q/k/v projections' and the MLP's gate/up weights concatenated (one matmul each instead of
+        three and two), or None for a layer whose projections are not plain Linear (LoRA) or whose MLP is not the
+        gated down(act(gate(x)) * up(x)). Rebuilt every generate call: the optimiser changes the weights in place."""
+        fused: list[tuple | None] = []
+        for layer in self._layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+            gated = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+            if not all(type(m) is torch.nn.Linear for m in projections + gated) or not hasattr(mlp, "act_fn") \
+                    or len({m.bias is None for m in projections}) > 1 or gated[0].bias is not None \
+                    or gated[1].bias is not None:
+                fused.append(None)
+                continue
+            bias = None if attn.q_proj.bias is None else torch.cat([m.bias for m in projections])
+            fused.append((torch.cat([m.weight for m in projections]), bias,
+                          torch.cat([gated[0].weight, gated[1].weight]), gated[0].out_features))
+        return fused
+
     def _layer_loop(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """The decoder stack from its submodules: the layers' own norms, projections, rotary and MLP (q/k/v and
+        gate/up as one matmul each when `_fused` has them), with attention computed here as grouped matmuls over
+        the cache (no per-call attention dispatch, no key/value head repeat; on CPU the fused SDPA kernel cost
+        several times the whole matmul work of a decode step). `mask` is the bool [B, 1, Q, K] 'may attend'
+        tensor."""
         body = self._body
         hidden = body.embed_tokens(ids)
-        rotary = body.rotary_emb(hidden, positions)
-        for layer in body.layers[: self.model.config.num_hidden_layers]:
-            hidden = layer(
-                hidden,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-                position_embeddings=rotary,
-            )
-            hidden = hidden[0] if isinstance(hidden, tuple) else hidden  # older layers return (hidden, ...)
+        cos, sin = body.rotary_emb(hidden, positions)
+        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads of [B, heads, Q, d]
+        batch, width = ids.shape
+        blocked = ~mask  # [B, 1, Q, K]
+        for i, layer in enumerate(self._layers):
+            attn, fused = layer.self_attn, self._fused[i]
+            x = layer.input_layernorm(hidden)
+            if fused is not None:
+                qkv = F.linear(x, fused[0], fused[1]).view(batch, width, -1, attn.head_dim).transpose(1, 2)
+                heads = qkv.shape[1] - 2 * self._kv_heads
+                v = qkv[:, heads + self._kv_heads :]
+                if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before the rotation
+                    q = _rotate(attn.q_norm(qkv[:, :heads]), cos, sin)
+                    k = _rotate(attn.k_norm(qkv[:, heads : heads + self._kv_heads]), cos, sin)
+                else:
+                    qk = _rotate(qkv[:, : heads + self._kv_heads], cos, sin)
+                    q, k = qk[:, :heads], qk[:, heads:]
+            else:
+                q = attn.q_proj(x).view(batch, width, -1, attn.head_dim)
+                k = attn.k_proj(x).view(batch, width, -1, attn.head_dim)
+                v = attn.v_proj(x).view(batch, width, -1, attn.head_dim).transpose(1, 2)
+                if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before the rotation
+                    q, k = attn.q_norm(q), attn.k_norm(k)
+                q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
+            keys, values = cache.layers[i].update(k, v)
+            out = grouped_attention(q, keys, values, blocked, attn.scaling)
+            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
+            x = layer.post_attention_layernorm(hidden)
+            if fused is not None:
+                gate_up = F.linear(x, fused[2])
+                mlp = layer.mlp
+                x = mlp.down_proj(mlp.act_fn(gate_up[..., : fused[3]]) * gate_up[..., fused[3] :])
+            else:
+                x = layer.mlp(x)
+            hidden = hidden + x
         # the norm is per position, so normalising only the last one gives the same logits
         return self.model.lm_head(body.norm(hidden[:, -1:]))[:, -1]
 
@@ -336,6 +395,13 @@ class FastEngine(RolloutEngine):
             )
             next_pos = next_pos + 1
         return out_tokens[:, :used].cpu(), out_logprobs[:, :used].cpu()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of x [B, heads, Q, d] as transformers applies it to Llama, Mistral and Qwen2/3
+    (x cos + rotate_half(x) sin); queries and keys rotate in one call when they are one tensor."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def compact(cache, finished: torch.Tensor, n_finished: int) -> torch.Tensor:

@@ -38,9 +38,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from podsrl.algo.attention import grouped_attention
 from podsrl.algo.logprobs import head_logprobs_and_entropy
 from podsrl.batch import RolloutBatch
 
@@ -298,8 +298,5 @@ class SharedPromptForward:
 
     @staticmethod
     def _sdpa(attn: torch.nn.Module, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
+        # grouped matmuls, not F.scaled_dot_product_attention: its CPU flash kernel costs more at these lengths
+        return grouped_attention(q, k, v, ~mask, attn.scaling)
