@@ -410,7 +410,7 @@ class Trainer:
         else:
             optimizer_state["optimizer"] = self.optimizer.state_dict()
         rng_state = {"trainer": self.rng.get_state(), "torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # a CPU run never starts CUDA
             rng_state["cuda"] = torch.cuda.get_rng_state_all()
         save_checkpoint(self.run_dir, self.step, self.generation_model, self.tokenizer, optimizer_state, rng_state,
                         state, keep=self.cfg.train.keep_checkpoints, sharded_tensors=tensors,

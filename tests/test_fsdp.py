@@ -202,16 +202,19 @@ def test_fsdp_shared_prompt_equals_plain(two_ranks, name):
     """Under FSDP2 the shared-prompt update gives the plain path's loss, metrics and updated parameters (its
     gathering, gradient reduce-scatter and lockstep padding rows go through the same FSDP2 hooks)."""
     start = _full_params(_initial(name))
+    # DynaMO's factor (a slope-50 sigmoid of a micro-batch-max-normalised quantity, an entropy-range ratio) turns
+    # the two paths' float rounding (entropy 3e-8 apart) into a loss 1.9e-5 apart (the loss is a near-cancelling
+    # sum of signed advantages) and a first Adam step (~sign(g)) 1.1e-5 apart; a broken path is ~1e-1 off.
+    tol = 5e-5 if name == "dynamo" else 1e-5
     for r in two_ranks:
         shared, plain = r["updates"][name, "shared_prompt"], r["updates"][name, "plain"]
         assert set(shared["metrics"]) == set(plain["metrics"])
         for k, v in plain["metrics"].items():
-            assert shared["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+            assert shared["metrics"][k] == pytest.approx(v, rel=tol, abs=1e-6), k
         print(f"{name}: weights rel. {_rel(shared['params'], plain['params']):.1e}, "
               f"step rel. {_rel(shared['params'] - start, plain['params'] - start):.1e}")
         assert _rel(shared["params"], plain["params"]) <= 1e-5
-        # the step itself, not just the weights it moved (DynaMO's factor amplifies rounding most: ~6e-6)
-        assert _rel(shared["params"] - start, plain["params"] - start) <= 1e-5
+        assert _rel(shared["params"] - start, plain["params"] - start) <= tol  # the step, not just the weights
 
 
 def test_fsdp_unit_the_shared_path_cannot_gather_falls_back(two_ranks):

@@ -96,9 +96,11 @@ class HFEngine(RolloutEngine):
         mask, truncated = completion_mask(tokens, stops)
         logprobs = None
         if params.return_logprobs:
-            logits = torch.stack(out.logits, dim=1).float().cpu()
+            # gathered on the device: only [rows, tokens] crosses to the host, not [rows, tokens, vocab]
+            logits = torch.stack(out.logits, dim=1).float()
             temp = params.temperature if params.temperature > 0 else 1.0
-            logprobs = (logits / temp).log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1) * mask
+            chosen = out.sequences[:, prompt_ids.shape[1]:].unsqueeze(-1)
+            logprobs = (logits / temp).log_softmax(-1).gather(-1, chosen).squeeze(-1).cpu() * mask
         return GenerationOutput(
             group_index=group_index,
             prompt_ids=prompt_ids,

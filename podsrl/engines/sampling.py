@@ -46,7 +46,7 @@ def derive_seed(seeds: torch.Tensor) -> int:
     """One non-negative 63-bit seed summarising a seeds tensor (for engines without per-row seeds)."""
     if seeds.numel() == 0:
         return 0
-    mixed = splitmix64(splitmix64(seeds.long().flatten()) + torch.arange(seeds.numel()))
+    mixed = splitmix64(splitmix64(seeds.long().flatten()) + torch.arange(seeds.numel(), device=seeds.device))
     return int(splitmix64(mixed.sum()).item()) & ((1 << 63) - 1)
 
 
@@ -103,7 +103,7 @@ def sample_with_uniforms(
         kept = filter_logits(scaled, top_k, top_p)
         cdf = (kept - kept.amax(dim=-1, keepdim=True)).exp().cumsum(dim=-1)
         total = cdf[..., -1:]
-        target = uniforms.to(cdf.dtype).unsqueeze(-1) * total
+        target = uniforms.to(cdf.device, cdf.dtype).unsqueeze(-1) * total
         # float rounding must not push the target onto the total (that would pick a trailing zero-mass token)
         target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
         tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
