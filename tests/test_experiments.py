@@ -458,3 +458,21 @@ def test_train_argv():
         "train.max_rollouts=1000",
         "a=1",
     ]
+
+
+def test_report_names_the_training_clock(tmp_path):
+    """Runs timed with train.clock=cpu are reported and plotted as CPU time, not wall-clock."""
+    import yaml as _yaml
+
+    from podsrl.experiments.analysis import compare_runs, load_run
+
+    dirs = make_runs(tmp_path / "runs")
+    runs = [load_run(d) for d in dirs]
+    assert compare_runs(runs).clock == "wall-clock"
+    for d in dirs:
+        config = _yaml.safe_load((d / "config.yaml").read_text()) | {"train": {"clock": "cpu"}}
+        (d / "config.yaml").write_text(_yaml.safe_dump(config))
+    assert compare_runs([load_run(d) for d in dirs]).clock == "CPU time"
+    build_report(dirs, out_dir=tmp_path / "out")
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "training CPU time (eval excluded)" in md and "wall-clock" not in md

@@ -342,6 +342,13 @@ class Comparison:
     interpolate: bool
     configs: list[ConfigSummary]
 
+    @property
+    def clock(self) -> str:
+        """What time/elapsed counted in these runs (train.clock): 'wall-clock', 'CPU time' or both."""
+        clocks = {r.record.config.get("train", {}).get("clock", "wall") for c in self.configs for r in c.runs}
+        return {frozenset({"cpu"}): "CPU time"}.get(frozenset(clocks), "wall-clock" if clocks <= {"wall"}
+                                                    else "clock (mixed wall-clock and CPU time)")
+
 
 def group_runs(runs: Iterable[RunRecord]) -> dict[str, list[RunRecord]]:
     """label -> runs sorted by seed, labels in first-seen order; the same (label, seed) twice is an error."""

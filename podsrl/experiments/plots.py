@@ -53,7 +53,7 @@ def plot_comparison(comparison: Comparison, path: str | Path, title: str | None 
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 2)
     colors = rcParams["axes.prop_cycle"].by_key()["color"]
-    panels = ((TIME, "training wall-clock (s, excluding eval)"), (TOKENS_TRAINED, "tokens trained"))
+    panels = ((TIME, f"training {comparison.clock} (s, excluding eval)"), (TOKENS_TRAINED, "tokens trained"))
     w = comparison.smooth_window
     for ax, (x_key, x_label) in zip(axes, panels):
         drawn = False
