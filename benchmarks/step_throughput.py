@@ -12,6 +12,7 @@ Part 2 (the built-in task with the warmed-up model, as `podsrl train` runs it): 
 alternating, with their split into generate/score/select/update (target: ratio <= 1.3).
 
     python benchmarks/step_throughput.py [--repeats 5] [--threads 1] [--skip-trl] [--skip-task]
+                                         [--trl-no-checkpointing]
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def part1(opts) -> None:
         ours = podsrl_trainer([f"rollout.prompts_per_step={prompts}", "rollout.n=16", "method=grpo",
                                "rollout.max_new_tokens=16", "warmup.steps=0", "optim.lr=1e-4",
                                f"optim.micro_batch_size={rollouts}"])
-        trl_opts = argparse.Namespace(prompts=prompts, max_new_tokens=16, warmup=1, steps=opts.repeats)
+        trl_opts = argparse.Namespace(prompts=prompts, max_new_tokens=16, warmup=1, steps=opts.repeats,
+                                      trl_no_checkpointing=opts.trl_no_checkpointing)
         trl, gen_times = build_trainer(f"trl{rollouts}", 16, None, trl_opts, dataset)
         alternate = alternating_callback(TrainerCallback, ours)
         trl.add_callback(alternate)
@@ -139,6 +141,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per setup (after one untimed)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--trl-no-checkpointing", action="store_true",
+                        help="run TRL with gradient_checkpointing=False (its GRPOConfig default is True)")
     parser.add_argument("--skip-task", action="store_true")
     opts = parser.parse_args()
     if opts.threads:

@@ -66,6 +66,8 @@ def build_trainer(name: str, n: int, m: int | None, opts, dataset: Dataset):
         "learning_rate": 1e-4, "report_to": "none", "bf16": False, "save_strategy": "no", "logging_steps": 10**6,
         "seed": 0, "use_cpu": not torch.cuda.is_available(), "disable_tqdm": True,
     }
+    if getattr(opts, "trl_no_checkpointing", False):  # TRL's GRPOConfig turns it on by default
+        common["gradient_checkpointing"] = False
     if m is None:
         trainer_cls, config = GRPOTrainer, GRPOConfig(**common)
     else:
