@@ -4,12 +4,15 @@ On CPU, `scaled_dot_product_attention` dispatches to a flash kernel whose per-ca
 query/key lengths of RL rollouts (one query per row while decoding, short length buckets in the update): at 256
 decode rows it took ~2.7 ms a call, several times the step's matmuls, and its backward was ~10% of an update step
 of the tiny model. Two batched matmuls and a softmax do the same maths; grouped-query heads read their key/value
-head through a reshape instead of a repeated copy.
+head through a reshape instead of a repeated copy. Off the CPU the fused kernels win and, unlike these matmuls,
+never hold the [queries, keys] scores of long sequences, so there `grouped_attention` calls
+`scaled_dot_product_attention` (same maths, same handling of fully blocked queries).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor,
@@ -18,6 +21,8 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     head h reading key/value head h // (H / Hkv) as transformers' repeat_kv does; blocked [B, 1, Q, K] bool. A
     query with every key blocked (left padding) gets a uniform average instead of NaN, as eager attention does;
     its output is never read by a real position. Softmax in float32 at least, as the eager implementation."""
+    if q.device.type != "cpu":
+        return fused_attention(q, keys, values, blocked, scaling)
     batch, heads, width, dim = q.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     groups = heads // kv_heads
@@ -26,3 +31,13 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     scores = scores.masked_fill(blocked[:, :, None], torch.finfo(scores.dtype).min)
     probs = scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(values.dtype)
     return torch.matmul(probs.view(batch, kv_heads, groups * width, length), values).view(batch, heads, width, dim)
+
+
+def fused_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor,
+                    scaling: float) -> torch.Tensor:
+    """`grouped_attention` through scaled_dot_product_attention. A fully blocked query gets the uniform average
+    of the matmul version (its query zeroed, every key allowed) instead of NaN, which 0-weights would carry on."""
+    lost = blocked.all(dim=-1, keepdim=True)  # [B, 1, Q, 1]
+    q = q.masked_fill(lost, 0.0)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=~blocked | lost, scale=scaling,
+                                          enable_gqa=q.shape[1] != keys.shape[1])

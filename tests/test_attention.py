@@ -1,0 +1,19 @@
+"""podsrl/algo/attention.py: the CPU matmul attention and the fused kernel used off the CPU agree."""
+
+import torch
+
+from podsrl.algo.attention import fused_attention, grouped_attention
+
+
+def test_grouped_matmul_attention_equals_the_fused_kernel_with_gqa_and_fully_blocked_queries():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 4, 5, 8), torch.randn(3, 2, 7, 8), torch.randn(3, 2, 7, 8)  # 2 query heads per kv head
+    blocked = torch.rand(3, 1, 5, 7) < 0.4
+    blocked[0, 0, 1] = True  # a query with every key blocked (left padding)
+    ours, fused = grouped_attention(q, k, v, blocked, 0.3), fused_attention(q, k, v, blocked, 0.3)
+    assert torch.isfinite(fused).all()
+    torch.testing.assert_close(ours, fused, rtol=1e-5, atol=1e-6)
+    # repeat_kv semantics: query head h reads key/value head h // 2
+    reference = torch.softmax((q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.3).masked_fill(
+        blocked, torch.finfo(q.dtype).min), -1) @ v.repeat_interleave(2, 1)
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
