@@ -476,3 +476,26 @@ def test_report_names_the_training_clock(tmp_path):
     build_report(dirs, out_dir=tmp_path / "out")
     md = (tmp_path / "out" / "results.md").read_text()
     assert "training CPU time (eval excluded)" in md and "wall-clock" not in md
+
+
+def test_per_run_plot_labels_the_training_clock(tmp_path, monkeypatch):
+    """plots.png's time axis says CPU time for a train.clock=cpu run (the label is what differs)."""
+    import yaml as _yaml
+
+    import podsrl.plotting as plotting
+
+    run = write_run(tmp_path / "run", [0, 1, 2], [0.1, 0.2, 0.3], seed=1)
+    labels = []
+    real_set = plotting.plt.Axes.set
+
+    def spy(ax, **kwargs):
+        labels.append(kwargs.get("xlabel"))
+        return real_set(ax, **kwargs)
+
+    monkeypatch.setattr(plotting.plt.Axes, "set", spy)
+    plotting.plot_run(run)
+    assert "training wall-clock (s)" in labels
+    (run / "config.yaml").write_text(_yaml.safe_dump({"seed": 1, "train": {"clock": "cpu"}}))
+    labels.clear()
+    plotting.plot_run(run)
+    assert "training CPU time (s)" in labels
