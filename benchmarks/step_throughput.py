@@ -102,7 +102,7 @@ def part1(opts) -> None:
         print(f"  podsrl step {med(p['time/step'])}  generate {med(p['time/generate'])}  "
               f"update {med(p['time/update'])}")
         print(f"  TRL    step {med(trl_steps)}  generate {med(gen_times)}  rest {med(trl_update)}  "
-              f"(TRL's defaults, gradient_checkpointing={trl.args.gradient_checkpointing})")
+              f"(TRL's GRPOConfig, gradient_checkpointing={trl.args.gradient_checkpointing})")
         print(f"  TRL/podsrl full step: median {statistics.median(ratios):.2f}x (per step {min(ratios):.2f}-"
               f"{max(ratios):.2f}x); generation {statistics.median(gen_times) / statistics.median(p['time/generate']):.2f}x; "
               f"update {statistics.median(trl_update) / statistics.median(p['time/update']):.2f}x "
