@@ -166,13 +166,20 @@ def test_ranks_take_rank_zero_decisions_and_batch(two_ranks):
     assert torch.equal(rng0, rng1) and torch.equal(rng0, torch.Generator().manual_seed(4).get_state())
 
 
-def test_micro_batches_split_evenly_with_equal_counts():
+@pytest.mark.parametrize("strategy, cases", [
+    ("ddp", [(11, 4, 2), (12, 2, 2), (1, 4, 2), (7, 2, 3), (0, 3, 2)]),
+    ("fsdp", [(11, 4, 2), (12, 2, 2), (1, 4, 2), (7, 2, 3), (3, 1, 2)]),
+])
+def test_micro_batches_split_evenly_with_equal_counts(strategy, cases):
+    """One split for both strategies; FSDP2 (lockstep) keeps empty micro-batches so every rank runs as many."""
     from podsrl.distributed import DataParallel, DistContext
+    from podsrl.fsdp import FullyShardedDataParallel
 
-    for rows, size, world in [(11, 4, 2), (12, 2, 2), (1, 4, 2), (7, 2, 3), (0, 3, 2)]:
+    cls = FullyShardedDataParallel if strategy == "fsdp" else DataParallel
+    for rows, size, world in cases:
         shares = []
         for rank in range(world):
-            dp = DataParallel.__new__(DataParallel)  # the split needs no process group
+            dp = cls.__new__(cls)  # the split needs no process group
             dp.ctx = DistContext(torch.device("cpu"), rank, world)
             shares.append(dp.micro_batches(torch.arange(rows), size))
         flat = torch.cat([m for share in shares for m in share]) if rows else torch.zeros(0, dtype=torch.long)
@@ -182,6 +189,8 @@ def test_micro_batches_split_evenly_with_equal_counts():
         assert max(sizes) - min(sizes) <= 1
         counts = [len(share) for share in shares if sum(m.numel() for m in share) >= size]
         assert len(set(counts)) <= 1  # ranks with a full share run the same number of micro-batches
+        if cls.lockstep:
+            assert len({len(share) for share in shares}) == 1  # same number of forward/backward passes everywhere
 
 
 # ------------------------------------------------------------------------------------------ end to end

@@ -255,21 +255,6 @@ def test_sharded_checkpoint_resumes_exactly(two_ranks):
         assert c["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one file of shards per rank
 
 
-def test_fsdp_micro_batches_have_equal_counts():
-    from podsrl.distributed import DistContext
-    from podsrl.fsdp import FullyShardedDataParallel
-
-    for rows, size, world in [(11, 4, 2), (12, 2, 2), (1, 4, 2), (7, 2, 3), (3, 1, 2)]:
-        shares = []
-        for rank in range(world):
-            dp = FullyShardedDataParallel.__new__(FullyShardedDataParallel)  # the split needs no process group
-            dp.ctx = DistContext(torch.device("cpu"), rank, world)
-            shares.append(dp.micro_batches(torch.arange(rows), size))
-        assert torch.cat([m for share in shares for m in share]).tolist() == list(range(rows))
-        assert len({len(share) for share in shares}) == 1  # same number of forward/backward passes everywhere
-        assert all(m.numel() <= size for share in shares for m in share)
-
-
 def test_sharded_metadata_that_names_other_code_is_refused(tmp_path):
     """A `.metadata` from someone else is unpickled through an allow-list: a global outside it is an error."""
     import pickle
