@@ -172,9 +172,8 @@ def time_arms(name: str, repeats: int, device: str) -> dict:
 
 
 def attention_choice(repeats: int) -> None:
-    import torch.nn.functional as F
-
-    from podsrl.update.shared_prompt import build_plan
+    from podsrl.algo.attention import grouped_attention
+    from podsrl.update.shared_prompt import block_attention, build_plan
 
     gen = torch.Generator().manual_seed(0)
     lp, n, heads, kv_heads, dim = 200, 16, 4, 2, 64
@@ -185,10 +184,6 @@ def attention_choice(repeats: int) -> None:
                       (torch.arange(width) < lengths[:, None]).float(), torch.device("cpu"))
     tokens = plan.ids.numel()
 
-    def sdpa(q, k, v, mask):
-        k, v = k.repeat_interleave(heads // kv_heads, dim=1), v.repeat_interleave(heads // kv_heads, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
     # the packed stream's block mask: the prompt causal; completion r sees the prompt and its own earlier tokens
     row = torch.full((tokens,), -1)
     starts = lp + torch.cat([torch.zeros(1, dtype=torch.long), (lengths - 1).cumsum(0)[:-1]])
@@ -197,18 +192,12 @@ def attention_choice(repeats: int) -> None:
     pos = torch.arange(tokens)
     block = (pos[:, None] >= pos[None, :]) & ((row[None, :] == -1) | (row[:, None] == row[None, :]))
 
-    def packed(q, k, v):
-        return sdpa(*(t.transpose(0, 1)[None] for t in (q, k, v)), block[None, None])[0].transpose(0, 1).flatten(1)
+    def packed(q, k, v):  # the same attention kernel as the update's, over one masked sequence
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
+        return grouped_attention(q, k, v, ~block[None, None], dim ** -0.5)[0].transpose(0, 1).flatten(1)
 
-    def expanded(q, k, v):
-        qp, kp, vp = (t[plan.prompt_index].transpose(1, 2) for t in (q, k, v))
-        out = [sdpa(qp, kp, vp, plan.prompt_mask).transpose(1, 2).flatten(2)[plan.prompt_real]]
-        for b in plan.buckets:
-            qc, kc, vc = (t[b.index].transpose(1, 2) for t in (q, k, v))
-            keys = torch.cat([kp[b.group, :, : b.prompt_width], kc], dim=2)
-            values = torch.cat([vp[b.group, :, : b.prompt_width], vc], dim=2)
-            out.append(sdpa(qc, keys, values, b.mask).transpose(1, 2).flatten(2)[b.real])
-        return torch.cat(out)[plan.restore]
+    def expanded(q, k, v):  # the update's own layout
+        return block_attention(q, k, v, plan, dim ** -0.5)
 
     arms = {"packed, dense block mask": packed, "expanded prompt keys + length buckets": expanded}
     times: dict[str, list[float]] = {k: [] for k in arms}

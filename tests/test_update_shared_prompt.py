@@ -181,7 +181,7 @@ def test_plan_shares_prompts_and_skips_padding():
     completion_inputs = int((batch.completion_mask.sum(1) - 1).sum())
     assert plan.ids.numel() == prompt_tokens + completion_inputs  # each prompt once, no padding
     assert plan.targets.numel() == int(batch.completion_mask.sum())
-    assert plan.prompt_index.shape[0] == 3 and rows.numel() == 8
+    assert plan.prompt_shape[0] == 3 and rows.numel() == 8
     # a hole in a completion mask or an empty prompt: no plan (the plain path takes that micro-batch)
     holed = batch.completion_mask.clone()
     holed[0, 1] = 0

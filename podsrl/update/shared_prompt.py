@@ -38,11 +38,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from podsrl.algo.attention import grouped_attention
 from podsrl.algo.logprobs import head_logprobs_and_entropy
 from podsrl.batch import RolloutBatch
+from podsrl.update.kernels import gather_slots, packed_order, rms_norm, rotate_qkv
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
@@ -103,13 +105,13 @@ def sliding_window(model: torch.nn.Module) -> int | None:
 
 @dataclass
 class Bucket:
-    """Completion rows of similar length, padded to the longest of them."""
+    """Completion rows of similar length, padded to the longest of them: a [rows, width] block of attention slots."""
 
-    group: Tensor  # [b] prompt of each row
-    index: Tensor  # [b, Lb] packed index of each completion slot (padding slots point at a real token)
-    real: Tensor  # [b, Lb] bool, real slots
-    mask: Tensor  # [b, 1, Lb, Lpb + Lb] bool: the prompt's real keys, then causal over the completion
-    prompt_width: int  # Lpb, the longest prompt of these rows
+    group: Tensor  # [rows] prompt of each row
+    mask: Tensor  # [rows, 1, width, prompt_width + width] bool: the prompt's real keys, then causal over the completion
+    prompt_width: int  # the longest prompt of these rows
+    rows: int
+    width: int
 
 
 @dataclass
@@ -118,11 +120,12 @@ class Plan:
 
     ids: Tensor  # [N] packed tokens: distinct prompts, then completion inputs
     positions: Tensor  # [N]
-    prompt_index: Tensor  # [G, Lp] packed index of each prompt slot (padding slots point at a real token)
+    slots: Tensor  # [S] packed index of each attention slot: the prompt block [G, Lp], then each bucket's block,
+    # row-major; padding slots repeat a real token
+    home: Tensor  # [N] each packed token's own (real) slot
+    prompt_shape: tuple[int, int]  # (G, Lp)
     prompt_mask: Tensor  # [G, 1, Lp, Lp] bool, causal and real keys only
-    prompt_real: Tensor  # [G, Lp] bool, real prompt slots
     buckets: list[Bucket]
-    restore: Tensor  # [N] attention outputs (prompt blocks, then buckets, real slots) -> packed order
     pred_index: Tensor  # [T] packed positions whose output predicts a completion token, row-major
     targets: Tensor  # [T] the completion tokens they predict
     valid: Tensor  # [B, W] bool, where the T values go in the row x width output
@@ -162,20 +165,23 @@ def build_plan(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, 
     c_tokens = completion_ids[c_in]
     c_pos = (lp[group][:, None] + col)[c_in]
     buckets = []
-    outputs = [torch.arange(n_prompt)]
+    slots, real_slots = [prompt_index.flatten()], [p_real.flatten()]
     order = torch.argsort(n_in, descending=True, stable=True)
     order = order[n_in[order] > 0]
     for rows in _length_buckets(order, n_in):
         lb = int(n_in[rows[0]])
         cslot = torch.arange(lb)
         c_real = cslot < n_in[rows][:, None]
-        index = torch.where(c_real, c_start[rows][:, None] + cslot, c_start[rows][:, None])
+        slots.append(torch.where(c_real, c_start[rows][:, None] + cslot, c_start[rows][:, None]).flatten())
+        real_slots.append(c_real.flatten())
         lpb = int(lp[group[rows]].max())
         prompt_keys = (torch.arange(lpb) < lp[group[rows]][:, None])[:, None, :].expand(-1, lb, -1)
         own = torch.ones(lb, lb, dtype=torch.bool).tril()[None].expand(len(rows), -1, -1)
         mask = torch.cat([prompt_keys, own], dim=2)[:, None]
-        buckets.append(Bucket(group[rows].to(device), index.to(device), c_real.to(device), mask.to(device), lpb))
-        outputs.append(index[c_real])
+        buckets.append(Bucket(group[rows].to(device), mask.to(device), lpb, len(rows), lb))
+    all_slots, real = torch.cat(slots), torch.cat(real_slots)
+    home = torch.empty(n_prompt + c_tokens.numel(), dtype=torch.long)
+    home[all_slots[real]] = torch.arange(all_slots.numel())[real]
     # predictions: the prompt's last token predicts completion token 0, completion input j predicts token j + 1
     grid = c_start[:, None] + col - 1
     grid[:, 0] = (p_start + lp - 1)[group]
@@ -183,11 +189,11 @@ def build_plan(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, 
     return Plan(
         ids=torch.cat([p_tokens, c_tokens]).to(device),
         positions=torch.cat([p_pos, c_pos]).to(device),
-        prompt_index=prompt_index.to(device),
+        slots=all_slots.to(device),
+        home=home.to(device),
+        prompt_shape=(len(lp), Lp),
         prompt_mask=p_attn_mask.to(device),
-        prompt_real=p_real.to(device),
         buckets=buckets,
-        restore=torch.argsort(torch.cat(outputs)).to(device),
         pred_index=pred_index.to(device),
         targets=completion_ids[valid].to(device),
         valid=valid.to(device),
@@ -263,8 +269,8 @@ class SharedPromptForward:
         x = self.body.embed_tokens(plan.ids)
         cos, sin = self.body.rotary_emb(x[None], plan.positions[None])
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, plan, i == len(self.layers) - 1)
-        hidden = self.body.norm(x)
+            x = layer(x, cos[0], sin[0], plan, i == len(self.layers) - 1)
+        hidden = rms_norm(self.body.norm, x)
         logp, entropy = head_logprobs_and_entropy(hidden, self.head.weight, self.head.bias, plan.targets,
                                                   temperature, self.chunk)
         zeros = torch.zeros(plan.valid.shape, dtype=logp.dtype, device=logp.device)
@@ -272,31 +278,51 @@ class SharedPromptForward:
 
     def _layer_forward(self, layer: torch.nn.Module, x: Tensor, cos: Tensor, sin: Tensor, plan: Plan,
                        last: bool) -> Tensor:
-        x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, plan)
+        attn = layer.self_attn
+        q, k, v = self._projections(attn, rms_norm(layer.input_layernorm, x), cos, sin)
+        x = x + attn.o_proj(block_attention(q, k, v, plan, attn.scaling))
         if last:  # only predicting positions are read after the last layer
             x = x[plan.pred_index]
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        return x + layer.mlp(rms_norm(layer.post_attention_layernorm, x))
 
-    def _attention(self, attn: torch.nn.Module, x: Tensor, cos: Tensor, sin: Tensor, plan: Plan) -> Tensor:
+    def _projections(self, attn: torch.nn.Module, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, ...]:
+        """Rotated queries [N, H, d], rotated keys and values [N, Hkv, d]; cos/sin [N, d]. Plain Linear projections
+        run as one matmul with the rotation in `rotate_qkv`; others (LoRA-wrapped, Qwen3's per-head norms) through
+        their modules and the model's own rotary function."""
         n, head_dim = x.shape[0], attn.head_dim
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        if all(type(m) is torch.nn.Linear for m in projections) and not hasattr(attn, "q_norm") \
+                and len({m.bias is None for m in projections}) == 1:
+            weight = torch.cat([m.weight for m in projections])
+            bias = None if attn.q_proj.bias is None else torch.cat([m.bias for m in projections])
+            qkv = F.linear(x, weight, bias).view(n, -1, head_dim)
+            return rotate_qkv(qkv, cos[:, None], sin[:, None], attn.q_proj.out_features // head_dim,
+                              attn.k_proj.out_features // head_dim)
         q = attn.q_proj(x).view(n, -1, head_dim)
         k = attn.k_proj(x).view(n, -1, head_dim)
         v = attn.v_proj(x).view(n, -1, head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before the rotation
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = self.rotary(q[None], k[None], cos, sin, unsqueeze_dim=2)
-        q, k = q[0], k[0]
-        # prompts: [G, H, Lp, d]
-        qp, kp, vp = (t[plan.prompt_index].transpose(1, 2) for t in (q, k, v))
-        out = [self._sdpa(attn, qp, kp, vp, plan.prompt_mask).transpose(1, 2).flatten(2)[plan.prompt_real]]
-        for b in plan.buckets:
-            qc, kc, vc = (t[b.index].transpose(1, 2) for t in (q, k, v))
-            keys = torch.cat([kp[b.group, :, : b.prompt_width], kc], dim=2)
-            values = torch.cat([vp[b.group, :, : b.prompt_width], vc], dim=2)
-            out.append(self._sdpa(attn, qc, keys, values, b.mask).transpose(1, 2).flatten(2)[b.real])
-        return attn.o_proj(torch.cat(out)[plan.restore])
+        q, k = self.rotary(q[None], k[None], cos[None], sin[None], unsqueeze_dim=2)
+        return q[0], k[0], v
 
-    @staticmethod
-    def _sdpa(attn: torch.nn.Module, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-        # grouped matmuls, not F.scaled_dot_product_attention: its CPU flash kernel costs more at these lengths
-        return grouped_attention(q, k, v, ~mask, attn.scaling)
+
+def block_attention(q: Tensor, k: Tensor, v: Tensor, plan: Plan, scaling: float) -> Tensor:
+    """Attention of packed queries [N, H, d] over packed keys/values [N, Hkv, d] as the plan lays them out: prompts
+    as a [G, Lp] causal block, each length bucket's completions over their prompt's keys (index-expanded, so the
+    prompt's gradient collects every row's) and causally over their own. Returns [N, H * d] in packed order."""
+    groups, prompt_len = plan.prompt_shape
+    sizes = [groups * prompt_len] + [b.rows * b.width for b in plan.buckets]
+    qs, ks, vs = (gather_slots(t, plan.slots, plan.home).split(sizes) for t in (q, k, v))
+
+    def block(t: Tensor, rows: int, width: int) -> Tensor:  # [rows * width, h, d] -> [rows, h, width, d]
+        return t.view(rows, width, *t.shape[1:]).transpose(1, 2)
+
+    kp, vp = block(ks[0], groups, prompt_len), block(vs[0], groups, prompt_len)
+    out = [grouped_attention(block(qs[0], groups, prompt_len), kp, vp, ~plan.prompt_mask, scaling)]
+    for i, b in enumerate(plan.buckets, start=1):
+        keys = torch.cat([kp[b.group, :, : b.prompt_width], block(ks[i], b.rows, b.width)], dim=2)
+        values = torch.cat([vp[b.group, :, : b.prompt_width], block(vs[i], b.rows, b.width)], dim=2)
+        out.append(grouped_attention(block(qs[i], b.rows, b.width), keys, values, ~b.mask, scaling))
+    # [rows, H, width, d] -> [rows * width, H * d] slots, then each token's own slot
+    return packed_order(torch.cat([o.transpose(1, 2).flatten(0, 1).flatten(1) for o in out]), plan.home)
