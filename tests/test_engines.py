@@ -11,8 +11,9 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from podsrl.algo.attention import grouped_attention
 from podsrl.engines import SamplingParams, build_engine, check_engine_options
-from podsrl.engines.fast import FastEngine
+from podsrl.engines.fast import FastEngine, _rotate, decode_attention, decode_bias, norm_function
 from podsrl.engines.hf import HFEngine
 from podsrl.engines.sampling import filter_logits, row_uniforms, sample_rows, splitmix64
 from podsrl.errors import ConfigError
@@ -242,7 +243,61 @@ def test_layer_loop_unfused_and_qwen3_match_the_model_forward():
         a, b = (e.generate(prompts, counts, params, seeds) for e in (looped, full))
         assert torch.equal(a.completion_ids, b.completion_ids)
         assert torch.allclose(a.logprobs, b.logprobs, atol=1e-6)
-    assert looped._fused[0] is not None and looped._fused[1] is None
+    assert looped._plans[0].qkv is not None and looped._plans[1].qkv is None and looped._plans[1].gate_up is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_equals_grouped_attention(dtype):
+    """The layer loop's one-query CPU attention gives grouped_attention's bits, over a cache view with capacity past
+    its filled prefix, including a row whose keys are all blocked (a uniform average, not NaN)."""
+    g = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, length, dim = 6, 4, 2, 9, 16
+    q = torch.randn(batch, heads, 1, dim, generator=g).to(dtype)
+    buffers = torch.randn(2, batch, kv_heads, length + 5, dim, generator=g).to(dtype)
+    keys, values = buffers[0, :, :, :length], buffers[1, :, :, :length]
+    allowed = torch.rand(batch, 1, 1, length, generator=g) < 0.5
+    allowed[0], allowed[1] = False, True
+    out = decode_attention(q, keys, values, decode_bias(allowed, kv_heads, dtype), dim**-0.5)
+    assert torch.equal(out, grouped_attention(q, keys, values, ~allowed, dim**-0.5))
+    uniform = values[0].float().mean(1).repeat_interleave(heads // kv_heads, 0)
+    assert torch.allclose(out[0, :, 0].float(), uniform, atol=1e-2)
+
+
+def test_rotary_table_and_norms_give_transformers_bits():
+    """The layer loop's rotation (cos and signed sin from the per-call table, then a roll) and its float32 norms
+    (F.rms_norm) equal transformers' to the bit; a bfloat16 norm runs its module."""
+    import copy
+
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    model = make_model("qwen")
+    engine = FastEngine(model, Tok())
+    positions = torch.tensor([[0, 3, 7], [2, 5, 11]], device=model.device)
+    x = torch.randn(2, 6, 3, model.config.hidden_size // 4, device=model.device)  # [B, q + k heads, Q, d]
+    with torch.no_grad():
+        q, k = apply_rotary_pos_emb(x[:, :4], x[:, 4:], *model.model.rotary_emb(x, positions))
+        engine._rotary = engine._rotary_table(12)
+        assert torch.equal(_rotate(x, *engine._cos_sin(positions)), torch.cat([q, k], dim=1))
+        norm = model.model.layers[0].input_layernorm
+        h = torch.randn(5, 3, model.config.hidden_size, device=model.device) * 3
+        assert torch.equal(norm_function(norm)(h), norm(h))
+    half = copy.deepcopy(norm).bfloat16()
+    assert norm_function(half) is half
+
+
+def test_dynamic_rotary_runs_the_model_forward():
+    """Rotary types whose frequencies follow each call's longest position cannot use the per-call table."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, eos_token_id=EOS, pad_token_id=PAD,
+                         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    model = LlamaForCausalLM(config).eval()
+    engine = FastEngine(model, Tok())
+    assert engine._body is None and engine.fallback is None
+    out = engine.generate(random_prompts([3, 5]), [2, 1], SamplingParams(max_new_tokens=4, greedy=True),
+                          torch.arange(3))
+    assert out.completion_ids.shape == (3, 4)
 
 
 def test_row_depends_only_on_its_seed():

@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-# transformers' RMSNorm classes whose forward is weight * (x * rsqrt(mean(x^2) + eps)) computed in float32
-RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+from podsrl.algo.norms import float32_rms_norm
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -41,7 +40,7 @@ class _RMSNorm(torch.autograd.Function):
 
 def rms_norm(module: torch.nn.Module, x: Tensor) -> Tensor:
     """`module(x)` for a float32 RMSNorm of the Llama family (any other norm or dtype: the module itself)."""
-    if type(module).__name__ not in RMS_NORMS or x.dtype != torch.float32 or module.weight.dtype != torch.float32:
+    if not float32_rms_norm(module) or x.dtype != torch.float32:
         return module(x)
     return _RMSNorm.apply(x, module.weight, module.variance_epsilon)
 
