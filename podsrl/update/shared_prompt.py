@@ -13,9 +13,9 @@ Only positions that predict a completion token reach the output layer, through c
 gradients equal it up to float rounding (tests/test_update_shared_prompt.py; sharded, tests/test_fsdp.py).
 
 Measured choice (`python benchmarks/update_speed.py --attention`, one GSM8K-shaped group of a 200-token prompt and
-16 completions of 50-400 tokens, attention forward + backward on one CPU thread): one packed sequence per group with
-a dense block mask took 4-8x longer than the index-expanded prompt keys with length buckets (1.84 vs 0.24 s, and
-5.4 vs 1.3 s under heavier load): on CPU the masked attention is [sum of lengths]^2 whatever the mask allows.
+16 completions of 50-400 tokens, attention forward + backward on one CPU thread, the same attention kernel in both):
+one packed sequence per group with a dense block mask took ~12x longer than the index-expanded prompt keys with
+length buckets (2.16 vs 0.18 s): on CPU the masked attention is [sum of lengths]^2 whatever the mask allows.
 
 Drives the decoder layers of Llama, Mistral, Qwen2 and Qwen3 models from their own submodules (LoRA-wrapped ones
 included); `unsupported_reason` says why another model falls back to the plain path.
