@@ -10,7 +10,10 @@ is the real tokens, each prompt counted once. Attention runs in padded blocks:
   every row's) and causally to its own completion.
 Only positions that predict a completion token reach the output layer, through chunked log-probs/entropy (never a
 [tokens, vocab] float32 tensor). Positions and masks are those of the plain path, so log-probs, entropies and
-gradients equal it up to float rounding (tests/test_update_shared_prompt.py; sharded, tests/test_fsdp.py).
+gradients equal it up to float rounding (tests/test_update_shared_prompt.py; sharded, tests/test_fsdp.py). Tokens move
+into the attention blocks and back, and q/k/v, the rotary embedding and RMSNorm run, through the autograd functions
+of kernels.py: fewer passes over the stream than autograd's own decomposition, which on CPU is most of the
+non-matmul time.
 
 Measured choice (`python benchmarks/update_speed.py --attention`, one GSM8K-shaped group of a 200-token prompt and
 16 completions of 50-400 tokens, attention forward + backward on one CPU thread, the same attention kernel in both):
