@@ -11,9 +11,10 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from podsrl.algo.attention import grouped_attention
+from podsrl.algo.attention import decode_attention, decode_bias, grouped_attention
+from podsrl.algo.llama_layers import norm_function, rotate
 from podsrl.engines import SamplingParams, build_engine, check_engine_options
-from podsrl.engines.fast import FastEngine, _rotate, decode_attention, decode_bias, norm_function
+from podsrl.engines.fast import FastEngine
 from podsrl.engines.hf import HFEngine
 from podsrl.engines.sampling import filter_logits, row_uniforms, sample_rows, splitmix64
 from podsrl.errors import ConfigError
@@ -277,7 +278,7 @@ def test_rotary_table_and_norms_give_transformers_bits():
     with torch.no_grad():
         q, k = apply_rotary_pos_emb(x[:, :4], x[:, 4:], *model.model.rotary_emb(x, positions))
         engine._rotary = engine._rotary_table(12)
-        assert torch.equal(_rotate(x, *engine._cos_sin(positions)), torch.cat([q, k], dim=1))
+        assert torch.equal(rotate(x, *engine._cos_sin(positions)), torch.cat([q, k], dim=1))
         norm = model.model.layers[0].input_layernorm
         h = torch.randn(5, 3, model.config.hidden_size, device=model.device) * 3
         assert torch.equal(norm_function(norm)(h), norm(h))

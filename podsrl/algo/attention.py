@@ -41,3 +41,27 @@ def fused_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, b
     q = q.masked_fill(lost, 0.0)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=~blocked | lost, scale=scaling,
                                           enable_gqa=q.shape[1] != keys.shape[1])
+
+
+def decode_bias(mask: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """decode_attention's bias [B * kv_heads, 1, K] from the bool [B, 1, 1, K] 'may attend' mask: 0 where allowed,
+    finfo.min where blocked."""
+    bias = torch.full((mask.shape[0], kv_heads, mask.shape[-1]), torch.finfo(dtype).min, dtype=dtype,
+                      device=mask.device)
+    return bias.masked_fill_(mask[:, :, 0], 0.0).view(-1, 1, mask.shape[-1])
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                     scaling: float) -> torch.Tensor:
+    """`grouped_attention` for one query per row (q [B, H, 1, d]) on the CPU, the blocked keys given as an additive
+    bias [B * Hkv, 1, K] (0 allowed, finfo.min blocked) built once for all layers: scaling and masking in place on
+    the scores instead of a masked_fill over a broadcast copy. Same bits as grouped_attention in every dtype (adding
+    0 is exact; finfo.min plus a finite score rounds back to finfo.min, so a row with every key blocked still
+    averages uniformly, though decoding never makes one: every row attends to its newest key)."""
+    batch, heads, _, dim = q.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    scores = torch.bmm(q.reshape(batch * kv_heads, heads // kv_heads, dim),
+                       keys.reshape(batch * kv_heads, length, dim).transpose(1, 2))
+    scores = scores.mul_(scaling).add_(bias)
+    probs = scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(values.dtype)
+    return torch.bmm(probs, values.reshape(batch * kv_heads, length, dim)).view(batch, heads, 1, dim)

@@ -28,8 +28,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from podsrl.algo.attention import grouped_attention
-from podsrl.algo.norms import float32_rms_norm
+from podsrl.algo.attention import decode_attention, decode_bias, grouped_attention
+from podsrl.algo.llama_layers import fused_qkv, norm_function, rotate, signed_sin
 from podsrl.engines.base import GenerationOutput, RolloutEngine, SamplingParams, left_pad
 from podsrl.engines.hf import HFEngine, eval_mode, model_device
 from podsrl.engines.rows import (
@@ -281,12 +281,11 @@ class FastEngine(RolloutEngine):
         return out.logits[:, -1]
 
     def _rotary_table(self, length: int) -> torch.Tensor:
-        """[length, 2 d]: per position, the model's rotary cos and sin with its first half negated (as _rotate takes
-        it), computed once per generate call and looked up per step (the values are per position)."""
+        """[length, 2 d]: per position, the model's rotary cos and signed sin (as `rotate` takes them), computed once
+        per generate call and looked up per step (the values are per position)."""
         weight = self._body.embed_tokens.weight
         cos, sin = self._body.rotary_emb(weight[:1], torch.arange(length, device=weight.device)[None])
-        half = sin.shape[-1] // 2
-        return torch.cat((cos[0], -sin[0, :, :half], sin[0, :, half:]), dim=-1)
+        return torch.cat((cos[0], signed_sin(sin[0])), dim=-1)
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin at `positions` [B, Q] from the table, [B, 1, Q, d] each (broadcast over the heads of
@@ -314,17 +313,17 @@ class FastEngine(RolloutEngine):
                 sizes = (qkv.shape[1] - 2 * self._kv_heads, self._kv_heads, self._kv_heads)  # q, k, v heads
                 if plan.qk_norms is not None:  # Qwen3: per-head RMSNorm before the rotation
                     q, k, v = qkv.split_with_sizes(sizes, dim=1)
-                    q, k = _rotate(plan.qk_norms[0](q), cos, sin), _rotate(plan.qk_norms[1](k), cos, sin)
+                    q, k = rotate(plan.qk_norms[0](q), cos, sin), rotate(plan.qk_norms[1](k), cos, sin)
                 else:
                     qk, v = qkv.split_with_sizes((sizes[0] + sizes[1], sizes[2]), dim=1)
-                    q, k = _rotate(qk, cos, sin).split_with_sizes(sizes[:2], dim=1)
+                    q, k = rotate(qk, cos, sin).split_with_sizes(sizes[:2], dim=1)
             else:
                 q = attn.q_proj(x).view(batch, width, -1, attn.head_dim)
                 k = attn.k_proj(x).view(batch, width, -1, attn.head_dim)
                 v = attn.v_proj(x).view(batch, width, -1, attn.head_dim).transpose(1, 2)
                 if plan.qk_norms is not None:
                     q, k = plan.qk_norms[0](q), plan.qk_norms[1](k)
-                q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
+                q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)
             keys, values = cache.layers[i].update(k, v)
             out = attend(q, keys, values, blocked, attn.scaling)
             hidden = hidden + plan.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
@@ -400,40 +399,6 @@ class FastEngine(RolloutEngine):
         return out_tokens[:, :used].cpu(), out_logprobs[:, :used].cpu()
 
 
-def decode_bias(mask: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
-    """decode_attention's bias [B * kv_heads, 1, K] from the bool [B, 1, 1, K] 'may attend' mask: 0 where allowed,
-    finfo.min where blocked."""
-    bias = torch.full((mask.shape[0], kv_heads, mask.shape[-1]), torch.finfo(dtype).min, dtype=dtype,
-                      device=mask.device)
-    return bias.masked_fill_(mask[:, :, 0], 0.0).view(-1, 1, mask.shape[-1])
-
-
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
-                     scaling: float) -> torch.Tensor:
-    """`grouped_attention` for one query per row (q [B, H, 1, d]) on the CPU, the blocked keys given as an additive
-    bias [B * Hkv, 1, K] (0 allowed, finfo.min blocked) built once for all layers: scaling and masking in place on
-    the scores instead of a masked_fill over a broadcast copy. Same bits as grouped_attention in every dtype (adding
-    0 is exact; finfo.min plus a finite score rounds back to finfo.min, so a row with every key blocked still
-    averages uniformly, though decoding never makes one: every row attends to its newest key)."""
-    batch, heads, _, dim = q.shape
-    kv_heads, length = keys.shape[1], keys.shape[2]
-    scores = torch.bmm(q.reshape(batch * kv_heads, heads // kv_heads, dim),
-                       keys.reshape(batch * kv_heads, length, dim).transpose(1, 2))
-    scores = scores.mul_(scaling).add_(bias)
-    probs = scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(values.dtype)
-    return torch.bmm(probs, values.reshape(batch * kv_heads, length, dim)).view(batch, heads, 1, dim)
-
-
-def norm_function(norm: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`norm` as a function of x; a plain RMSNorm with float32 weights, on float32 x, as F.rms_norm with its
-    arguments bound: the same bits in one call from Python instead of seven, with no parameter lookups (in other
-    dtypes the module rounds before the weight multiply and F.rms_norm does not, so the module runs)."""
-    if not float32_rms_norm(norm):
-        return norm
-    weight, shape, eps = norm.weight, norm.weight.shape, norm.variance_epsilon
-    return lambda x: F.rms_norm(x, shape, weight, eps) if x.dtype == torch.float32 else norm(x)
-
-
 class LayerPlan(NamedTuple):
     """One decoder layer as the layer loop runs it, bound once per generate call: each step then indexes a tuple
     instead of looking up submodules and parameters (~1 us each, a third of a small op)."""
@@ -454,11 +419,6 @@ def layer_plan(layer: torch.nn.Module) -> LayerPlan:
     """The layer's plan: q/k/v and gate/up each one matmul (instead of three and two) where they are plain Linear
     (not LoRA-wrapped) and the MLP is the gated down(act(gate(x)) * up(x))."""
     attn, mlp = layer.self_attn, layer.mlp
-    projections = [attn.q_proj, attn.k_proj, attn.v_proj]
-    qkv = None
-    if all(type(m) is torch.nn.Linear for m in projections) and len({m.bias is None for m in projections}) == 1:
-        bias = None if attn.q_proj.bias is None else torch.cat([m.bias for m in projections])
-        qkv = (torch.cat([m.weight for m in projections]), bias)
     gated = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     gate_up = None
     if all(type(m) is torch.nn.Linear for m in gated) and hasattr(mlp, "act_fn") \
@@ -468,7 +428,7 @@ def layer_plan(layer: torch.nn.Module) -> LayerPlan:
     return LayerPlan(
         attn=attn,
         input_norm=norm_function(layer.input_layernorm),
-        qkv=qkv,
+        qkv=fused_qkv(attn),
         qk_norms=qk_norms,
         o_proj=attn.o_proj,
         post_norm=norm_function(layer.post_attention_layernorm),
@@ -477,14 +437,6 @@ def layer_plan(layer: torch.nn.Module) -> LayerPlan:
         act_fn=None if gate_up is None else mlp.act_fn,
         down_proj=None if gate_up is None else gated[2],
     )
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding of x [B, heads, Q, d] as transformers applies it to Llama, Mistral and Qwen2/3
-    (x cos + rotate_half(x) sin), given sin with its first half negated: rotate_half(x) sin = roll(x) signed_sin
-    product by product (negation is exact), so the result is the same to the bit in four ops instead of seven (no
-    slices, no negation of x). Queries and keys rotate in one call when they are one tensor."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 def compact(cache, finished: torch.Tensor, n_finished: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from podsrl.algo.norms import float32_rms_norm
+from podsrl.algo.llama_layers import float32_rms_norm, rotate, signed_sin
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -46,21 +46,19 @@ def rms_norm(module: torch.nn.Module, x: Tensor) -> Tensor:
 
 
 class _RotateQKV(torch.autograd.Function):
-    """x cos + rotate_half(x) sin = x cos + swap_halves(x) sin', sin' = (-sin1, sin2): full-width passes (a roll
-    and a multiply-add) over queries and keys together, instead of half-width strided ones per tensor."""
+    """x cos + rotate_half(x) sin = x cos + swap_halves(x) sin', sin' = (-sin1, sin2) (llama_layers.rotate): full-width
+    passes over queries and keys together, instead of half-width strided ones per tensor."""
 
     @staticmethod
-    def forward(ctx, qkv: Tensor, cos: Tensor, signed_sin: Tensor, heads: int,  # type: ignore[override]
-                kv_heads: int):
-        qk = qkv[:, : heads + kv_heads]
-        rotated = torch.addcmul(qk * cos, qk.roll(qk.shape[-1] // 2, -1), signed_sin)
-        ctx.save_for_backward(cos, signed_sin)
+    def forward(ctx, qkv: Tensor, cos: Tensor, signed: Tensor, heads: int, kv_heads: int):  # type: ignore[override]
+        rotated = rotate(qkv[:, : heads + kv_heads], cos, signed)
+        ctx.save_for_backward(cos, signed)
         ctx.heads, ctx.kv_heads = heads, kv_heads
         return rotated[:, :heads], rotated[:, heads:], qkv[:, heads + kv_heads :].contiguous()
 
     @staticmethod
     def backward(ctx, d_q: Tensor | None, d_k: Tensor | None, d_v: Tensor | None):  # type: ignore[override]
-        cos, signed_sin = ctx.saved_tensors
+        cos, signed = ctx.saved_tensors
         h, kv = ctx.heads, ctx.kv_heads
         ref = next(g for g in (d_q, d_k, d_v) if g is not None)
         grad = ref.new_empty(ref.shape[0], h + 2 * kv, ref.shape[-1])
@@ -71,7 +69,7 @@ class _RotateQKV(torch.autograd.Function):
                 part.copy_(g)
         # the transpose of the rotation: g cos + swap_halves(g sin') (swapping halves is its own inverse)
         d_qk = grad[:, : h + kv]
-        swapped = (d_qk * signed_sin).roll(d_qk.shape[-1] // 2, -1)
+        swapped = (d_qk * signed).roll(d_qk.shape[-1] // 2, -1)
         torch.addcmul(swapped, d_qk, cos, out=d_qk)
         return grad, None, None, None, None
 
@@ -80,9 +78,7 @@ def rotate_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int, kv_heads: int)
     """[N, heads + 2 kv_heads, d] projections -> rotated queries [N, heads, d], rotated keys and values [N, kv_heads,
     d]; cos/sin [N, 1, d]. The rotation is transformers' apply_rotary_pos_emb (x cos + rotate_half(x) sin,
     rotate_half(x) = (-x2, x1))."""
-    half = sin.shape[-1] // 2
-    signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-    return _RotateQKV.apply(qkv, cos, signed_sin, heads, kv_heads)
+    return _RotateQKV.apply(qkv, cos, signed_sin(sin), heads, kv_heads)
 
 
 class _GatherSlots(torch.autograd.Function):

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from podsrl.algo.attention import grouped_attention
+from podsrl.algo.llama_layers import fused_qkv
 from podsrl.algo.logprobs import head_logprobs_and_entropy
 from podsrl.batch import RolloutBatch
 from podsrl.update.kernels import gather_slots, packed_order, rms_norm, rotate_qkv
@@ -293,12 +294,9 @@ class SharedPromptForward:
         run as one matmul with the rotation in `rotate_qkv`; others (LoRA-wrapped, Qwen3's per-head norms) through
         their modules and the model's own rotary function."""
         n, head_dim = x.shape[0], attn.head_dim
-        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-        if all(type(m) is torch.nn.Linear for m in projections) and not hasattr(attn, "q_norm") \
-                and len({m.bias is None for m in projections}) == 1:
-            weight = torch.cat([m.weight for m in projections])
-            bias = None if attn.q_proj.bias is None else torch.cat([m.bias for m in projections])
-            qkv = F.linear(x, weight, bias).view(n, -1, head_dim)
+        fused = None if hasattr(attn, "q_norm") else fused_qkv(attn)
+        if fused is not None:
+            qkv = F.linear(x, *fused).view(n, -1, head_dim)
             return rotate_qkv(qkv, cos[:, None], sin[:, None], attn.q_proj.out_features // head_dim,
                               attn.k_proj.out_features // head_dim)
         q = attn.q_proj(x).view(n, -1, head_dim)
