@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue #21's GPU measurements as one device call (~9 minutes): every part has its own time limit and a part that
-# fails or runs out of time is recorded and the next one runs. Writes at most 8 files (what a device call brings
+# Issue #21's GPU measurements in two device calls of under ten minutes each (--parts "machine tests default", then
+# --parts "generation update_speed update_memory"): every part has its own time limit and a part that fails or runs
+# out of time is recorded and the next one runs. Writes at most 8 files (what a device call brings
 # back) to --out (default: $OUT, else /tmp/gpu_suite): summary.txt (one line per part), machine.txt, tests.txt,
 # generation.txt, update_speed.txt, update_memory.txt, default_float32.txt, default_bfloat16.txt.
 #
@@ -8,7 +9,8 @@
 #   bash benchmarks/gpu_suite.sh --parts "default" --scale 3    # one part again, with 3x its time limit
 #   bash benchmarks/gpu_suite.sh --smoke --out /tmp/gs          # on a CPU: the plumbing, tiny sizes, ~4 minutes
 #
-# Wheels carried to the machine (benchmarks/gpu_wheels.sh) are installed first when .whl/ exists.
+# Wheels carried to the machine (benchmarks/gpu_wheels.sh) are installed first when .whl/ exists. A warm-up cache
+# carried in .cache/podsrl/warmup (made by `podsrl warmup` on any machine) is used instead of warming up there.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -96,27 +98,27 @@ tests() {
     fi
     has xdist && args+=(-n 6 --dist loadfile)  # module fixtures stay in one worker; 6 CUDA contexts fit easily
     for t in "${core_tests[@]}"; do rest+=(--ignore "$t"); done
-    part "tests (core)" 75 "$f" "$py" -m pytest "${args[@]}" "${core_tests[@]}"
-    part "tests (rest)" 80 "$f" "$py" -m pytest "${args[@]}" "${rest[@]}" tests
+    part "tests (core)" 90 "$f" "$py" -m pytest "${args[@]}" "${core_tests[@]}"
+    part "tests (rest)" 180 "$f" "$py" -m pytest "${args[@]}" "${rest[@]}" tests
 }
 
 generation() {
     local args=(--device "$device")
     [ "$smoke" = 1 ] && args+=(--dtype float32 --models tiny --n 2 4 --prompts 2 --prompt-len 8 --max-new-tokens 8
                                --repeats 1 --peak-size 256)
-    part generation 85 "$out/generation.txt" "$py" benchmarks/gpu_generation.py "${args[@]}"
+    part generation 200 "$out/generation.txt" "$py" benchmarks/gpu_generation.py "${args[@]}"
 }
 
 update_speed() {
-    local args=(--device "$device" --repeats 3)
+    local args=(--device "$device" --repeats 3 --workload default gsm8k gsm8k-large)
     [ "$smoke" = 1 ] && args=(--device cpu --repeats 1 --workload default --skip-memory)
-    part update_speed 60 "$out/update_speed.txt" "$py" benchmarks/update_speed.py "${args[@]}"
+    part update_speed 150 "$out/update_speed.txt" "$py" benchmarks/update_speed.py "${args[@]}"
 }
 
 update_memory() {
-    local args=(--device "$device" --repeats 3)  # CUDA peaks are exact; 9 child processes, not 15
+    local args=(--device "$device" --repeats 1)  # CUDA peaks are exact: one child process per setting
     [ "$smoke" = 1 ] && args=(--device cpu --repeats 1 --prompts 1 --length 8 --layers 1 --width 32)
-    part update_memory 55 "$out/update_memory.txt" "$py" benchmarks/update_memory.py "${args[@]}"
+    part update_memory 150 "$out/update_memory.txt" "$py" benchmarks/update_memory.py "${args[@]}"
 }
 
 runs=/tmp/gpu_suite_runs
@@ -135,7 +137,7 @@ default_run() {
     local dtype=$1 f=$out/default_$1.txt run=$runs/default_$1
     rm -rf "$run"
     # shellcheck disable=SC2046  # default_args' words are whole overrides without spaces
-    part "default $dtype" 55 "$f" "$py" -m podsrl train $(default_args) output_dir="$run" model.dtype="$dtype"
+    part "default $dtype" 150 "$f" "$py" -m podsrl train $(default_args) output_dir="$run" model.dtype="$dtype"
     "$py" benchmarks/run_summary.py "$run" >>"$f" 2>&1 || echo "no metrics to summarise in $run" >>"$f"
 }
 
@@ -143,8 +145,14 @@ default_run() {
 # dtypes start from the same weights and their clocks compare the RL steps alone. Its log heads default_float32.txt.
 default() {
     rm -rf "$runs"
-    # shellcheck disable=SC2046
-    part warmup 45 "$out/default_float32.txt" "$py" -m podsrl warmup $(default_args) output_dir="$runs/warmup-run"
+    if [ -d .cache/podsrl/warmup ] && [ "$smoke" = 0 ]; then  # carried from the CPU machine: the same weights
+        mkdir -p "$runs" && cp -r .cache/podsrl/warmup "$runs/warmup"
+        echo "== warm-up: carried in .cache/podsrl/warmup ($(ls .cache/podsrl/warmup))" >"$out/default_float32.txt"
+        written[$out/default_float32.txt]=1
+    else
+        # shellcheck disable=SC2046
+        part warmup 90 "$out/default_float32.txt" "$py" -m podsrl warmup $(default_args) output_dir="$runs/warmup-run"
+    fi
     default_run float32
     default_run bfloat16
 }

@@ -6,6 +6,7 @@ Two workloads, each one whole `PolicyUpdater.update` per timed call (forwards, b
            task's, completions random digits of 2-6 tokens + EOS (the warmed-up model's lengths)
   gsm8k    a GSM8K-shaped synthetic step: a random-init Qwen2 with a 32k vocabulary (~13M parameters), 200-token
            prompts, completions of 50-400 tokens (uniform), one group of n = 16 rows, micro-batches of 16
+  gsm8k-large  the same shape at GPU size, not in the default list: 8 groups of 16 rows on a ~110M-parameter Qwen2
 Arms are interleaved (shared, plain, plain, shared, ...) on two copies of the same model, `--repeats` timed updates
 each after one untimed; prints the median, min-max spread and the median of the per-repeat ratios. Then, per arm in a
 fresh process, the update's peak memory: CPU, peak resident set size sampled every 0.2 ms during one update minus
@@ -21,6 +22,7 @@ length-bucketed completion rows (what shared_prompt.py does).
 
     python benchmarks/update_speed.py [--workload default gsm8k] [--repeats 5] [--threads 1] [--device cpu]
     python benchmarks/update_speed.py --attention
+    python benchmarks/update_speed.py --ops      # ATen operations per update and arm (the GPU's launch count)
 """
 
 from __future__ import annotations
@@ -70,14 +72,15 @@ def default_workload(seed: int = 0):
     return model, DEFAULT_CONFIG, [], batch
 
 
-def gsm8k_workload(seed: int = 0, groups: int = 1):
+def gsm8k_workload(seed: int = 0, groups: int = 1, hidden: int = 256, layers: int = 6, heads: int = 4):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    vocab, hidden, n = 32000, 256, 16
+    vocab, n = 32000, 16
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True))
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=1024,
+        tie_word_embeddings=True))
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, vocab, (200,), generator=gen).tolist() for _ in range(groups)]
     completions = [torch.randint(3, vocab, (int(torch.randint(50, 401, (1,), generator=gen)),),
@@ -86,7 +89,12 @@ def gsm8k_workload(seed: int = 0, groups: int = 1):
     return model, None, overrides, make_batch(prompts, n, completions, 0, gen)
 
 
-WORKLOADS = {"default": default_workload, "gsm8k": gsm8k_workload}
+def gsm8k_large_workload(seed: int = 0):
+    """A GPU-sized GSM8K-shaped step: 8 groups of 16 on a ~110M-parameter Qwen2 (width 768, 12 layers)."""
+    return gsm8k_workload(seed, groups=8, hidden=768, layers=12, heads=12)
+
+
+WORKLOADS = {"default": default_workload, "gsm8k": gsm8k_workload, "gsm8k-large": gsm8k_large_workload}
 
 
 def make_batch(prompts: list[list[int]], n: int, completions: list[list[int]], pad: int,
@@ -130,7 +138,8 @@ def useful_flops(model, batch: RolloutBatch, cfg) -> float:
     return cfg.optim.epochs * (6 * body * tokens + 6 * embed * completion_tokens)
 
 
-def gemm_rate(device: str, size: int = 1024, repeats: int = 5) -> float:
+def gemm_rate(device: str, repeats: int = 5) -> float:
+    size = 8192 if device.startswith("cuda") else 1024  # a GPU needs a large product to reach its rate
     a = torch.randn(size, size, device=device)
     b = torch.randn(size, size, device=device)
     times = []
@@ -213,6 +222,26 @@ def attention_choice(repeats: int) -> None:
         print(f"  {name}: {spread(t)}")
 
 
+def op_counts(names: list[str], device: str) -> None:
+    """ATen operations one update runs, per arm (forward and backward; leaves only: each launches work). On a GPU
+    each is at least one kernel launch, which is what a small update's time is made of."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name in names:
+        model, config, overrides, batch = WORKLOADS[name]()
+        counts = {}
+        for shared in (True, False):
+            updater = make_updater(copy.deepcopy(model), config, overrides, shared, device)
+            updater.update(batch, torch.Generator().manual_seed(0))
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                updater.update(batch, torch.Generator().manual_seed(1))
+            events = prof.events()
+            parents = {id(e.cpu_parent) for e in events if e.cpu_parent is not None}
+            counts[shared] = sum(e.name.startswith("aten::") and id(e) not in parents for e in events)
+        print(f"== {name}: ATen operations per update: shared-prompt {counts[True]:,}, plain {counts[False]:,} "
+              f"({counts[True] / counts[False]:.2f}x)")
+
+
 def peak_memory(name: str, shared: bool, device: str) -> int:
     """Bytes above the pre-update level during one update (after one warm-up update), in this process."""
     model, config, overrides, batch = WORKLOADS[name]()
@@ -227,12 +256,13 @@ def spread(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--workload", nargs="+", default=["default", "gsm8k"], choices=list(WORKLOADS))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU (0: torch's default)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--attention", action="store_true", help="only the attention layout comparison")
+    parser.add_argument("--ops", action="store_true", help="only count the ATen operations of one update per arm")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.threads:
@@ -244,6 +274,9 @@ def main() -> None:
     print(machine_line(device=opts.device))
     if opts.attention:
         attention_choice(opts.repeats)
+        return
+    if opts.ops:
+        op_counts(opts.workload, opts.device)
         return
     for name in opts.workload:
         t0 = time.perf_counter()
@@ -257,7 +290,8 @@ def main() -> None:
         print(f"  plain update:         {spread(plain_t)}  useful FLOP/s "
               f"{res['flops'] / statistics.median(plain_t) / 1e9:.1f} G = "
               f"{100 * res['flops'] / statistics.median(plain_t) / rate:.0f}% of GEMM rate")
-        print(f"  float32 GEMM rate (1024^3 matmul, best of 2, measured every round; median): {rate / 1e9:.1f} GFLOP/s")
+        size = 8192 if opts.device.startswith("cuda") else 1024
+        print(f"  float32 GEMM rate ({size}^3 matmul, best of 2, measured every round; median): {rate / 1e9:.1f} GFLOP/s")
         r = res["ratios"]
         print(f"  speed-up plain/shared: median {statistics.median(r):.2f}x (per-repeat {min(r):.2f}-{max(r):.2f}x); "
               f"target >= {2.0 if name == 'default' else 1.4}x")

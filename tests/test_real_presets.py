@@ -70,7 +70,9 @@ def test_gsm8k_pods_preset_starts_with_a_stand_in_and_lora_adapter_reloads(tmp_p
 
     base, tokenizer = load_pretrained(str(stand_in_model))
     reloaded = load_adapter(base, latest_checkpoint(tmp_path / "run") / "model")
-    ids = tokenizer("Tom has 3 apples", return_tensors="pt").input_ids
+    device = next(trainer.model.parameters()).device
+    reloaded.to(device)
+    ids = tokenizer("Tom has 3 apples", return_tensors="pt").input_ids.to(device)
     trainer.model.eval()
     with torch.no_grad():
         assert torch.allclose(reloaded(ids).logits, trainer.model(ids).logits, atol=1e-5)
@@ -78,6 +80,7 @@ def test_gsm8k_pods_preset_starts_with_a_stand_in_and_lora_adapter_reloads(tmp_p
 
 
 def test_reasoning_gym_task_trains_a_few_steps(tmp_path, stand_in_model):
+    pytest.importorskip("reasoning_gym")
     overrides = [f"model.name_or_path={stand_in_model}", "task.name=reasoning_gym",
                  "task.args={name: chain_sum, size: 50, prompt_mode: plain, min_terms: 2, max_terms: 2, "
                  "min_digits: 1, max_digits: 1}", "task.eval_size=4", "rollout.prompts_per_step=2", "rollout.n=4",

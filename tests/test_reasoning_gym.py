@@ -10,6 +10,7 @@ from podsrl.tasks.reasoning_gym import ReasoningGymTask, extract_completion_answ
 
 @pytest.fixture(scope="module")
 def task():
+    pytest.importorskip("reasoning_gym")
     return ReasoningGymTask("chain_sum", size=50, seed=7, eval_size=20, min_terms=2, max_terms=3)
 
 
@@ -71,6 +72,7 @@ def test_partial_credit_warns_once(task, caplog, monkeypatch):
 
 
 def test_config_errors():
+    pytest.importorskip("reasoning_gym")
     with pytest.raises(ConfigError, match="unknown reasoning-gym dataset 'no_such_gym'"):
         ReasoningGymTask("no_such_gym", size=5)
     with pytest.raises(ConfigError, match="task.params .*bogus"):

@@ -102,8 +102,8 @@ def compare(make_model, batch: RolloutBatch, *overrides: str, ref=None, modulati
     out = {}
     for shared in (True, False):
         model = make_model()
+        updater = make_updater(model, shared, *overrides, ref=ref, modulation=modulation)  # moves it to the device
         start = weights(model).clone()
-        updater = make_updater(model, shared, *overrides, ref=ref, modulation=modulation)
         assert (id(model) in updater.shared and updater.shared[id(model)] is not None) == shared
         metrics = updater.update(batch, torch.Generator().manual_seed(5))
         out[shared] = (metrics, grads(model), weights(model) - start)

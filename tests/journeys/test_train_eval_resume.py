@@ -1,5 +1,6 @@
 """A user's model, data and rewards through `podsrl train`, `podsrl eval` and `podsrl train --resume`."""
 
+import importlib.util
 import json
 
 from podsrl.tracking import read_metrics
@@ -46,9 +47,12 @@ def test_lora_jsonl_train_eval_merged_resume(user_kit):
 
 def test_full_finetune_excel_csv_and_checkpoint_eval(user_kit):
     cfg = user_config(user_kit, "full", "data/train.csv")  # saved with a byte-order mark, as Excel does
-    ok(podsrl("train", "--config", str(cfg), "log.report_to=[tensorboard, wandb]", cwd=user_kit))  # WANDB_MODE=offline
+    wandb = importlib.util.find_spec("wandb") is not None  # a dependency of the test extra; optional elsewhere
+    report_to = "[tensorboard, wandb]" if wandb else "[tensorboard]"
+    ok(podsrl("train", "--config", str(cfg), f"log.report_to={report_to}", cwd=user_kit))  # WANDB_MODE=offline
     run = user_kit / "runs" / "full"
-    assert list((run / "wandb").glob("offline-run-*/run-*.wandb")) and list((run / "tensorboard").glob("events.*"))
+    assert list((run / "tensorboard").glob("events.*"))
+    assert not wandb or list((run / "wandb").glob("offline-run-*/run-*.wandb"))
     checkpoint = run / "checkpoints" / "step-00000002" / "model"
     done = ok(podsrl("eval", "--config", str(cfg), "--model", str(checkpoint), cwd=user_kit))
     assert "eval/accuracy" in json.loads(done.stdout.strip().splitlines()[-1])
