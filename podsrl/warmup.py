@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from podsrl.config import Config, TaskConfig, to_dict
-from podsrl.models import build_char_tokenizer, build_tiny_model
+from podsrl.models import build_char_tokenizer, build_tiny_model, resolve_device
 from podsrl.tasks import build_task
 from podsrl.tracking import build_progress
 
@@ -71,12 +71,20 @@ def sft_batch(tokenizer, prompts: list[str], targets: list[str]):
     return ids, mask, labels
 
 
+def validation_tokens(tokenizer, task, problems) -> int:
+    """New tokens the validation generates: the longest reference completion and its EOS, at least 8 (the fixed cap
+    it had before worked solutions: warm-ups whose answers have at most 7 characters are unchanged)."""
+    longest = max(len(tokenizer(task.reference_completion(p), add_special_tokens=False).input_ids) for p in problems)
+    return max(8, longest + 1)
+
+
 @torch.no_grad()
 def greedy_accuracy(model, tokenizer, task, problems, max_new_tokens: int = 8) -> float:
     """Greedy exact-match accuracy with plain `generate` (warm-up validation only; RL evaluation uses the engine)."""
     was_training = model.training
     model.eval()
     enc = tokenizer([p.prompt for p in problems], return_tensors="pt", padding=True, add_special_tokens=False)
+    enc = enc.to(model.device)
     out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
@@ -91,7 +99,10 @@ def run_warmup(cfg: Config, progress: bool = True) -> Path:
         return out
     task = build_task(warmup_task_config(cfg.task))
     tokenizer = build_char_tokenizer()
-    model = build_tiny_model(cfg.model.tiny, tokenizer, seed=cfg.warmup.seed)
+    # On the run's device (a 25M model would take hours on a few CPU cores); the cache key ignores the device, so a
+    # warm-up made on one machine serves runs on another. Weights are built on the CPU first: the same start anywhere.
+    device = resolve_device(cfg.model.device)
+    model = build_tiny_model(cfg.model.tiny, tokenizer, seed=cfg.warmup.seed).to(device)
     w = cfg.warmup
     gen = torch.Generator().manual_seed(w.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=w.lr, weight_decay=0.0)
@@ -100,6 +111,7 @@ def run_warmup(cfg: Config, progress: bool = True) -> Path:
     # Warm-up and its validation draw from far ends of the training index space so RL's own prompts are fresh.
     offset = 10**9
     validation = [task.problem(2 * 10**9 + i) for i in range(w.validation_size)]
+    max_new_tokens = validation_tokens(tokenizer, task, validation)
     start = time.perf_counter()
     accuracy, steps_run = float("nan"), 0
     model.train()
@@ -107,14 +119,14 @@ def run_warmup(cfg: Config, progress: bool = True) -> Path:
     try:
         for step in range(w.steps):
             if w.target_accuracy > 0 and step > 0 and step % w.check_every == 0:
-                accuracy = greedy_accuracy(model, tokenizer, task, validation)
+                accuracy = greedy_accuracy(model, tokenizer, task, validation, max_new_tokens)
                 if accuracy >= w.target_accuracy:
                     break
             idx = torch.randint(0, 10**8, (w.batch_size,), generator=gen).tolist()
             problems = [task.problem(offset + i) for i in idx]
             ids, mask, labels = sft_batch(tokenizer, [p.prompt for p in problems],
                                           [task.reference_completion(p) for p in problems])
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss = model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device)).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -129,7 +141,7 @@ def run_warmup(cfg: Config, progress: bool = True) -> Path:
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     if w.target_accuracy > 0:
-        accuracy = greedy_accuracy(model, tokenizer, task, validation)
+        accuracy = greedy_accuracy(model, tokenizer, task, validation, max_new_tokens)
     info = {"seconds": time.perf_counter() - start, "steps": steps_run, "validation_accuracy": accuracy}
     (tmp / "warmup.json").write_text(json.dumps(info))
     out.parent.mkdir(parents=True, exist_ok=True)

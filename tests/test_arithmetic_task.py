@@ -1,11 +1,19 @@
-"""The built-in task: disjoint held-out/training sides drawn from the same distribution, fixed by seed."""
+"""The built-in task: disjoint held-out/training sides drawn from the same distribution, fixed by seed; plain or
+worked-solution completions."""
 
+import json
 from collections import Counter
 
 import pytest
 
+from podsrl.batch import Problem
+from podsrl.config import load_config
 from podsrl.errors import ConfigError
-from podsrl.tasks.arithmetic import ArithmeticTask
+from podsrl.models import build_char_tokenizer
+from podsrl.tasks import build_task
+from podsrl.tasks.arithmetic import ArithmeticTask, worked_solution
+from podsrl.warmup import run_warmup, validation_tokens, warmup_key
+from tests.conftest import device_under_test
 
 
 def shape(prompt: str) -> str:
@@ -55,7 +63,62 @@ def test_problems_are_a_function_of_seed_and_index(task):
 
 @pytest.mark.parametrize("args, key", [({"holdout_fraction": 0.0}, "holdout_fraction"),
                                        ({"holdout_fraction": 1.5}, "holdout_fraction"),
-                                       ({"operands": 1}, "operands"), ({"digits": 0}, "digits")])
+                                       ({"operands": 1}, "operands"), ({"digits": 0}, "digits"),
+                                       ({"solution": "steps"}, "solution")])
 def test_bad_arguments_name_the_key(args, key):
     with pytest.raises(ConfigError, match=f"task.args.{key}"):
         ArithmeticTask(**args)
+
+
+SUM = Problem(uid="x", prompt="47+8+93=", answer="148")
+
+
+def test_worked_solutions_are_running_sums_then_the_answer():
+    task = ArithmeticTask(eval_size=10, solution="worked")
+    assert task.reference_completion(SUM) == "47+8=55,55+93=148;148"
+    assert task.reference_completion(Problem(uid="y", prompt="5+7=", answer="12")) == "5+7=12;12"
+    assert worked_solution([9, 99, 99, 9]) == "9+99=108,108+99=207,207+9=216;216"
+    assert all(task.is_correct(task.reference_completion(p), p) for p in task.eval_set())
+
+
+@pytest.mark.parametrize("completion, right", [
+    ("47+8=55,55+93=148;148", True),
+    (" 47+8=55,55+93=148; 148 \n", True),
+    ("47+8=56,56+93=149;148", True),  # only the answer is checked, not the working
+    ("x;1;148", True),  # the last marker counts
+    ("47+8=55,55+93=148;149", False),
+    ("47+8=55,55+93=148;1480", False),
+    ("47+8=55,55+93=148;", False),
+    ("148;47", False),
+    ("148", False),  # an answer must follow the marker
+    ("", False),
+])
+def test_worked_reward_checks_the_answer_after_the_marker(completion, right):
+    assert ArithmeticTask(eval_size=10, solution="worked").is_correct(completion, SUM) is right
+
+
+def test_the_default_is_the_plain_answer():
+    plain, worked = build_task(load_config(None, ["task.eval_size=50"]).task), ArithmeticTask(eval_size=50,
+                                                                                              solution="worked")
+    assert plain.solution == "answer" and plain.reference_completion(SUM) == "148"
+    assert plain.is_correct(" 148\n", SUM) and not plain.is_correct("47+8=55,55+93=148;148", SUM)
+    # the same problems either way: only the completion format differs
+    assert [p.prompt for p in plain.eval_set()] == [p.prompt for p in worked.eval_set()]
+    assert [plain.problem(i) for i in range(50)] == [worked.problem(i) for i in range(50)]
+    tokenizer = build_char_tokenizer()
+    assert validation_tokens(tokenizer, plain, plain.eval_set()) == 8  # the warm-up's validation as before
+    assert validation_tokens(tokenizer, worked, worked.eval_set()) == 1 + max(
+        len(worked.reference_completion(p)) for p in worked.eval_set())
+    assert "solution" not in load_config(None, []).task.args  # so the default warm-up keeps its cache key
+    assert warmup_key(load_config(None, [])) != warmup_key(load_config(None, ["task.args={solution: worked}"]))
+
+
+def test_a_worked_warmup_runs_on_the_configured_device(tmp_path):
+    overrides = [f"warmup.cache_dir={tmp_path}", "warmup.steps=4", "warmup.check_every=2", "warmup.batch_size=8",
+                 "warmup.validation_size=8", "model.tiny.num_layers=1", "model.tiny.hidden_size=32",
+                 "model.tiny.intermediate_size=64", "task.args={solution: worked, operands: 3}", "task.eval_size=8"]
+    cfg = load_config(None, [*overrides, f"model.device={device_under_test().type}"])
+    out = run_warmup(cfg, progress=False)
+    assert json.loads((out / "warmup.json").read_text())["steps"] == 4
+    # the device is not part of the cache key: a warm-up made on one machine serves runs on another
+    assert out.name == warmup_key(load_config(None, [*overrides, "model.device=cuda"]))

@@ -1,5 +1,11 @@
 """The built-in task: sums of 2 or 3 integers of 1-2 digits, e.g. "47+8+93=" -> "148".
 
+With `solution: worked` the completion is a short worked solution, the running sums left to right, then ';' and
+the answer: "47+8+93=" -> "47+8=55,55+93=148;148". Completions are several times longer, and one wrong running
+sum makes the answer wrong: the regime of reasoning chains that PODS is designed for. The working makes a problem
+easier to learn than its bare answer (the default model's warm-up on 2-4 operands: 33% after 400 steps worked, 7.5%
+after 600 bare), so a harder task comes from more operands or digits.
+
 Hard enough for the tiny model that a short supervised warm-up leaves it part-way (carries across three operands are
 what it gets wrong longest), so RL has room to climb; and mixed, so prompts differ in how often the model solves
 them, which is what variance-based selection and allocation feed on. Problems are a pure function of (seed, index):
@@ -24,12 +30,25 @@ from podsrl.batch import Problem
 from podsrl.errors import ConfigError
 from podsrl.tasks.base import Task
 
+SOLUTIONS = ("answer", "worked")
+ANSWER_MARKER = ";"  # ends a worked solution; what follows the last one is the answer that is checked
+
+
+def worked_solution(values: list[int]) -> str:
+    """The running sums left to right, then the answer: [47, 8, 93] -> "47+8=55,55+93=148;148"."""
+    steps, total = [], values[0]
+    for v in values[1:]:
+        steps.append(f"{total}+{v}={total + v}")
+        total += v
+    return ",".join(steps) + ANSWER_MARKER + str(total)
+
 
 class ArithmeticTask(Task):
     name = "arithmetic"
 
     def __init__(self, seed: int = 1234, eval_size: int = 2000, operands: int = 3, digits: int = 2,
-                 min_operands: int = 2, holdout_fraction: float = 0.1, train_size: int = 0) -> None:
+                 min_operands: int = 2, holdout_fraction: float = 0.1, train_size: int = 0,
+                 solution: str = "answer") -> None:
         if isinstance(train_size, bool) or not isinstance(train_size, int) or train_size < 0:
             raise ConfigError(f"task.args.train_size: must be a whole number >= 0 (0 = an unbounded stream of "
                               f"problems), got {train_size!r}")
@@ -46,6 +65,10 @@ class ArithmeticTask(Task):
         if not 0.0 < holdout_fraction < 1.0:
             raise ConfigError("task.args.holdout_fraction: must be in (0, 1)")
         self.holdout_fraction = holdout_fraction
+        if solution not in SOLUTIONS:
+            raise ConfigError(f"task.args.solution: must be 'answer' (the sum alone) or 'worked' (running sums, then "
+                              f"'{ANSWER_MARKER}' and the sum), got {solution!r}")
+        self.solution = solution
         self._small_holdout: dict[tuple[int, ...], frozenset[str]] = {}
         # One stream for the whole eval list; training draws are a pure function of their index instead.
         rng, self._eval = random.Random(f"eval-{seed}"), []
@@ -101,7 +124,15 @@ class ArithmeticTask(Task):
         return list(self._eval)
 
     def is_correct(self, completion: str, problem: Problem) -> bool:
+        """'answer': the whole completion, whitespace stripped, is the sum. 'worked': the text after the completion's
+        last ';', whitespace stripped, is the sum; the working before it is not checked, and a completion without
+        ';' is wrong (an answer must be marked as one)."""
+        if self.solution == "worked":
+            _, marker, answer = completion.rpartition(ANSWER_MARKER)
+            return bool(marker) and answer.strip() == problem.answer
         return completion.strip() == problem.answer
 
     def reference_completion(self, problem: Problem) -> str:
+        if self.solution == "worked":
+            return worked_solution([int(x) for x in problem.prompt.rstrip("=").split("+")])
         return problem.answer
