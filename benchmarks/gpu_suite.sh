@@ -141,11 +141,12 @@ default_run() {
     "$py" benchmarks/run_summary.py "$run" >>"$f" 2>&1 || echo "no metrics to summarise in $run" >>"$f"
 }
 
-# The warm-up runs once, on the CPU (podsrl/warmup.py), cached under a key that ignores device and dtype: both
-# dtypes start from the same weights and their clocks compare the RL steps alone. Its log heads default_float32.txt.
+# The warm-up is carried or runs once (on model.device: podsrl/warmup.py), cached under a key that ignores device and
+# dtype: both dtypes start from the same weights and their clocks compare the RL steps alone. Its log, if it ran
+# here, heads default_float32.txt.
 default() {
     rm -rf "$runs"
-    if [ -d .cache/podsrl/warmup ] && [ "$smoke" = 0 ]; then  # carried from the CPU machine: the same weights
+    if [ -d .cache/podsrl/warmup ] && [ "$smoke" = 0 ]; then  # carried from another machine: the same key
         mkdir -p "$runs" && cp -r .cache/podsrl/warmup "$runs/warmup"
         echo "== warm-up: carried in .cache/podsrl/warmup ($(ls .cache/podsrl/warmup))" >"$out/default_float32.txt"
         written[$out/default_float32.txt]=1
