@@ -53,7 +53,7 @@ class ModelConfig:
 @dataclass
 class TaskConfig:
     name: str = _f("arithmetic", "'arithmetic' (built-in), 'dataset' (jsonl/csv/parquet/HF), 'reasoning_gym'.")
-    args: dict[str, Any] = _f({}, "Task-specific arguments (e.g. operands/digits/train_size for arithmetic, "
+    args: dict[str, Any] = _f({}, "Task-specific arguments (e.g. operands/digits/train_size/solution for arithmetic, "
                               "dataset path and columns).")
     eval_size: int = _f(2000, "Held-out problems; fixed by the task seed (0 = no eval set: trains, says so).")
     seed: int = _f(1234, "Seed of the problem generator and held-out set (shared by every run of a comparison).")
