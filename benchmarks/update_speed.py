@@ -223,23 +223,48 @@ def attention_choice(repeats: int) -> None:
 
 
 def op_counts(names: list[str], device: str) -> None:
-    """ATen operations one update runs, per arm (forward and backward; leaves only: each launches work). On a GPU
-    each is at least one kernel launch, which is what a small update's time is made of."""
-    from torch.profiler import ProfilerActivity, profile
+    """ATen operations one update runs, per arm (forward and backward; leaves only: each does work), and how many of
+    the shared-prompt arm's are its plan's index work on CPU tensors (on a GPU those launch no kernel; the others
+    launch at least one each, which is what a small update's time is made of)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
-    for name in names:
-        model, config, overrides, batch = WORKLOADS[name]()
-        counts = {}
-        for shared in (True, False):
-            updater = make_updater(copy.deepcopy(model), config, overrides, shared, device)
-            updater.update(batch, torch.Generator().manual_seed(0))
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                updater.update(batch, torch.Generator().manual_seed(1))
-            events = prof.events()
-            parents = {id(e.cpu_parent) for e in events if e.cpu_parent is not None}
-            counts[shared] = sum(e.name.startswith("aten::") and id(e) not in parents for e in events)
-        print(f"== {name}: ATen operations per update: shared-prompt {counts[True]:,}, plain {counts[False]:,} "
-              f"({counts[True] / counts[False]:.2f}x)")
+    import podsrl.update.shared_prompt as shared_prompt
+
+    build_plan = shared_prompt.build_plan
+
+    def labelled_build_plan(*args, **kwargs):
+        with record_function("build_plan"):
+            return build_plan(*args, **kwargs)
+
+    def in_plan(event) -> bool:
+        while event is not None:
+            if event.name == "build_plan":
+                return True
+            event = event.cpu_parent
+        return False
+
+    shared_prompt.build_plan = labelled_build_plan
+    try:
+        for name in names:
+            model, config, overrides, batch = WORKLOADS[name]()
+            counts, plan_ops = {}, 0
+            for shared in (True, False):
+                updater = make_updater(copy.deepcopy(model), config, overrides, shared, device)
+                updater.update(batch, torch.Generator().manual_seed(0))
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    updater.update(batch, torch.Generator().manual_seed(1))
+                events = prof.events()
+                parents = {id(e.cpu_parent) for e in events if e.cpu_parent is not None}
+                leaves = [e for e in events if e.name.startswith("aten::") and id(e) not in parents]
+                counts[shared] = len(leaves)
+                if shared:
+                    plan_ops = sum(map(in_plan, leaves))
+            model_ops = counts[True] - plan_ops
+            print(f"== {name}: ATen operations per update: shared-prompt {counts[True]:,} ({plan_ops:,} building its "
+                  f"plans, {model_ops:,} the model's), plain {counts[False]:,}; model operations "
+                  f"{model_ops / counts[False]:.2f}x the plain path's")
+    finally:
+        shared_prompt.build_plan = build_plan
 
 
 def peak_memory(name: str, shared: bool, device: str) -> int:

@@ -26,8 +26,8 @@ from podsrl.config import TinyModelConfig, load_config
 from podsrl.models import build_char_tokenizer, build_tiny_model
 from podsrl.tracking import read_metrics
 from podsrl.trainer import Trainer
-from podsrl.update import PolicyUpdater
-from podsrl.update.shared_prompt import build_plan, unsupported_reason
+from podsrl.update import PolicyUpdater, shared_prompt
+from podsrl.update.shared_prompt import build_plan, distinct_rows, unsupported_reason
 from tests.conftest import device_under_test, tiny_overrides
 
 TOL = 1e-5
@@ -190,6 +190,24 @@ def test_plan_shares_prompts_and_skips_padding():
     empty[0] = 0
     assert build_plan(batch.prompt_ids, empty, batch.completion_ids, batch.completion_mask,
                       torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("collide", [False, True])
+def test_distinct_rows_are_torch_unique_up_to_order(monkeypatch, collide):
+    """The plan's prompt deduplication: the same rows and grouping as torch.unique(dim=0); with every hash equal
+    (a forced collision) the row check sends it to torch.unique itself."""
+    if collide:
+        monkeypatch.setattr(shared_prompt, "_hash_weights", lambda width: torch.zeros(width, dtype=torch.long))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        width = int(torch.randint(1, 12, (1,), generator=gen))
+        prompts = torch.randint(-1, 5, (int(torch.randint(1, 6, (1,), generator=gen)), width), generator=gen)
+        rows = prompts[torch.randint(0, len(prompts), (int(torch.randint(1, 40, (1,), generator=gen)),),
+                                     generator=gen)]
+        distinct, inverse = distinct_rows(rows)
+        expected, _ = torch.unique(rows, dim=0, return_inverse=True)
+        assert torch.equal(distinct[inverse], rows)
+        assert sorted(map(tuple, distinct.tolist())) == sorted(map(tuple, expected.tolist()))
 
 
 def test_other_architectures_fall_back_with_one_log_line(caplog):
