@@ -56,23 +56,10 @@ echo "gpu_pods_study: seeds '$seeds', budget ${budget}s a run, deadline ${deadli
 : >"$log"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-# Wheels carried in .whl/ (benchmarks/gpu_wheels.sh) go to /tmp/site, pip's complaints to log.txt.
-wheels=(.whl/*.whl)
-if [ -f "${wheels[0]}" ]; then
-    if "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        "${wheels[@]}" >>"$log" 2>&1; then
-        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-    else
-        echo "wheels: the ${#wheels[@]} in .whl/ did not install (see log.txt); going on without them" \
-            | tee -a "$summary"
-    fi
-fi
+# shellcheck source=benchmarks/gpu_common.sh
+. benchmarks/gpu_common.sh
+install_wheels "$py" "$log" "$summary"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-
-# outcome RC LIMIT_S: how a part under `timeout LIMIT_S` ended, in words
-outcome() {
-    case $1 in 0) echo ok ;; 124 | 137) echo "TIMED OUT at $2s" ;; *) echo "failed (exit $1)" ;; esac
-}
 
 # part NAME LIMIT_S CMD...: CMD's output appended to log.txt, killed after LIMIT_S; a status line to summary.txt
 part() {

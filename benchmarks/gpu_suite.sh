@@ -33,11 +33,9 @@ summary=$out/summary.txt
 : >"$summary"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} \
-        || echo "wheels in .whl/ did not install; going on without them" | tee -a "$summary"
-fi
+# shellcheck source=benchmarks/gpu_common.sh
+. benchmarks/gpu_common.sh
+install_wheels "$py" "$summary" "$summary"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 device=cuda
 if [ "$smoke" = 1 ]; then  # a busy CPU: child processes start slowly, so the limits are doubled
@@ -49,7 +47,7 @@ fi
 # after), killed after LIMIT_S x scale; a status line to summary
 declare -A written
 part() {
-    local name=$1 limit file=$3 start=$SECONDS rc status
+    local name=$1 limit file=$3 start=$SECONDS rc
     limit=$(awk -v s="$2" -v k="$scale" 'BEGIN { printf "%d", s * k }')
     shift 3
     [ -n "${written[$file]:-}" ] || : >"$file"
@@ -57,12 +55,7 @@ part() {
     echo "== $name (limit ${limit}s): $*" | tee -a "$file"
     timeout -k 10 "$limit" "$@" >>"$file" 2>&1
     rc=$?
-    case $rc in
-        0) status=ok ;;
-        124 | 137) status="TIMED OUT at ${limit}s" ;;
-        *) status="failed (exit $rc)" ;;
-    esac
-    echo "$name: $status, $((SECONDS - start)) s -> $(basename "$file")" | tee -a "$summary"
+    echo "$name: $(outcome $rc "$limit"), $((SECONDS - start)) s -> $(basename "$file")" | tee -a "$summary"
 }
 
 has() { timeout 60 "$py" -c "import $1" >/dev/null 2>&1; }

@@ -1,0 +1,20 @@
+# Shared by benchmarks/gpu_suite.sh and benchmarks/gpu_pods_study.sh (sourced, not run).
+
+# install_wheels PY LOG SUMMARY: wheels carried in .whl/ (benchmarks/gpu_wheels.sh) go to /tmp/site, which joins
+# PYTHONPATH; pip's complaints go to LOG, and a failed install is said in SUMMARY (the scripts go on without them).
+install_wheels() {
+    local py=$1 log=$2 summary=$3 wheels=(.whl/*.whl)
+    [ -f "${wheels[0]}" ] || return 0
+    if "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "${wheels[@]}" >>"$log" 2>&1; then
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    else
+        echo "wheels: the ${#wheels[@]} in .whl/ did not install (see $(basename "$log")); going on without them" \
+            | tee -a "$summary"
+    fi
+}
+
+# outcome RC LIMIT_S: how a command under `timeout LIMIT_S` ended, in words
+outcome() {
+    case $1 in 0) echo ok ;; 124 | 137) echo "TIMED OUT at $2s" ;; *) echo "failed (exit $1)" ;; esac
+}
