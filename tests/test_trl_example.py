@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.checkout import pythonpath
+
 pytest.importorskip("trl")
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("fraction", ["0.05", "0"])
 def test_trl_example_with_and_without_eval_set(tmp_path, fraction):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, str(ROOT / "examples/trl_pods.py"), "--steps", "2", "--eval-fraction",
                            fraction, "--output-dir", str(tmp_path)], capture_output=True, text=True, env=env,
                           timeout=600)

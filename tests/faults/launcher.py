@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.checkout import pythonpath
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -154,7 +156,7 @@ class Launcher:
     def __init__(self, workdir: Path) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "PYTHONPATH": pythonpath(), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         env.pop("PODSRL_FAULTS", None)
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.faults.launcher"], cwd=REPO, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.checkout import pythonpath
+
 ROOT = Path(__file__).resolve().parents[2]
 
 CHATML = (
@@ -99,7 +101,7 @@ def write_data(folder: Path, rows: list[dict]) -> dict[str, Path]:
 def podsrl(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None,
            python_args: tuple[str, ...] = ("-m", "podsrl.cli")) -> subprocess.CompletedProcess:
     """The real CLI as a subprocess, from this checkout, offline, one thread per process (a 2-core CI box)."""
-    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+    full_env = {**os.environ, "PYTHONPATH": pythonpath(), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                 "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     full_env.pop("WANDB_SERVICE", None)  # a wandb service started by an in-process test is not the CLI's
     return subprocess.run([sys.executable, *python_args, *args], cwd=cwd, env=full_env, capture_output=True,
