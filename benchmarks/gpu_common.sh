@@ -1,5 +1,14 @@
 # Shared by benchmarks/gpu_suite.sh and benchmarks/gpu_pods_study.sh (sourced, not run).
 
+# gpu_environment LOG SUMMARY: what every command of the scripts runs with: py (the interpreter, $PYTHON or
+# python3), unbuffered offline Python, the carried wheels (install_wheels), and this checkout first on PYTHONPATH.
+gpu_environment() {
+    py=${PYTHON:-python3}
+    export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+    install_wheels "$py" "$1" "$2"
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+}
+
 # install_wheels PY LOG SUMMARY: wheels carried in .whl/ (benchmarks/gpu_wheels.sh) go to /tmp/site, which joins
 # PYTHONPATH; pip's complaints go to LOG, and a failed install is said in SUMMARY (the scripts go on without them).
 install_wheels() {

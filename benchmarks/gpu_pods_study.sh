@@ -54,12 +54,9 @@ summary=$out/summary.txt log=$out/log.txt
 echo "gpu_pods_study: seeds '$seeds', budget ${budget}s a run, deadline ${deadline}s, smoke $smoke, out $out" \
     | tee "$summary"
 : >"$log"
-py=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 # shellcheck source=benchmarks/gpu_common.sh
 . benchmarks/gpu_common.sh
-install_wheels "$py" "$log" "$summary"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+gpu_environment "$log" "$summary"
 
 # part NAME LIMIT_S CMD...: CMD's output appended to log.txt, killed after LIMIT_S; a status line to summary.txt
 part() {

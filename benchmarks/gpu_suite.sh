@@ -31,12 +31,9 @@ done
 mkdir -p "$out"
 summary=$out/summary.txt
 : >"$summary"
-py=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 # shellcheck source=benchmarks/gpu_common.sh
 . benchmarks/gpu_common.sh
-install_wheels "$py" "$summary" "$summary"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+gpu_environment "$summary" "$summary"
 device=cuda
 if [ "$smoke" = 1 ]; then  # a busy CPU: child processes start slowly, so the limits are doubled
     device=cpu

@@ -22,7 +22,8 @@ def summary(run_dir: Path) -> list[str]:
         last = steps[-1]
         lines.append(f"last step {last['step']}: time/elapsed {last.get('time/elapsed', float('nan')):.1f} s, "
                      f"reward {last['reward']:.3f}")
-    for name, r in [("first", evals[0]), ("last", evals[-1])] if len(evals) > 1 else [("last", e) for e in evals]:
+    named = ([("first", evals[0])] if len(evals) > 1 else []) + [("last", e) for e in evals[-1:]]
+    for name, r in named:
         lines.append(f"{name} eval: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                                for k, v in r.items() if k.startswith(("step", "eval/", "time/"))))
     return lines
