@@ -8,11 +8,15 @@ The tiny model is untrained here, so completions run to the full length in both 
 defaults, among them GRPOConfig's gradient_checkpointing=True (a recomputed forward in its backward, which podsrl
 does not do; measured ~1.1x of TRL's step here), printed beside its times.
 
+`--model 10m` runs part 1 on a ~10M-parameter model of the same family instead of the built-in one. Part 1 also
+prints the ratio of the two frameworks' matmul work (`work_ratios`): what the full-step ratio would be if both ran at
+the same FLOP rate with no other cost.
+
 Part 2 (the built-in task with the warmed-up model, as `podsrl train` runs it): PODS 64->16 vs GRPO 16-16 steps,
 alternating, with their split into generate/score/select/update (target: ratio <= 1.3).
 
     python benchmarks/step_throughput.py [--repeats 5] [--threads 1] [--skip-trl] [--skip-task]
-                                         [--trl-no-checkpointing]
+                                         [--trl-no-checkpointing] [--model tiny|10m]
 """
 
 from __future__ import annotations
@@ -30,8 +34,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from podsrl.config import load_config  # noqa: E402
+from podsrl.config import TinyModelConfig, load_config  # noqa: E402
+from podsrl.models import build_char_tokenizer, build_tiny_model  # noqa: E402
 from podsrl.trainer import Trainer  # noqa: E402
+
+# The built-in model and a ~10M-parameter one of the same shape family (width 384, 6 layers): where per-operation
+# cost, which dominates the 0.8M model's steps on a CPU, is a smaller share.
+MODELS = {
+    "tiny": TinyModelConfig(),
+    "10m": TinyModelConfig(hidden_size=384, num_layers=6, num_heads=6, intermediate_size=1024),
+}
 
 STEP_KEYS = ("time/generate", "time/score", "time/select", "time/update", "time/step", "tokens/generated",
              "tokens/trained")
@@ -50,6 +62,36 @@ def close(trainer: Trainer) -> None:
 
 def med(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def work_ratios(batch, trl_prompt_len: int, new_tokens: int, trl_checkpointing: bool) -> tuple[float, float, float]:
+    """TRL's matmul work over podsrl's for one step, (generation, update, step), in tokens x FLOPs per parameter
+    (the same parameters in both): 2 per token forwarded while generating, 6 per token trained, 8 where TRL
+    recomputes its forward for gradient checkpointing. podsrl forwards each distinct prompt once and each completion
+    token but the last, in generation and in the update alike; TRL prefills every row's padded prompt, runs
+    new_tokens - 1 decode steps over every row (its completions reach the cap in every step here) and trains every
+    row's padded prompt + completion."""
+    rows = batch.num_rollouts
+    first_rows = [int((batch.group_index == g).nonzero()[0]) for g in batch.group_index.unique()]
+    prompt_tokens = int(batch.prompt_mask[first_rows].sum())
+    forwarded = prompt_tokens + int((batch.completion_mask.sum(1) - 1).clamp(min=0).sum())
+    ours = (2 * forwarded, 6 * forwarded)
+    theirs = (2 * rows * (trl_prompt_len + new_tokens - 1),
+              (8 if trl_checkpointing else 6) * rows * (trl_prompt_len + new_tokens))
+    return theirs[0] / ours[0], theirs[1] / ours[1], sum(theirs) / sum(ours)
+
+
+def recorded_batches(trainer: Trainer) -> list:
+    """The list every batch the trainer's updater trains on is appended to from now on."""
+    batches: list = []
+    update = trainer.updater.update
+
+    def recording_update(batch, generator):
+        batches.append(batch)
+        return update(batch, generator)
+
+    trainer.updater.update = recording_update
+    return batches
 
 
 def alternating_callback(base: type, ours: Trainer):
@@ -78,18 +120,23 @@ def part1(opts) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from trl_step import build_trainer
 
-    print(f"== podsrl vs TRL GRPOTrainer: untrained tiny model, n = 16, 16 new tokens, beta = 0, lr 1e-4; "
-          f"{opts.repeats} alternating steps each after one untimed; median (min-max) seconds")
+    model = MODELS[opts.model]
+    params = build_tiny_model(model, build_char_tokenizer()).num_parameters()
+    print(f"== podsrl vs TRL GRPOTrainer: untrained {opts.model} model ({params / 1e6:.1f}M parameters), n = 16, "
+          f"16 new tokens, beta = 0, lr 1e-4; {opts.repeats} alternating steps each after one untimed; median "
+          f"(min-max) seconds")
+    shape = [f"model.tiny.{k}={v}" for k, v in vars(model).items()]
     dataset = Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(10, 40) for b in range(10, 20)],
                                  "answer": [str(a + b) for a in range(10, 40) for b in range(10, 20)]})
     for rollouts in (64, 256):
         prompts = rollouts // 16
         ours = podsrl_trainer([f"rollout.prompts_per_step={prompts}", "rollout.n=16", "method=grpo",
                                "rollout.max_new_tokens=16", "warmup.steps=0", "optim.lr=1e-4",
-                               f"optim.micro_batch_size={rollouts}"])
+                               f"optim.micro_batch_size={rollouts}", *shape])
         trl_opts = argparse.Namespace(prompts=prompts, max_new_tokens=16, warmup=1, steps=opts.repeats,
-                                      trl_no_checkpointing=opts.trl_no_checkpointing)
+                                      trl_no_checkpointing=opts.trl_no_checkpointing, model_config=model)
         trl, gen_times = build_trainer(f"trl{rollouts}", 16, None, trl_opts, dataset)
+        batches = recorded_batches(ours)
         alternate = alternating_callback(TrainerCallback, ours)
         trl.add_callback(alternate)
         trl.train()
@@ -107,6 +154,12 @@ def part1(opts) -> None:
               f"{max(ratios):.2f}x); generation {statistics.median(gen_times) / statistics.median(p['time/generate']):.2f}x; "
               f"update {statistics.median(trl_update) / statistics.median(p['time/update']):.2f}x "
               f"(TRL's 'rest' = step minus generation: scoring, advantages, loss, backward, optimiser)")
+        prompt_len = max(len(trl.processing_class(p).input_ids) for p in dataset["prompt"])
+        works = [work_ratios(b, prompt_len, 16, trl.args.gradient_checkpointing) for b in batches[1:]]
+        gen, upd, step = (statistics.median(w[i] for w in works) for i in range(3))
+        print(f"  matmul work TRL/podsrl (tokens x FLOPs per parameter, see work_ratios), median: generation "
+              f"{gen:.2f}x, update {upd:.2f}x, full step {step:.2f}x (the step ratio if both ran their matmuls at "
+              f"the same rate and had no other cost)")
 
 
 def part2(opts) -> None:
@@ -144,6 +197,8 @@ def main() -> None:
     parser.add_argument("--trl-no-checkpointing", action="store_true",
                         help="run TRL with gradient_checkpointing=False (its GRPOConfig default is True)")
     parser.add_argument("--skip-task", action="store_true")
+    parser.add_argument("--model", choices=list(MODELS), default="tiny",
+                        help="model of the TRL comparison: the built-in one or a ~10M-parameter one")
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)

@@ -59,7 +59,7 @@ def build_trainer(name: str, n: int, m: int | None, opts, dataset: Dataset):
     """A TRL trainer for one setup (GRPOTrainer, or PODSGRPOTrainer when m is given) and the list its generation
     times are appended to."""
     tokenizer = build_char_tokenizer()
-    model = build_tiny_model(TinyModelConfig(), tokenizer, seed=0)
+    model = build_tiny_model(getattr(opts, "model_config", None) or TinyModelConfig(), tokenizer, seed=0)
     common = {
         "output_dir": tempfile.mkdtemp(prefix=f"trl_step_{name}_"), "per_device_train_batch_size": opts.prompts * n,
         "num_generations": n, "max_completion_length": opts.max_new_tokens, "max_steps": opts.warmup + opts.steps,
