@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #21's PODS vs GRPO study in one device call of under ten minutes: the 25M-parameter built-in model on
+# The GPU PODS vs GRPO study (docs/gpu.md) in one device call of under ten minutes: the 25M-parameter built-in model on
 # the worked-solution arithmetic task (configs/gpu_pods_study.yaml) is warmed up once on the GPU, then
 # `podsrl compare` trains GRPO 16-16 and PODS 64->16 for 3 seeds at equal wall-clock (--budget seconds of
 # training each) and writes its paired statistics. Each part has a time limit; a part that fails or runs out of

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #21's GPU measurements in two device calls of under ten minutes each (--parts "machine tests default", then
+# The GPU measurements (docs/gpu.md) in two device calls of under ten minutes each (--parts "machine tests default", then
 # --parts "generation update_speed update_memory"): every part has its own time limit and a part that fails or runs
 # out of time is recorded and the next one runs. Writes at most 8 files (what a device call brings
 # back) to --out (default: $OUT, else /tmp/gpu_suite): summary.txt (one line per part), machine.txt, tests.txt,

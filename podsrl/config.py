@@ -57,7 +57,7 @@ class TaskConfig:
                               "dataset path and columns).")
     eval_size: int = _f(2000, "Held-out problems; fixed by the task seed (0 = no eval set: trains, says so).")
     seed: int = _f(1234, "Seed of the problem generator and held-out set (shared by every run of a comparison).")
-    # Bring-your-own data (issue 17): held-out set of dataset tasks and prompt length.
+    # Bring-your-own data: held-out set of dataset tasks and prompt length.
     eval_fraction: float = _f(0.05, "Dataset tasks without task.args.eval_split: fraction of the distinct questions "
                               "held out for evaluation (seeded by task.seed, at most task.eval_size, never "
                               "trained on; task.args.eval_fraction wins); 0 = no eval set.")
@@ -166,7 +166,7 @@ class DynamoConfig:
     compensate: bool = _f(True, "Apply the compensation factor.")
 
 
-# ---- issue 18: GRESO, Knapsack-RL, Reinforce-Ada (METHODS.md §6-8), one section each
+# ---- GRESO, Knapsack-RL, Reinforce-Ada (METHODS.md §6-8), one section each
 
 
 @dataclass
@@ -286,7 +286,7 @@ class EvalConfig:
 class LogConfig:
     tensorboard: bool = _f(True, "false removes tensorboard from log.report_to (older spelling).")
     progress: bool = _f(True, "Show progress: a live display on a terminal, plain lines when stdout is a file.")
-    # Trackers and progress for cluster jobs (issue 17).
+    # Trackers and progress for cluster jobs.
     report_to: Any = _f(["tensorboard"], "Trackers (TRL: report_to): a list of tensorboard, wandb, trackio, or "
                         "'all' / 'none'. metrics.jsonl is always written. wandb/trackio are optional extras.")
     run_name: str = _f("", "Run name shown by trackers (TRL: run_name); default: the config name and seed.")
@@ -546,7 +546,7 @@ def validate(cfg: Config) -> None:
     need(not (cfg.model.name_or_path == "tiny" and cfg.warmup.steps > 0 and cfg.task.name == "dataset"),
          "warmup.steps", "the built-in model's warm-up needs reference completions, which a dataset task does not "
          "have: set warmup.steps=0, or give model.name_or_path")
-    # bring-your-own data, rewards and logging (issue 17)
+    # bring-your-own data, rewards and logging
     need(0 <= cfg.task.eval_fraction < 1, "task.eval_fraction", "must be in [0, 1)")
     need(cfg.task.max_prompt_length >= 0, "task.max_prompt_length", "must be >= 0 (0 = the model's context)")
     need(cfg.reward_max_faulty_calls >= 1, "reward_max_faulty_calls", "must be >= 1")

@@ -132,7 +132,7 @@ def test_rollout_n_rule_unknown_get_exploration_count_and_known_share_the_rest()
 
 
 def test_reference_rule_mixed_batch_worked_example():
-    # issue 15: 4 unknown + 4 known prompts, n = 16, bounds [8, 24]. The reference code starts every prompt at
+    # 4 unknown + 4 known prompts, n = 16, bounds [8, 24]. The reference code starts every prompt at
     # max(n_min, min_history) - G = 8 and water-fills the rest to the known prompts by priority (unknown priority
     # is 0); the rollout_n rule gives each unknown prompt rollout.n = 16 and leaves the known ones the remainder.
     k, g = t([0, 0, 0, 0, 8, 6, 12, 14]), t([0, 0, 0, 0, 16, 16, 16, 16])
