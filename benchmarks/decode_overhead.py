@@ -6,7 +6,7 @@ A least-squares line through (rows, seconds) splits a call into a fixed part (th
 dispatch of each decode step and reading every weight for the step's matmuls, paid at any batch size) and a
 per-row part (matmul arithmetic and elementwise work). Also printed: ATen operations per call, the fixed part per
 decode step, how much of it one step's matmuls take alone on 4 rows, and the matmul time a 64-row call needs at
-this machine's GEMM rate (1024^3, measured in this run).
+this machine's GEMM rate (1024^3, measured in this run by update_speed.py's gemm_rate).
 
 `--compile` adds a second arm: the fast engine's decoder-layer loop under `torch.compile(dynamic=True)`, with its
 compile time (first call) and its steady times at the same batch sizes.
@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import MIN_REPEATS, Spread, interleaved, machine_line  # noqa: E402
+from benchmarks.update_speed import gemm_rate  # noqa: E402
 from podsrl.config import TinyModelConfig  # noqa: E402
 from podsrl.engines.base import SamplingParams  # noqa: E402
 from podsrl.engines.fast import FastEngine  # noqa: E402
@@ -34,17 +35,6 @@ from podsrl.models import build_char_tokenizer, build_tiny_model  # noqa: E402
 PROMPTS = ("12+13=", "20+31=", "33+14=", "25+16=")
 PER_PROMPT = (1, 4, 16, 64)
 NEW_TOKENS = 16
-
-
-def gemm_rate(size: int = 1024) -> float:
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
 
 
 def step_matmuls(model: torch.nn.Module, rows: int, repeats: int = 200) -> float:
@@ -112,15 +102,16 @@ def main() -> None:
     times = interleaved(arms, opts.repeats, warmup=1)
     rows = [len(prompts) * per for per in PER_PROMPT]
     print(f"generate, {NEW_TOKENS} new tokens, {len(prompts)} prompts; median [range] over {opts.repeats} rounds")
+    fixed_parts = {}
     for name in engines:
         medians = [Spread.of(times[(name, per)]).median for per in PER_PROMPT]
         print(f"  {name}: " + "  ".join(f"{r} rows {Spread.of(times[(name, per)]).text(1e3, 1, ' ms')}"
                                         for r, per in zip(rows, PER_PROMPT)))
-        fixed, per_row = fit(rows, medians)
-        print(f"    fit: fixed {fixed * 1e3:.1f} ms a call + {per_row * 1e6:.0f} us a row; the fixed part is "
-              f"{fixed / medians[2]:.0%} of the 64-row call")
+        fixed_parts[name], per_row = fit(rows, medians)
+        print(f"    fit: fixed {fixed_parts[name] * 1e3:.1f} ms a call + {per_row * 1e6:.0f} us a row; the fixed part "
+              f"is {fixed_parts[name] / medians[2]:.0%} of the 64-row call")
     ops = op_count(lambda: call(engines["eager"], PER_PROMPT[0]))
-    fixed, _ = fit(rows, [Spread.of(times[("eager", per)]).median for per in PER_PROMPT])
+    fixed = fixed_parts["eager"]
     matmuls = step_matmuls(model, len(prompts))
     print(f"  eager: {ops} ATen operations a call ({ops / NEW_TOKENS:.0f} a decode step): "
           f"{fixed / NEW_TOKENS * 1e3:.2f} ms fixed a step, of which the step's matmuls on {len(prompts)} rows "
@@ -129,7 +120,7 @@ def main() -> None:
     config = model.config
     per_token = 2 * sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
     flops = per_token * 64 * NEW_TOKENS
-    rate = gemm_rate()
+    rate = gemm_rate("cpu")
     print(f"  64 rows x {NEW_TOKENS} tokens: {flops / 1e9:.2f} GFLOP of matmuls (layers {config.num_hidden_layers},"
           f" width {config.hidden_size}), {flops / rate * 1e3:.1f} ms at this machine's GEMM rate "
           f"({rate / 1e9:.0f} GFLOP/s)")
