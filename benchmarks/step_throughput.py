@@ -64,21 +64,32 @@ def med(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
-def work_ratios(batch, trl_prompt_len: int, new_tokens: int, trl_checkpointing: bool) -> tuple[float, float, float]:
+def work_ratios(batch, trl_prompt_len: int, new_tokens: int, trl_checkpointing: bool,
+                reused_share: float = 0.0) -> tuple[float, float, float]:
     """TRL's matmul work over podsrl's for one step, (generation, update, step), in tokens x FLOPs per parameter
     (the same parameters in both): 2 per token forwarded while generating, 6 per token trained, 8 where TRL
     recomputes its forward for gradient checkpointing. podsrl forwards each distinct prompt once and each completion
     token but the last, in generation and in the update alike; TRL prefills every row's padded prompt, runs
     new_tokens - 1 decode steps over every row (its completions reach the cap in every step here) and trains every
-    row's padded prompt + completion."""
+    row's padded prompt + completion. `reused_share`: the share of the parameters whose forward podsrl's update took
+    from the sampling forward (update.reuse_sampling_forward), 2 FLOPs per token fewer for those."""
     rows = batch.num_rollouts
     first_rows = [int((batch.group_index == g).nonzero()[0]) for g in batch.group_index.unique()]
     prompt_tokens = int(batch.prompt_mask[first_rows].sum())
     forwarded = prompt_tokens + int((batch.completion_mask.sum(1) - 1).clamp(min=0).sum())
-    ours = (2 * forwarded, 6 * forwarded)
+    ours = (2 * forwarded, (6 - 2 * reused_share) * forwarded)
     theirs = (2 * rows * (trl_prompt_len + new_tokens - 1),
               (8 if trl_checkpointing else 6) * rows * (trl_prompt_len + new_tokens))
     return theirs[0] / ours[0], theirs[1] / ours[1], sum(theirs) / sum(ours)
+
+
+def projection_share(model: torch.nn.Module) -> float:
+    """The share of the model's parameters in its decoder layers' q/k/v/o and gate/up/down projections."""
+    layers = model.model.layers
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    projections = [getattr(layer.self_attn, n) for layer in layers for n in names]
+    projections += [getattr(layer.mlp, n) for layer in layers for n in ("gate_proj", "up_proj", "down_proj")]
+    return sum(p.numel() for m in projections for p in m.parameters()) / model.num_parameters()
 
 
 def recorded_batches(trainer: Trainer) -> list:
@@ -155,11 +166,14 @@ def part1(opts) -> None:
               f"update {statistics.median(trl_update) / statistics.median(p['time/update']):.2f}x "
               f"(TRL's 'rest' = step minus generation: scoring, advantages, loss, backward, optimiser)")
         prompt_len = max(len(trl.processing_class(p).input_ids) for p in dataset["prompt"])
-        works = [work_ratios(b, prompt_len, 16, trl.args.gradient_checkpointing) for b in batches[1:]]
+        reused = statistics.median(r.get("update/sampling_forward_reused", 0.0) for r in records)
+        share = reused * projection_share(ours.model)
+        works = [work_ratios(b, prompt_len, 16, trl.args.gradient_checkpointing, share) for b in batches[1:]]
         gen, upd, step = (statistics.median(w[i] for w in works) for i in range(3))
         print(f"  matmul work TRL/podsrl (tokens x FLOPs per parameter, see work_ratios), median: generation "
               f"{gen:.2f}x, update {upd:.2f}x, full step {step:.2f}x (the step ratio if both ran their matmuls at "
-              f"the same rate and had no other cost)")
+              f"the same rate and had no other cost; podsrl's update took the projections' forward ({100 * share:.0f}%"
+              f" of the parameters) from sampling in {100 * reused:.0f}% of its micro-batches)")
 
 
 def part2(opts) -> None:

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from podsrl.forward_record import ForwardRecord
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -38,6 +40,10 @@ class RolloutBatch:
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [R] float (NaN = missing)
     correct: torch.Tensor | None = None  # [R] bool, verifier correctness (used by AERO/DynaMO statistics)
     advantages: torch.Tensor | None = None  # [R] float, sequence-level advantage broadcast to tokens
+    # the sampling forward's projection outputs (podsrl/forward_record.py) and each row's row in it; a batch
+    # concatenated from several generate calls has none
+    sampling_forward: ForwardRecord | None = None
+    sampling_row: torch.Tensor | None = None  # [R] long
 
     @property
     def num_rollouts(self) -> int:

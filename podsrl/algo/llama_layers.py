@@ -30,11 +30,49 @@ def norm_function(norm: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tenso
 def fused_qkv(attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The q/k/v projections' weights (and biases) concatenated, for one matmul instead of three; None when they are
     not all plain Linear (LoRA-wrapped) or only some have a bias. Built on each call: the weights change in place."""
-    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-    if not all(type(m) is torch.nn.Linear for m in projections) or len({m.bias is None for m in projections}) > 1:
+    if not _qkv_fusable(attn):
         return None
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
     bias = None if attn.q_proj.bias is None else torch.cat([m.bias for m in projections])
     return torch.cat([m.weight for m in projections]), bias
+
+
+def fused_gate_up(mlp: torch.nn.Module) -> torch.Tensor | None:
+    """The gate and up projections' weights concatenated, for one matmul instead of two; None unless the MLP is the
+    gated down(act_fn(gate(x)) * up(x)) of plain Linear layers, gate and up without bias. Built on each call: the
+    weights change in place."""
+    if not _gate_up_fusable(mlp):
+        return None
+    return torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+
+
+def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight, bias) written into `out` [tokens, out_features] (contiguous x [..., in_features]); returned
+    in x's leading shape. The same matmul F.linear runs on such x, so the same bits."""
+    flat = x.reshape(-1, x.shape[-1])
+    if bias is None:
+        torch.mm(flat, weight.t(), out=out)
+    else:
+        torch.addmm(bias, flat, weight.t(), out=out)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def plain_projections(layer: torch.nn.Module) -> bool:
+    """Whether every projection of a decoder layer is one plain matmul: q/k/v as fused_qkv, o_proj, gate/up as
+    fused_gate_up, down_proj (what a ForwardRecord keeps and the update can take from it)."""
+    return (_qkv_fusable(layer.self_attn) and _gate_up_fusable(layer.mlp)
+            and type(layer.self_attn.o_proj) is torch.nn.Linear)
+
+
+def _qkv_fusable(attn: torch.nn.Module) -> bool:
+    projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+    return all(type(m) is torch.nn.Linear for m in projections) and len({m.bias is None for m in projections}) == 1
+
+
+def _gate_up_fusable(mlp: torch.nn.Module) -> bool:
+    gated = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    return (all(type(m) is torch.nn.Linear for m in gated) and hasattr(mlp, "act_fn")
+            and gated[0].bias is None and gated[1].bias is None)
 
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
