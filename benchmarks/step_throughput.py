@@ -15,8 +15,11 @@ the same FLOP rate with no other cost.
 Part 2 (the built-in task with the warmed-up model, as `podsrl train` runs it): PODS 64->16 vs GRPO 16-16 steps,
 alternating, with their split into generate/score/select/update (target: ratio <= 1.3).
 
+`--reuse-ab` runs, instead of parts 1 and 2, podsrl's step of part 1 with and without update.reuse_sampling_forward
+(the update taking the projections' forward from sampling), alternating, at 64 and 256 rollouts.
+
     python benchmarks/step_throughput.py [--repeats 5] [--threads 1] [--skip-trl] [--skip-task]
-                                         [--trl-no-checkpointing] [--model tiny|10m]
+                                         [--trl-no-checkpointing] [--model tiny|10m] [--reuse-ab]
 """
 
 from __future__ import annotations
@@ -176,6 +179,34 @@ def part1(opts) -> None:
               f" of the parameters) from sampling in {100 * reused:.0f}% of its micro-batches)")
 
 
+def reuse_ab(opts) -> None:
+    print(f"== podsrl step of part 1 ({opts.model} model), update.reuse_sampling_forward true vs false, "
+          f"{opts.repeats} alternating steps each after one untimed; median (min-max) seconds")
+    shape = [f"model.tiny.{k}={v}" for k, v in vars(MODELS[opts.model]).items()]
+    for rollouts in (64, 256):
+        trainers = {reuse: podsrl_trainer([f"rollout.prompts_per_step={rollouts // 16}", "rollout.n=16",
+                                           "method=grpo", "rollout.max_new_tokens=16", "warmup.steps=0",
+                                           "optim.lr=1e-4", f"optim.micro_batch_size={rollouts}",
+                                           f"update.reuse_sampling_forward={reuse}", *shape])
+                    for reuse in ("true", "false")}
+        records: dict[str, list[dict]] = {name: [] for name in trainers}
+        for i in range(opts.repeats + 1):
+            for name in trainers if i % 2 == 0 else list(trainers)[::-1]:
+                metrics = trainers[name].train_step().metrics
+                if i > 0:
+                    records[name].append(metrics)
+        for t in trainers.values():
+            close(t)
+        print(f"{rollouts} rollouts/step")
+        for name, rs in records.items():
+            print(f"  reuse {name:<5} step {med([r['time/step'] for r in rs])}  generate "
+                  f"{med([r['time/generate'] for r in rs])}  update {med([r['time/update'] for r in rs])}")
+        ratios = [b["time/step"] / a["time/step"] for a, b in zip(records["true"], records["false"])]
+        reused = statistics.median(r.get("update/sampling_forward_reused", 0.0) for r in records["true"])
+        print(f"  step without / with reuse: median {statistics.median(ratios):.3f}x ({min(ratios):.3f}-"
+              f"{max(ratios):.3f}x); micro-batches reusing: {100 * reused:.0f}%")
+
+
 def part2(opts) -> None:
     print(f"\n== built-in task, warmed-up model, default engine: PODS 64->16 vs GRPO 16-16 (32 prompts/step), "
           f"{opts.repeats} alternating steps each after one untimed")
@@ -213,6 +244,8 @@ def main() -> None:
     parser.add_argument("--skip-task", action="store_true")
     parser.add_argument("--model", choices=list(MODELS), default="tiny",
                         help="model of the TRL comparison: the built-in one or a ~10M-parameter one")
+    parser.add_argument("--reuse-ab", action="store_true",
+                        help="only podsrl's step with and without update.reuse_sampling_forward")
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -221,9 +254,11 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
           f"load average {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}")
     t0 = time.perf_counter()
-    if not opts.skip_trl:
+    if opts.reuse_ab:
+        reuse_ab(opts)
+    if not (opts.skip_trl or opts.reuse_ab):
         part1(opts)
-    if not opts.skip_task:
+    if not (opts.skip_task or opts.reuse_ab):
         part2(opts)
     print(f"(benchmark took {time.perf_counter() - t0:.0f}s; end load average {os.getloadavg()[0]:.2f})")
 
