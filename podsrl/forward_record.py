@@ -35,8 +35,13 @@ class ForwardBuffers:
                  device: torch.device) -> None:
         self.key = (features, dtype, device)
         self.capacity = capacity
-        self.tensors = [tuple(torch.empty(capacity, f, dtype=dtype, device=device) for f in layer)
-                        for layer in features]
+        # one allocation carved into views: on CPU a large one is mapped apart from the heap, which then keeps the
+        # same layout step after step (separate buffers of a few MB, held across steps, set glibc trimming and
+        # refaulting the memory around them: thousands of page faults a step)
+        storage = torch.empty(capacity * sum(map(sum, features)), dtype=dtype, device=device)
+        sizes = [capacity * f for layer in features for f in layer]
+        views = iter(storage.split(sizes))
+        self.tensors = [tuple(next(views).view(capacity, f) for f in layer) for layer in features]
         self.lent = False
 
     def fits(self, features: list[tuple[int, ...]], capacity: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -119,15 +124,25 @@ class ForwardRecord:
             return None
         return torch.cat([prompt, completion])
 
-    def gather(self, source: Tensor, ids: Tensor, last_rows: Tensor) -> list[LayerOutputs] | None:
-        """The recorded outputs at `source` (on their device), per layer; the last layer's gate/up and down at
-        source[last_rows] (the update runs that layer's MLP only where an output is read). None when the tokens at
-        `source` are not `ids` (then this record is not the batch's)."""
+    def gather(self, source: Tensor, ids: Tensor, last_rows: Tensor, into: ForwardBuffers) -> list[LayerOutputs] | None:
+        """The recorded outputs at `source` (on their device), per layer, written into the leading rows of `into`
+        (the caller's buffers, reused from call to call: fresh tensors of this size cost page faults on CPU, more
+        than the copy); the last layer's gate/up and down at source[last_rows] (the update runs that layer's MLP
+        only where an output is read). None when the tokens at `source` are not `ids` (then this record is not the
+        batch's)."""
         if not torch.equal(self.ids[source], ids):
             return None
         last_source = source[last_rows]
-        *earlier, (qkv, o, gate_up, down) = self.outputs
-        out = [tuple(t.index_select(0, source) for t in layer) for layer in earlier]
-        out.append((qkv.index_select(0, source), o.index_select(0, source), gate_up.index_select(0, last_source),
-                    down.index_select(0, last_source)))
-        return out
+        out = []
+        for i, (layer, buffers) in enumerate(zip(self.outputs, into.tensors)):
+            sources = (source, source) + ((last_source,) * 2 if i == len(self.outputs) - 1 else (source,) * 2)
+            out.append(tuple(torch.index_select(t, 0, s, out=b[: len(s)]) for t, s, b in zip(layer, sources, buffers)))
+        return out  # type: ignore[return-value]
+
+    def gather_buffers(self, previous: ForwardBuffers | None, tokens: int) -> ForwardBuffers:
+        """`previous` when it can take `tokens` rows of every output, else buffers with room to spare."""
+        features = [tuple(t.shape[1] for t in layer) for layer in self.outputs]
+        first = self.outputs[0][0]
+        if previous is not None and previous.fits(features, tokens, first.dtype, first.device):
+            return previous
+        return ForwardBuffers(features, tokens + tokens // 4, first.dtype, first.device)

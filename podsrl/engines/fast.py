@@ -267,7 +267,8 @@ class FastEngine(RolloutEngine):
         if capacity * sum(map(sum, features)) * weight.element_size() > max_bytes:
             return None
         if self._buffers is None or not self._buffers.fits(features, capacity, weight.dtype, weight.device):
-            self._buffers = ForwardBuffers(features, capacity, weight.dtype, weight.device)
+            # room to spare: the next call's prompts may be a little longer
+            self._buffers = ForwardBuffers(features, capacity + capacity // 4, weight.dtype, weight.device)
         return ForwardWriter(self._buffers)
 
     def _distinct_prompts(self, prompts: list[list[int]], counts: list[int]):

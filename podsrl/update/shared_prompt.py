@@ -51,7 +51,7 @@ from podsrl.algo.attention import grouped_attention
 from podsrl.algo.llama_layers import fused_gate_up, fused_qkv, plain_projections
 from podsrl.algo.logprobs import head_logprobs_and_entropy
 from podsrl.batch import RolloutBatch
-from podsrl.forward_record import ForwardRecord, LayerOutputs
+from podsrl.forward_record import ForwardBuffers, ForwardRecord, LayerOutputs
 from podsrl.update.kernels import gather_slots, linear, packed_order, rms_norm, rotate_qkv, swiglu
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -264,6 +264,7 @@ class SharedPromptForward:
         self.rotary = attn_module.apply_rotary_pos_emb  # the model's own rotary application
         self.takes_records = all(map(plain_projections, self.layers))  # else a ForwardRecord is ignored
         self.reused = False  # whether the last call took the projections' forward from a record
+        self.gathered: ForwardBuffers | None = None  # where the last call gathered a record's outputs
 
     def fits(self, batch: RolloutBatch, rows: Tensor, width: int) -> bool:
         """False when some row is longer than a sliding window (then windowed attention would differ)."""
@@ -285,8 +286,9 @@ class SharedPromptForward:
         known = None
         if record is not None and self.takes_records:
             source = record.source(batch.sampling_row[rows], plan.prompt_lengths, plan.input_lengths, plan.row_group)
-            if source is not None:
-                known = record.gather(source.to(device), plan.ids, plan.pred_index)
+            if source is not None:  # into buffers this object keeps: overwritten by the next call
+                self.gathered = record.gather_buffers(self.gathered, max(len(source), len(plan.pred_index)))
+                known = record.gather(source.to(device), plan.ids, plan.pred_index, self.gathered)
         self.reused = known is not None
         with self._routed():
             return self.root(plan, temperature, known)
