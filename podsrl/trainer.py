@@ -38,6 +38,7 @@ from podsrl.engines import SamplingParams
 from podsrl.errors import UserError
 from podsrl.evaluation import evaluate
 from podsrl.fileio import write_text_atomic
+from podsrl.forward_record import ForwardRecord
 from podsrl.methods import METHODS, StepContext
 from podsrl.models import count_parameters, load_policy, resolve_device
 from podsrl.plotting import plot_run
@@ -75,6 +76,7 @@ class StepRecord:
     collect_metrics: list[dict] = field(default_factory=list)  # one per method.collect
     skipped_rollouts: int = 0  # generated, then dropped by the reward policy 'skip' (still compute spent)
     skipped_tokens: int = 0
+    sampling_forwards: list[ForwardRecord] = field(default_factory=list)  # one per generate call that kept one
 
 
 class Trainer:
@@ -155,8 +157,8 @@ class Trainer:
         if faults.fire("loss", self.step + 1):  # injected numerical fault: a NaN loss and gradient
             kept.advantages = torch.full_like(kept.advantages, float("nan"))
         update_metrics = self.updater.update(kept.trim_padding(), self.rng) if kept.num_rollouts else {}
-        if kept.sampling_forward is not None:  # its buffers go back to the engine for the next step
-            kept.sampling_forward.release()
+        for forward in record.sampling_forwards:  # their buffers go back to the engine for the next step
+            forward.release()
         if self.data_parallel is not None:  # FSDP2: gathers the updated shards into the generation copy
             self.data_parallel.sync_generation_model()
         self.engine.sync_weights(self.generation_model)
@@ -250,6 +252,7 @@ class Trainer:
         )
         if out.forward is not None:  # the update takes it only under these weights
             out.forward.weights_version = self.updater.weights_version
+            record.sampling_forwards.append(out.forward)
             batch.sampling_forward, batch.sampling_row = out.forward, torch.arange(batch.num_rollouts)
         ids = batch.completion_ids.masked_fill(batch.completion_mask == 0, self.tokenizer.pad_token_id)
         batch.completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)

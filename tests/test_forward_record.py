@@ -155,3 +155,24 @@ def test_training_run_reuses_the_sampling_forward(tmp_path, warmup_cache):
         for k in ("loss", "entropy", "grad_norm", "reward", "clip_ratio/region_mean"):
             if k in b:
                 assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(b[k])), (k, a[k], b[k])
+
+
+def test_several_generate_calls_a_step_release_every_record(tmp_path, warmup_cache):
+    """Reinforce-Ada samples in rounds and trains their concatenation, which carries no record (its update computes
+    the whole forward): every round's record is still released after the update, so the engine's buffers are reused
+    from step to step instead of allocated anew each call."""
+    overrides = tiny_overrides(tmp_path, warmup_cache, **{"method": "reinforce_ada", "reinforce_ada.max_rounds": 3,
+                                                         "reinforce_ada.round_repeat": 4, "rollout.n": 2})
+    trainer = Trainer(load_config(None, overrides))
+    calls = 0
+    for _ in range(3):
+        record = trainer.train_step()
+        calls += len(record.sampling_forwards)
+        assert record.sampling_forwards and all(not f.outputs for f in record.sampling_forwards)
+        assert "update/sampling_forward_reused" not in record.metrics
+        assert not any(b.lent for b in trainer.engine._buffers)
+        # at most one set of buffers per round of a step (without the release: one per call so far)
+        assert len(trainer.engine._buffers) <= 3
+    assert calls > 3
+    trainer.logger.close()
+    trainer.engine.close()

@@ -214,7 +214,9 @@ class FastEngine(RolloutEngine):
             self._kv_heads = model.config.num_key_value_heads
             self._plans: list[LayerPlan] = []
         self._writer: ForwardWriter | None = None  # while a generate call keeps its projection outputs
-        self._buffers: ForwardBuffers | None = None  # the last buffers written into, reused once released
+        # buffers written into, each reused once the record holding it is released (several when a step makes
+        # several generate calls before its update)
+        self._buffers: list[ForwardBuffers] = []
 
     def generate(
         self,
@@ -256,8 +258,8 @@ class FastEngine(RolloutEngine):
         )
 
     def _forward_writer(self, capacity: int, max_bytes: int) -> ForwardWriter | None:
-        """Where this call writes its projection outputs for the update: the buffers of the last call when its
-        record was released and they fit, else new ones; None when the outputs are not to be kept, cannot be (a
+        """Where this call writes its projection outputs for the update: released buffers of an earlier call that
+        fit, else new ones; None when the outputs are not to be kept, cannot be (a
         layer's projections are not plain matmuls) or would take more than max_bytes."""
         if not max_bytes or self._body is None or not all(map(plain_projections, self._layers)):
             return None
@@ -266,10 +268,11 @@ class FastEngine(RolloutEngine):
         weight = self._body.embed_tokens.weight
         if capacity * sum(map(sum, features)) * weight.element_size() > max_bytes:
             return None
-        if self._buffers is None or not self._buffers.fits(features, capacity, weight.dtype, weight.device):
-            # room to spare: the next call's prompts may be a little longer
-            self._buffers = ForwardBuffers(features, capacity + capacity // 4, weight.dtype, weight.device)
-        return ForwardWriter(self._buffers)
+        free = next((b for b in self._buffers if b.fits(features, capacity, weight.dtype, weight.device)), None)
+        if free is None:  # room to spare: the next call's prompts may be a little longer
+            free = ForwardBuffers(features, capacity + capacity // 4, weight.dtype, weight.device)
+            self._buffers = [b for b in self._buffers if b.lent] + [free]  # free ones too small: dropped
+        return ForwardWriter(free)
 
     def _distinct_prompts(self, prompts: list[list[int]], counts: list[int]):
         """Left-padded distinct prompts and the row -> distinct prompt index that expands them to rows."""
