@@ -2,7 +2,7 @@
 
 With one pass over a step's batch (optim.epochs = optim.mini_batches = 1) the update runs under the weights that
 sampled the batch, so the forward of every q/k/v, o, gate/up and down projection over each prompt token and each
-completion input was computed while decoding. The fast engine keeps those outputs (`ForwardRecord.from_decode`); the
+completion input was computed while decoding. The fast engine keeps those outputs (`ForwardWriter.record`); the
 shared-prompt update gathers them into its packed token stream (`source`, `gather`) and runs only the projections'
 backward (podsrl/update/kernels.py `linear`): a third of the update's matmul work, and the same gradients up to
 float rounding (decoding multiplies other matrix shapes). The rest of the forward (norms, rotary, attention, the
