@@ -16,10 +16,11 @@ Part 2 (the built-in task with the warmed-up model, as `podsrl train` runs it): 
 alternating, with their split into generate/score/select/update (target: ratio <= 1.3).
 
 `--reuse-ab` runs, instead of parts 1 and 2, podsrl's step of part 1 with and without update.reuse_sampling_forward
-(the update taking the projections' forward from sampling), alternating, at 64 and 256 rollouts.
+(the update taking the projections' forward from sampling), alternating, at 64 and 256 rollouts; with `--presets
+NAME ...`, the same A/B on those configs/NAME.yaml presets (the built-in task, warmed up) instead.
 
     python benchmarks/step_throughput.py [--repeats 5] [--threads 1] [--skip-trl] [--skip-task]
-                                         [--trl-no-checkpointing] [--model tiny|10m] [--reuse-ab]
+                                         [--trl-no-checkpointing] [--model tiny|10m] [--reuse-ab [--presets ...]]
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from podsrl.config import TinyModelConfig, load_config  # noqa: E402
 from podsrl.models import build_char_tokenizer, build_tiny_model  # noqa: E402
@@ -52,10 +54,10 @@ STEP_KEYS = ("time/generate", "time/score", "time/select", "time/update", "time/
              "tokens/trained")
 
 
-def podsrl_trainer(overrides: list[str]) -> Trainer:
+def podsrl_trainer(overrides: list[str], preset: str | None = None) -> Trainer:
     out_dir = tempfile.mkdtemp(prefix="podsrl_step_")
-    return Trainer(load_config(None, [f"output_dir={out_dir}", "log.progress=false", "log.tensorboard=false",
-                                      "log.plot=false", *overrides]))
+    return Trainer(load_config(preset, [f"output_dir={out_dir}", "log.progress=false", "log.tensorboard=false",
+                                        "log.plot=false", *overrides]))
 
 
 def close(trainer: Trainer) -> None:
@@ -180,14 +182,20 @@ def part1(opts) -> None:
 
 
 def reuse_ab(opts) -> None:
-    print(f"== podsrl step of part 1 ({opts.model} model), update.reuse_sampling_forward true vs false, "
-          f"{opts.repeats} alternating steps each after one untimed; median (min-max) seconds")
+    """Each setup's step with and without update.reuse_sampling_forward, alternating."""
     shape = [f"model.tiny.{k}={v}" for k, v in vars(MODELS[opts.model]).items()]
-    for rollouts in (64, 256):
-        trainers = {reuse: podsrl_trainer([f"rollout.prompts_per_step={rollouts // 16}", "rollout.n=16",
-                                           "method=grpo", "rollout.max_new_tokens=16", "warmup.steps=0",
-                                           "optim.lr=1e-4", f"optim.micro_batch_size={rollouts}",
-                                           f"update.reuse_sampling_forward={reuse}", *shape])
+    if opts.presets:
+        print(f"== presets on the built-in task, update.reuse_sampling_forward true vs false, {opts.repeats} "
+              f"alternating steps each after one untimed; median (min-max) seconds")
+        setups = {name: (str(ROOT / "configs" / f"{name}.yaml"), []) for name in opts.presets}
+    else:
+        print(f"== podsrl step of part 1 ({opts.model} model), update.reuse_sampling_forward true vs false, "
+              f"{opts.repeats} alternating steps each after one untimed; median (min-max) seconds")
+        setups = {f"{rollouts} rollouts/step": (None, [
+            f"rollout.prompts_per_step={rollouts // 16}", "rollout.n=16", "method=grpo", "rollout.max_new_tokens=16",
+            "warmup.steps=0", "optim.lr=1e-4", f"optim.micro_batch_size={rollouts}", *shape]) for rollouts in (64, 256)}
+    for title, (preset, overrides) in setups.items():
+        trainers = {reuse: podsrl_trainer([*overrides, f"update.reuse_sampling_forward={reuse}"], preset)
                     for reuse in ("true", "false")}
         records: dict[str, list[dict]] = {name: [] for name in trainers}
         for i in range(opts.repeats + 1):
@@ -197,7 +205,7 @@ def reuse_ab(opts) -> None:
                     records[name].append(metrics)
         for t in trainers.values():
             close(t)
-        print(f"{rollouts} rollouts/step")
+        print(title)
         for name, rs in records.items():
             print(f"  reuse {name:<5} step {med([r['time/step'] for r in rs])}  generate "
                   f"{med([r['time/generate'] for r in rs])}  update {med([r['time/update'] for r in rs])}")
@@ -246,6 +254,7 @@ def main() -> None:
                         help="model of the TRL comparison: the built-in one or a ~10M-parameter one")
     parser.add_argument("--reuse-ab", action="store_true",
                         help="only podsrl's step with and without update.reuse_sampling_forward")
+    parser.add_argument("--presets", nargs="*", default=[], help="--reuse-ab on these configs/ presets")
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)

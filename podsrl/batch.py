@@ -40,8 +40,7 @@ class RolloutBatch:
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [R] float (NaN = missing)
     correct: torch.Tensor | None = None  # [R] bool, verifier correctness (used by AERO/DynaMO statistics)
     advantages: torch.Tensor | None = None  # [R] float, sequence-level advantage broadcast to tokens
-    # the sampling forward's projection outputs (podsrl/forward_record.py) and each row's row in it; a batch
-    # concatenated from several generate calls has none
+    # the sampling forward's projection outputs (podsrl/forward_record.py) and each row's row in it
     sampling_forward: ForwardRecord | None = None
     sampling_row: torch.Tensor | None = None  # [R] long
 
@@ -141,4 +140,6 @@ def concat_batches(batches: list[RolloutBatch], pad_token_id: int, disjoint: boo
         }
     if all(b.correct is not None for b in batches):
         out.correct = torch.cat([b.correct for b in batches])
+    out.sampling_forward, out.sampling_row = ForwardRecord.concat([b.sampling_forward for b in batches],
+                                                                  [b.sampling_row for b in batches])
     return out

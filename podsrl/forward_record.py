@@ -20,6 +20,7 @@ back to the engine for its next call when the record is released after the updat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -94,6 +95,38 @@ class ForwardRecord:
     completion_index: Tensor  # [R, C] flat index of each row's completion input j; -1 where it was not fed (CPU)
     weights_version: int = -1  # the policy's optimiser-step count when sampled (set by the trainer)
     buffers: ForwardBuffers | None = field(default=None, repr=False)  # where `outputs` live, lent by the engine
+
+    @classmethod
+    def concat(cls, records: list[ForwardRecord | None],
+               rows: list[Tensor | None]) -> tuple[ForwardRecord | None, Tensor | None]:
+        """The record of batches concatenated in order (`rows`: each batch's rows of its record), with the rows of
+        the concatenation; (None, None) when one has none or they saw different weights. Several records are copied
+        into one (the update gathers from one tensor per output)."""
+        present = [r for r in records if r is not None and r.outputs]
+        row_lists = [r for r in rows if r is not None]
+        if len(present) < len(records) or len(row_lists) < len(rows):
+            return None, None
+        if len({r.weights_version for r in present}) > 1:
+            return None, None
+        if len(present) == 1:
+            return present[0], row_lists[0]
+        flat = [0, *accumulate(r.ids.numel() for r in present)][:-1]
+        first_row = [0, *accumulate(len(r.prompt_start) for r in present)][:-1]
+        width = max(r.completion_index.shape[1] for r in present)
+
+        def shifted(index: Tensor, offset: int) -> Tensor:  # -1 (not fed) stays -1, padded to the widest
+            index = torch.nn.functional.pad(index, (0, width - index.shape[1]), value=-1)
+            return torch.where(index >= 0, index + offset, index)
+
+        merged = cls(
+            outputs=[tuple(torch.cat(parts) for parts in zip(*layers))  # type: ignore[misc]
+                     for layers in zip(*(r.outputs for r in present))],
+            ids=torch.cat([r.ids for r in present]),
+            prompt_start=torch.cat([r.prompt_start + off for r, off in zip(present, flat)]),
+            completion_index=torch.cat([shifted(r.completion_index, off) for r, off in zip(present, flat)]),
+            weights_version=present[0].weights_version,
+        )
+        return merged, torch.cat([r + off for r, off in zip(row_lists, first_row)])
 
     def release(self) -> None:
         """Hands the buffers back to the engine for its next call; the record holds nothing after."""

@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from podsrl.batch import Problem, RolloutBatch
+from podsrl.batch import Problem, RolloutBatch, concat_batches
 from podsrl.config import load_config
 from podsrl.engines.base import SamplingParams
 from podsrl.engines.fast import FastEngine
@@ -157,10 +157,27 @@ def test_training_run_reuses_the_sampling_forward(tmp_path, warmup_cache):
                 assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(b[k])), (k, a[k], b[k])
 
 
+def test_concatenated_batches_carry_one_record():
+    """Rounds and refills concatenate batches of several generate calls: their records are merged into one, and the
+    update from it equals the computing update; batches sampled under different weights keep none."""
+    model = tiny_model()
+    engine = engine_for(model, 20)
+    first = sampled_batch(engine, 20).select_rows(torch.tensor([0, 5, 9, 3]))
+    second = sampled_batch(engine, 20, seed=1).select_rows(torch.tensor([11, 2, 7]))
+    batch = concat_batches([first, second], pad_token_id=0)
+    assert batch.sampling_row.tolist() == [0, 5, 9, 3, 12 + 11, 12 + 2, 12 + 7]
+    out = update_both_ways(model, batch.trim_padding())
+    (m1, g1, _), (m0, g0, _) = out[True], out[False]
+    assert m1["update/sampling_forward_reused"] == 1.0
+    assert rel(g1, g0) <= TOL and abs(m1["entropy"] - m0["entropy"]) <= TOL * max(1.0, abs(m0["entropy"]))
+    second.sampling_forward.weights_version = 1
+    assert concat_batches([first, second], pad_token_id=0).sampling_forward is None
+
+
 def test_several_generate_calls_a_step_release_every_record(tmp_path, warmup_cache):
-    """Reinforce-Ada samples in rounds and trains their concatenation, which carries no record (its update computes
-    the whole forward): every round's record is still released after the update, so the engine's buffers are reused
-    from step to step instead of allocated anew each call."""
+    """Reinforce-Ada samples in rounds and trains their concatenation, which carries their merged record: every
+    round's record is released after the update, so the engine's buffers are reused from step to step instead of
+    allocated anew each call."""
     overrides = tiny_overrides(tmp_path, warmup_cache, **{"method": "reinforce_ada", "reinforce_ada.max_rounds": 3,
                                                          "reinforce_ada.round_repeat": 4, "rollout.n": 2})
     trainer = Trainer(load_config(None, overrides))
@@ -169,7 +186,7 @@ def test_several_generate_calls_a_step_release_every_record(tmp_path, warmup_cac
         record = trainer.train_step()
         calls += len(record.sampling_forwards)
         assert record.sampling_forwards and all(not f.outputs for f in record.sampling_forwards)
-        assert "update/sampling_forward_reused" not in record.metrics
+        assert record.metrics["update/sampling_forward_reused"] == 1.0
         assert not any(b.lent for b in trainer.engine._buffers)
         # at most one set of buffers per round of a step (without the release: one per call so far)
         assert len(trainer.engine._buffers) <= 3
