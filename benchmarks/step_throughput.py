@@ -65,6 +65,20 @@ def close(trainer: Trainer) -> None:
     trainer.engine.close()
 
 
+def alternate_steps(trainers: dict[str, Trainer], repeats: int) -> dict[str, list[dict]]:
+    """Each trainer's step metrics over `repeats` rounds after an untimed one, the order reversed every other round;
+    closes the trainers."""
+    records: dict[str, list[dict]] = {name: [] for name in trainers}
+    for i in range(repeats + 1):
+        for name in trainers if i % 2 == 0 else list(trainers)[::-1]:
+            metrics = trainers[name].train_step().metrics
+            if i > 0:
+                records[name].append(metrics)
+    for t in trainers.values():
+        close(t)
+    return records
+
+
 def med(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
@@ -197,14 +211,7 @@ def reuse_ab(opts) -> None:
     for title, (preset, overrides) in setups.items():
         trainers = {reuse: podsrl_trainer([*overrides, f"update.reuse_sampling_forward={reuse}"], preset)
                     for reuse in ("true", "false")}
-        records: dict[str, list[dict]] = {name: [] for name in trainers}
-        for i in range(opts.repeats + 1):
-            for name in trainers if i % 2 == 0 else list(trainers)[::-1]:
-                metrics = trainers[name].train_step().metrics
-                if i > 0:
-                    records[name].append(metrics)
-        for t in trainers.values():
-            close(t)
+        records = alternate_steps(trainers, opts.repeats)
         print(title)
         for name, rs in records.items():
             print(f"  reuse {name:<5} step {med([r['time/step'] for r in rs])}  generate "
@@ -220,14 +227,7 @@ def part2(opts) -> None:
           f"{opts.repeats} alternating steps each after one untimed")
     setups = {"grpo 16-16": ["rollout.n=16", "method=grpo"], "pods 64->16": ["rollout.n=64", "method=pods", "pods.m=16"]}
     trainers = {name: podsrl_trainer(o) for name, o in setups.items()}
-    records: dict[str, list[dict]] = {name: [] for name in setups}
-    for i in range(opts.repeats + 1):
-        for name in setups if i % 2 == 0 else list(setups)[::-1]:
-            metrics = trainers[name].train_step().metrics
-            if i > 0:
-                records[name].append(metrics)
-    for t in trainers.values():
-        close(t)
+    records = alternate_steps(trainers, opts.repeats)
     print(f"{'setup':<12} {'step s':>22} {'generate':>9} {'score':>7} {'select':>7} {'update':>7} "
           f"{'gen tokens':>10} {'trained tokens':>14}")
     for name, rs in records.items():
