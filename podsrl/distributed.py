@@ -163,7 +163,7 @@ class ShardedEngine(RolloutEngine):
 
     def __init__(self, inner: RolloutEngine, ctx: DistContext) -> None:
         self.inner, self.ctx = inner, ctx
-        self.name = inner.name
+        self.name, self.fallback_reason = inner.name, inner.fallback_reason
         self.pad_token_id = inner.pad_token_id
 
     def generate(self, prompts: list[list[int]], counts: list[int], params: SamplingParams,
@@ -181,6 +181,10 @@ class ShardedEngine(RolloutEngine):
         dist.all_gather_object(gathered, local, group=self.ctx.cpu_group)
         parts = [(shards[r], out) for r, out in enumerate(gathered) if out is not None]
         return merge_outputs(parts, self.pad_token_id, params.return_logprobs)
+
+    @property
+    def sampler(self) -> str:
+        return self.inner.sampler
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.inner.sync_weights(model)

@@ -360,7 +360,9 @@ class Trainer:
             log.warning("stopped by signal at step %d; resume with --resume %s", self.step, self.run_dir)
             return last_eval
         summary = {"step": self.step, "time/elapsed": self.elapsed, **last_eval,
-                   **self.accountant.total_metrics()}
+                   **self.accountant.total_metrics(),
+                   # the engine that really sampled, and why it is not the one configured (null: it is)
+                   "engine": self.engine.sampler, "engine/fallback": self.engine.fallback_reason}
         if self.dist.is_main:
             if cfg.model.lora_rank > 0:
                 from podsrl.lora import export_merged

@@ -3,6 +3,10 @@
     PYTHONPATH=$PWD python -m tests.method_regression   # re-record tests/fixtures/method_regression.json
 
 The runs are tiny (2 prompts a step, 4-token completions, a 2-layer model after a short warm-up) and skip eval;
+they start from the warmed-up weights stored in tests/fixtures/method_regression_start.safetensors, not from a
+warm-up run here: 150 supervised steps amplify the CPU's float summation order into different weights (another
+CPU's warm-up diverged by a sampled token within three RL steps), while three RL steps from equal weights do not.
+Re-recording keeps the stored weights; delete the file to record new ones from this machine's warm-up.
 the preset's own method keys and rollout.n stay as they are, plus a few cases with extra keys (the generic filter
 and refill, DynaMO's allocation alone with the gradient-noise probe, several update passes). Timings (time/*) are
 not recorded.
@@ -15,8 +19,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
 from podsrl.config import load_config
+from podsrl.models import build_char_tokenizer, build_tiny_model
 from podsrl.trainer import Trainer
+from podsrl.warmup import run_warmup, warmup_path
 
 PRESETS = ["grpo", "pods", "pods_random", "pods_max_reward", "aero", "dynamo", "dynamo_pool"]
 # case -> (preset, extra overrides); the extra cases were recorded with the code before the redesign under its keys
@@ -33,6 +42,8 @@ STEPS = 3
 # Correctness plus a graded reward, so that groups have reward variance and every selection rule has work to do.
 REWARDS = f"[correct, {{name: digits, weight: 0.5, function: '{Path(__file__).parent / 'fixtures' / 'rewards_ones.py'}:even_digit_share'}}]"
 FIXTURE = Path(__file__).parent / "fixtures" / "method_regression.json"
+START_WEIGHTS = Path(__file__).parent / "fixtures" / "method_regression_start.safetensors"
+TIED = "lm_head.weight"  # the built-in model ties it to the embedding: stored once
 
 
 def overrides(run_dir: str, warmup_cache: str, preset: str, extra: dict | None = None) -> list[str]:
@@ -60,6 +71,7 @@ def run_case(case: str, run_dir: str, warmup_cache: str) -> list[dict]:
     preset, extra = CASES[case]
     cfg = load_config(Path(__file__).parents[1] / "podsrl" / "configs" / f"{preset}.yaml",
                       overrides(run_dir, warmup_cache, preset, extra))
+    place_start_weights(cfg)
     trainer = Trainer(cfg)
     try:
         records = [trainer.train_step().metrics for _ in range(STEPS)]
@@ -67,6 +79,26 @@ def run_case(case: str, run_dir: str, warmup_cache: str) -> list[dict]:
         trainer.engine.close()
         trainer.logger.close()
     return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records]
+
+
+def place_start_weights(cfg) -> None:
+    """Puts the stored warmed-up weights where the trainer looks for this config's warm-up (a cache hit), or, when
+    none are stored, runs the warm-up and stores its weights."""
+    out = warmup_path(cfg)
+    if (out / "config.json").is_file():
+        return
+    if not START_WEIGHTS.is_file():
+        run_warmup(cfg, progress=False)
+        weights = AutoModelForCausalLM.from_pretrained(out).state_dict()
+        save_file({k: v for k, v in weights.items() if k != TIED}, START_WEIGHTS)
+        return
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(cfg.model.tiny, tokenizer)
+    missing, unexpected = model.load_state_dict(load_file(START_WEIGHTS), strict=False)
+    assert set(missing) <= {TIED} and not unexpected, (missing, unexpected)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "warmup.json").write_text(json.dumps({"source": START_WEIGHTS.name}))
 
 
 def main() -> int:

@@ -25,6 +25,8 @@ def test_slow_run_is_warned_and_runs_every_step(tmp_path, warmup_cache, caplog):
     with caplog.at_level(logging.WARNING, logger="podsrl"):
         summary = Trainer(load_config(ROOT / "configs/grpo.yaml", overrides + ["train.max_seconds=0"])).train()
     assert summary["step"] == 3
+    # the built-in model is sampled by the fast engine's own loop, never by a fallback
+    assert summary["engine"] == "fast" and summary["engine/fallback"] is None
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "reward" in r] == [1, 2, 3]
     warnings = [r.getMessage() for r in caplog.records if "train.warn_seconds" in r.getMessage()]
     assert len(warnings) == 1 and "continues to max_steps" in warnings[0]

@@ -8,7 +8,8 @@ import re
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+import transformers
+from transformers import Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from podsrl.algo.attention import decode_attention, decode_bias, grouped_attention
@@ -18,6 +19,7 @@ from podsrl.engines.fast import FastEngine
 from podsrl.engines.hf import HFEngine
 from podsrl.engines.sampling import filter_logits, row_uniforms, sample_rows, splitmix64
 from podsrl.errors import ConfigError
+from podsrl.transformers_api import FastPathUnavailable
 from tests.conftest import device_under_test
 from tests.tiny_lm import EOS, PAD, tiny_causal_lm
 from tests.tiny_lm import TokStub as Tok
@@ -392,29 +394,39 @@ def test_hf_engine_keeps_rng_and_train_mode():
     )
 
 
-def test_unsupported_model_falls_back_to_hf(caplog):
+def test_other_architecture_falls_back_to_hf_and_says_so(caplog):
     torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        use_sliding_window=True,
-        sliding_window=4,
-        max_window_layers=0,
-        eos_token_id=EOS,
-        pad_token_id=PAD,
-    )
-    model = Qwen2ForCausalLM(config).eval()
+    config = Phi3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, sliding_window=4, eos_token_id=EOS,
+                        pad_token_id=PAD, bos_token_id=EOS)
+    model = Phi3ForCausalLM(config).eval()
     with caplog.at_level(logging.WARNING, logger="podsrl"):
         engine = build_engine("fast", model, Tok())
     assert isinstance(engine.fallback, HFEngine) and "sliding" in caplog.text
+    assert "sliding" in engine.fallback_reason
     out = engine.generate(
         random_prompts([3]), [2], SamplingParams(max_new_tokens=3, greedy=True), torch.arange(2)
     )
     assert out.completion_ids.shape[0] == 2
+
+
+def test_llama_family_model_never_falls_back_quietly():
+    """A model the fast engine exists for must not drop to model.generate: one error names the cause, the installed
+    transformers and the option that asks for the slow path."""
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True, sliding_window=4,
+                         max_window_layers=0, eos_token_id=EOS, pad_token_id=PAD)
+    with pytest.raises(FastPathUnavailable) as error:
+        build_engine("fast", Qwen2ForCausalLM(config), Tok())
+    message = str(error.value)
+    assert "sliding" in message and transformers.__version__ in message and "rollout.engine: hf" in message
+
+
+@pytest.mark.parametrize("kind", ["qwen", "llama"])
+def test_fast_engine_drives_the_built_in_families_itself(kind):
+    """Fails when the installed transformers moves an internal the layer loop needs (e.g. the cache argument)."""
+    engine = build_engine("fast", make_model(kind), Tok())
+    assert engine.fallback is None and engine.fallback_reason is None and engine._body is not None
 
 
 @pytest.mark.parametrize("engine, options, key", [

@@ -186,7 +186,9 @@ def test_fsdp_update_equals_one_process(two_ranks, name, path):
         assert out["rows"] == single["rows"]
         assert set(out["metrics"]) == set(single["metrics"])
         for k, v in single["metrics"].items():
-            assert out["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+            # abs: the loss nearly cancels (advantages sum to ~0 per group), a difference of O(1) sums that the
+            # two layouts round in different orders: ~1e-6 of float32 rounding, CPU-dependent
+            assert out["metrics"][k] == pytest.approx(v, rel=1e-5, abs=3e-6), k
         torch.testing.assert_close(out["params"], single["params"], rtol=0, atol=1e-5)
         torch.testing.assert_close(out["generation"], single["params"], rtol=0, atol=1e-5)
         if name == "grpo":

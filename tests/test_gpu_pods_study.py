@@ -1,7 +1,9 @@
 """benchmarks/gpu_pods_study.sh's plumbing on the CPU (tiny sizes): warm-up, the two arms, `podsrl compare`, the
 report and the per-run step table, each part recorded in summary.txt; a run cut short by the deadline is recorded."""
 
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -10,8 +12,10 @@ SCRIPT = str(ROOT / "benchmarks/gpu_pods_study.sh")
 
 def study(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path / "out"
+    # PYTHON: the script's interpreter is this one, whatever `python3` is on PATH
     result = subprocess.run(["bash", SCRIPT, "--smoke", "--out", str(out), "--runs", str(tmp_path / "runs"), *args],
-                            capture_output=True, text=True, timeout=300, check=False)
+                            capture_output=True, text=True, timeout=300, check=False,
+                            env={**os.environ, "PYTHON": sys.executable})
     return result, out
 
 

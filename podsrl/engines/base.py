@@ -55,6 +55,13 @@ class RolloutEngine(ABC):
     """Samples completions from the current policy."""
 
     name: str = "base"
+    # why this engine runs another one's path instead of its own (None: it runs its own); recorded in the summary
+    fallback_reason: str | None = None
+
+    @property
+    def sampler(self) -> str:
+        """The name of the engine whose code really samples: this one, or the one it fell back to."""
+        return self.name
 
     @abstractmethod
     def generate(

@@ -17,7 +17,8 @@ Where the time goes in GRPO rollouts (many samples of few prompts, varied length
 With SamplingParams.keep_forward_bytes the layer loop writes the projections' outputs into buffers kept for the
 update (podsrl/forward_record.py), the same matmuls written in place.
 Masks and position ids are built here exactly as `generate` builds them, so greedy outputs equal `generate`'s (other
-models run the model's own forward). Models it cannot drive fall back to HFEngine with a logged reason.
+models run the model's own forward). A Llama-family model it cannot drive is an error naming the cause (see
+transformers_api.check_fast_path); other models it cannot drive fall back to HFEngine, logged and recorded.
 """
 
 from __future__ import annotations
@@ -51,28 +52,34 @@ from podsrl.engines.rows import (
     stop_ids,
 )
 from podsrl.engines.sampling import row_uniforms, sample_with_uniforms
-from podsrl.engines.slot_cache import Cache, DynamicCache, SlotLayer, compact
+from podsrl.engines.slot_cache import SlotLayer, compact
 from podsrl.forward_record import ForwardBuffers, ForwardWriter
+from podsrl.transformers_api import (
+    Cache,
+    DynamicCache,
+    base_model,
+    cache_argument,
+    check_fast_path,
+    forward_with_cache,
+    is_llama_family,
+    llama_layout_problem,
+    new_dynamic_cache,
+)
 
 logger = logging.getLogger("podsrl")
-
-# Models whose top-level forward is exactly embed -> rotary -> decoder layers -> norm -> lm_head (no embedding
-# scale, no logit soft-capping), so the loop can drive their layers itself and skip that forward's per-call work.
-LAYER_LOOP_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def layer_loop_body(model: torch.nn.Module) -> torch.nn.Module | None:
     """The inner decoder stack when the fast loop may call the layers directly, else None."""
-    inner = getattr(model, "model", None)
-    if getattr(model.config, "model_type", None) not in LAYER_LOOP_TYPES or not hasattr(model, "lm_head"):
-        return None
-    if inner is None or not all(hasattr(inner, n) for n in ("embed_tokens", "rotary_emb", "layers", "norm")):
+    # their top-level forward is exactly embed -> rotary -> decoder layers -> norm -> lm_head (no embedding scale,
+    # no logit soft-capping), so the loop can drive their layers itself and skip that forward's per-call work
+    if not is_llama_family(model) or llama_layout_problem(model) is not None:
         return None
     # the loop looks cos/sin up in a per-generate table: not for rotary types whose frequencies follow the
     # longest position of each call
-    if getattr(inner.rotary_emb, "rope_type", "default") in ("dynamic", "longrope"):
+    if getattr(model.model.rotary_emb, "rope_type", "default") in ("dynamic", "longrope"):
         return None
-    return inner
+    return model.model
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -84,8 +91,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         return f"{type(model).__name__} is not a transformers generation model"
     if getattr(config, "is_encoder_decoder", False):
         return "encoder-decoder models are not supported"
-    if "past_key_values" not in inspect.signature(model.forward).parameters:
-        return f"{type(model).__name__}.forward takes no past_key_values (no KV cache support)"
+    if cache_argument(model) is None:
+        return f"{type(model).__name__}.forward takes no KV cache argument"
     attn = getattr(config, "_attn_implementation", None) or "eager"
     if attn not in ("sdpa", "eager"):
         return (
@@ -125,9 +132,7 @@ class FastEngine(RolloutEngine):
     ) -> None:
         if cache not in ("static", "dynamic"):
             raise ValueError(f"FastEngine: cache must be 'static' or 'dynamic', got {cache!r}")
-        # A peft model wraps the transformers model whose layers carry the adapters in place: drive that one.
-        if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):
-            model = model.get_base_model()
+        model = base_model(model)  # a peft wrapper's base model: its layers carry the adapters in place
         self.model = model
         self.tokenizer = tokenizer
         self.shared_prefill = shared_prefill
@@ -137,11 +142,16 @@ class FastEngine(RolloutEngine):
         self.eos_ids, self.pad_token_id = special_ids(model, tokenizer, options)
         self.fallback: HFEngine | None = None
         reason = unsupported_reason(model)
-        if reason is not None:
+        check_fast_path(model, "the fast engine", reason, "rollout.engine: hf")
+        if reason is not None:  # an architecture the loop does not know: model.generate, said once and recorded
             logger.warning("fast engine: %s; falling back to the hf engine", reason)
             self.fallback = HFEngine(model, tokenizer, **options)
+            self.fallback_reason = reason
             return
         self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
+        if layer_loop:
+            check_fast_path(model, "the fast engine's layer loop", llama_layout_problem(model),
+                            "rollout.engine_options: {layer_loop: false}")
         self._body = layer_loop_body(model) if layer_loop else None
         if self._body is not None:
             self._layers = list(self._body.layers[: model.config.num_hidden_layers])
@@ -151,6 +161,10 @@ class FastEngine(RolloutEngine):
         # buffers written into, each reused once the record holding it is released (several when a step makes
         # several generate calls before its update)
         self._buffers: list[ForwardBuffers] = []
+
+    @property
+    def sampler(self) -> str:
+        return self.name if self.fallback is None else self.fallback.name
 
     def generate(
         self,
@@ -240,14 +254,8 @@ class FastEngine(RolloutEngine):
         if self._body is not None:
             return self._layer_loop(ids, mask, positions, cache)
         extra = {"logits_to_keep": 1} if self._keep_arg else {}
-        out = self.model(
-            input_ids=ids,
-            attention_mask=self._attention_mask(mask),
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            **extra,
-        )
+        out = forward_with_cache(self.model, cache, input_ids=ids, attention_mask=self._attention_mask(mask),
+                                 position_ids=positions, **extra)
         return out.logits[:, -1]
 
     def _rotary_table(self, length: int) -> torch.Tensor:
@@ -327,7 +335,7 @@ class FastEngine(RolloutEngine):
             layers = [SlotLayer(width + steps) for _ in range(self.model.config.num_hidden_layers)]
             cache = Cache(layers=layers)
         else:
-            cache = DynamicCache(config=self.model.config)
+            cache = new_dynamic_cache(self.model)
         # generated positions are always valid: set up front, so a step only widens the slice it reads
         valid = torch.ones((prefill_ids.shape[0], width + steps), dtype=torch.bool, device=device)
         valid[:, :width] = prefill_mask.to(device).bool()

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
-except ImportError:  # pragma: no cover - transformers is a core dependency
-    Cache = DynamicCache = DynamicLayer = None  # type: ignore[assignment,misc]
+from podsrl.transformers_api import DynamicLayer
 
 
 class SlotLayer(DynamicLayer):  # type: ignore[misc,valid-type]

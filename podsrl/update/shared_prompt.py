@@ -39,7 +39,6 @@ parameters but skip the forward hooks that register FSDP2's backward work (re-ga
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -52,39 +51,33 @@ from podsrl.algo.llama_layers import fused_gate_up, fused_qkv, plain_projections
 from podsrl.algo.logprobs import head_logprobs_and_entropy
 from podsrl.batch import RolloutBatch
 from podsrl.forward_record import ForwardBuffers, ForwardRecord, LayerOutputs
+from podsrl.transformers_api import (
+    LLAMA_FAMILY,
+    base_model,
+    check_fast_path,
+    is_llama_family,
+    llama_layout_problem,
+    rotary_function,
+)
 from podsrl.update.kernels import gather_slots, linear, packed_order, rms_norm, rotate_qkv, swiglu
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SILU_TYPES = ("SiLU", "SiLUActivation")  # activation modules that are F.silu (transformers' or torch's)
-_LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
-_ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-def base_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under a peft wrapper (its layers carry the adapters in place)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") and hasattr(model, "peft_config") else model
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
-    """Why the shared-prompt path cannot drive this model (None when it can)."""
+    """Why the shared-prompt path cannot drive this model (None when it can). A Llama-family model whose layout
+    podsrl cannot find (a transformers release moved it) is an error, not a quiet fallback."""
     base = base_model(model)
     config = getattr(base, "config", None)
-    kind = getattr(config, "model_type", None)
-    if kind not in MODEL_TYPES:
-        return f"model type {kind!r} is not one of {', '.join(MODEL_TYPES)}"
-    body = getattr(base, "model", None)
-    if body is None or not all(hasattr(body, n) for n in ("embed_tokens", "rotary_emb", "layers", "norm")):
-        return f"{type(base).__name__} has no embed_tokens/rotary_emb/layers/norm decoder stack"
-    head = getattr(base, "lm_head", None)
+    if not is_llama_family(base):
+        return f"model type {getattr(config, 'model_type', None)!r} is not one of {', '.join(LLAMA_FAMILY)}"
+    check_fast_path(model, "the shared-prompt update", llama_layout_problem(model), "update.shared_prompt: false")
+    head = base.lm_head
     if type(head) is not torch.nn.Linear:
         return f"its output layer is a {type(head).__name__}, not a plain Linear (e.g. LoRA on lm_head)"
-    for layer in body.layers:
-        if not all(hasattr(layer, n) for n in _LAYER_PARTS) or not all(
-                hasattr(layer.self_attn, n) for n in _ATTN_PARTS):
-            return f"decoder layer {type(layer).__name__} does not have the Llama layout"
     if getattr(config, "attention_dropout", 0.0):
         return "attention dropout > 0 (the plain path's dropout draws could not be reproduced)"
-    other = _other_fsdp_unit(model, body.layers)
+    other = _other_fsdp_unit(model, base.model.layers)
     if other is not None:
         return (f"{other} is an FSDP2 unit of its own: only the root and the decoder layers are called through "
                 "their forward here, so its parameters would not be gathered")
@@ -260,8 +253,7 @@ class SharedPromptForward:
         self.layers = list(self.body.layers[: self.base.config.num_hidden_layers])
         self.window = sliding_window(model)
         self.chunk = logits_chunk
-        attn_module = sys.modules[type(self.layers[0].self_attn).__module__]
-        self.rotary = attn_module.apply_rotary_pos_emb  # the model's own rotary application
+        self.rotary = rotary_function(self.layers[0])  # the model's own rotary application
         self.takes_records = all(map(plain_projections, self.layers))  # else a ForwardRecord is ignored
         self.reused = False  # whether the last call took the projections' forward from a record
         self.gathered: ForwardBuffers | None = None  # where the last call gathered a record's outputs

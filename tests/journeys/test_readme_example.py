@@ -1,6 +1,7 @@
 """The README's "Bring your own" YAML example, read from README.md (so the two cannot drift), trained as written
 with only the model path made local and the sizes cut down for CI."""
 
+import json
 import re
 
 import yaml
@@ -27,6 +28,8 @@ def test_readme_example_trains(user_kit):
              "pods.m=2", "model.lora_rank=4", "task.eval_size=4",
              "eval.samples=0", "train.max_steps=2", "train.eval_every=2", "output_dir=runs/readme", "log.plot=false"]
     ok(podsrl("train", "--config", str(config), *small, cwd=user_kit))
+    summary = json.loads((user_kit / "runs" / "readme" / "summary.json").read_text())
+    assert summary["engine"] == "fast" and summary["engine/fallback"] is None, summary
     records = read_metrics(user_kit / "runs" / "readme" / "metrics.jsonl")
     assert [r["step"] for r in records if "reward" in r] == [1, 2]
     assert any("eval/accuracy" in r for r in records)

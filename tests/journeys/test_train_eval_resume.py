@@ -26,6 +26,9 @@ def test_lora_jsonl_train_eval_merged_resume(user_kit):
         assert all(f"rewards/{name}/mean" in r and r[f"rewards/{name}/errors"] == 0 for r in steps)
     assert all(r["rewards/mine/mean"] < 0 for r in steps)  # the custom reward really ran
     assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 2]
+    # a LoRA-wrapped Qwen2 is sampled by the fast engine itself, not by a quiet fallback to model.generate
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["engine"] == "fast" and summary["engine/fallback"] is None, summary
 
     # the merged export loads with plain transformers ...
     from transformers import AutoModelForCausalLM, AutoTokenizer
