@@ -107,14 +107,17 @@ class MathVerifyReward:
         return self.score_detailed(prompts, completions, **columns)[0]
 
 
-# think/answer layout asked for by the usual system prompt ("<think>\n...\n</think>\n<answer>\n...\n</answer>")
-_FORMAT_RE = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>\s*$", re.DOTALL)
-_TAGS = ("<think>\n", "\n</think>\n", "\n<answer>\n", "\n</answer>")
+# The think/answer layout: one think block, then one answer block, each tag once, any whitespace around the tags
+# (so "<think>\n...\n</think>\n<answer>\n...\n</answer>" and "<think>...</think> <answer>...</answer>" both
+# count: a model following either way of writing the usual system prompt gets the reward).
+_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+_INSIDE = r"(?:(?!</?think>|</?answer>).)*"  # block content: any text but another tag
+_FORMAT_RE = re.compile(rf"\s*<think>{_INSIDE}</think>\s*<answer>{_INSIDE}</answer>\s*", re.DOTALL)
 
 
 def format_reward(prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> list[float]:
     """1.0 when the whole completion is a think block followed by an answer block, else 0.0."""
-    return [1.0 if _FORMAT_RE.match(c) else 0.0 for c in completions]
+    return [1.0 if _FORMAT_RE.fullmatch(c) else 0.0 for c in completions]
 
 
 def tag_count_reward(prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> list[float]:
@@ -130,7 +133,7 @@ def verify_answers(golds: Sequence[str], completions: Sequence[str]) -> list[boo
 
 BUILTINS: dict[str, str] = {
     "correct": "the task's verifier, or math-verify against the gold answer (1.0 / 0.0)",
-    "format": "1.0 for a '<think>\\n...\\n</think>\\n<answer>\\n...\\n</answer>' completion",
+    "format": "1.0 for a '<think>...</think><answer>...</answer>' completion (whitespace around tags free)",
     "tag_count": "0.25 per think/answer tag present exactly once",
 }
 
