@@ -20,6 +20,7 @@ import yaml
 
 from podsrl.errors import ConfigError
 from podsrl.fileio import write_text_atomic
+from podsrl.trl_names import translate_trl_names
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -494,7 +495,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     if isinstance(tree.get("model"), str):
         tree["model"] = {"name_or_path": tree["model"]}
     _reject_removed_keys(tree)
-    cfg = _build(Config, tree)
+    cfg = _build(Config, translate_trl_names(tree))
     if not cfg.name and path is not None:
         cfg.name = Path(path).stem
     validate(cfg)
