@@ -79,7 +79,9 @@ class TaskVerifierReward:
 
 
 class MathVerifyReward:
-    """`correct` for dataset tasks: math-verify of the completion's final answer against the gold answer.
+    """`correct` for dataset tasks: math-verify of the completion's final answer against the gold answer. The
+    answer is read from the last <answer> block, else the last \\boxed{}, else the last 2,000 characters
+    (podsrl.answers.answer_region).
 
     Runs in worker processes (math-verify is not thread-safe); an item past the per-item timeout is reported
     through `score_detailed` so the manager counts it as a timeout. Called directly (as TRL would), timed-out
@@ -132,7 +134,8 @@ def verify_answers(golds: Sequence[str], completions: Sequence[str]) -> list[boo
 
 
 BUILTINS: dict[str, str] = {
-    "correct": "the task's verifier, or math-verify against the gold answer (1.0 / 0.0)",
+    "correct": "the task's verifier, or math-verify against the gold answer (1.0 / 0.0) of the last <answer> block, "
+               "else the last \\boxed{}, else the last 2,000 characters",
     "format": "1.0 for a '<think>...</think><answer>...</answer>' completion (whitespace around tags free)",
     "tag_count": "0.25 per think/answer tag present exactly once",
 }
