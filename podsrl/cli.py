@@ -74,7 +74,7 @@ def cmd_eval(args) -> int:
     task, problems = load_task(cfg, tokenizer, model)
     if not problems:
         raise UserError(f"task {task.name}: no eval set to evaluate on (task.eval_size, task.eval_fraction, "
-                        "task.args.eval_split)")
+                        "task.args.eval_split, task.args.eval_path)")
     engine = rollout_engine(cfg, model, tokenizer)
     verify = verifier(reward_manager(cfg, task), task)  # correctness is the `correct` reward alone, as in training
     try:

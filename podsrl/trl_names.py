@@ -103,7 +103,14 @@ def _set(tree: dict, dotted: str, value: Any) -> None:
 
 def translate_trl_names(tree: dict) -> dict:
     """Move top-level TRL names (`num_generations: 8`, `learning_rate=1e-6` on the command line) to their podsrl
-    keys; a TRL name and its podsrl key both given, or a TRL value with no podsrl counterpart, is a ConfigError."""
+    keys. A TRL name and its podsrl key both given, a TRL value with no podsrl counterpart, or a TRL name whose
+    meaning differs (`per_device_train_batch_size`) is a ConfigError saying what to set instead."""
+    for name in tree:
+        row = next((r for r in ROWS if r.trl == name and not r.accepted), None)
+        if row is not None:
+            instead = f"set {', '.join(row.podsrl)}" if row.podsrl else "podsrl has no counterpart"
+            raise ConfigError(f"{name}: TRL's name, not taken by podsrl since the meaning differs; {instead} "
+                              "(docs/trl.md has the table)")
     given = [name for name in tree if name in ACCEPTED]
     filled = []
     for name in given:

@@ -52,6 +52,9 @@ def test_trl_names_configure_what_podsrl_keys_do():
     (["num_generations=8", "rollout.n=16"], r"^num_generations: TRL's name for rollout\.n, which is also set"),
     (["loss_type=bnpo"], r"^loss_type: 'bnpo' has no podsrl counterpart; use one of dapo, grpo, dr_grpo"),
     (["lr_scheduler_type=linear"], r"^lr_scheduler_type: 'linear' has no podsrl counterpart"),
+    (["per_device_train_batch_size=8"], r"^per_device_train_batch_size: TRL's name, not taken by podsrl since the "
+                                        r"meaning differs; set rollout\.prompts_per_step"),
+    (["gradient_checkpointing=true"], r"^gradient_checkpointing: .*podsrl has no counterpart"),
 ])
 def test_trl_names_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
