@@ -208,10 +208,12 @@ def test_bad_inputs(tmp_path):
         (str(tmp_path / "nope.jsonl"), r"nope\.jsonl: file not found"),
         (str(tmp_path), r"is a directory"),
     ]
+    limit = csv.field_size_limit()
     for path, match in cases:
         fmt = "gsm8k" if "noans" in path else "raw"
         with pytest.raises(DataError, match=match):
             DatasetTask(path, prompt_column="q", answer_column="sol", answer_format=fmt, max_line_bytes=100)
+    assert csv.field_size_limit() == limit  # process-wide: importlib.metadata reads RECORD files with it
 
 
 def test_no_prompt_column_found(tmp_path):
