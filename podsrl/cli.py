@@ -1,4 +1,4 @@
-"""`podsrl train | eval | warmup | compare | report | plan` (user errors: one line on stderr, exit code 2)."""
+"""`podsrl train | eval | warmup | compare | report | plan | presets` (user errors: one line on stderr, exit code 2)."""
 
 from __future__ import annotations
 
@@ -11,26 +11,15 @@ import sys
 from pathlib import Path
 
 from podsrl.errors import UserError
+from podsrl.presets import preset_path, preset_table
 
 DEFAULT_CONFIG = "default"  # no --config: PODS on the built-in task, tuned for a short CPU run (configs/default.yaml)
-
-
-def _preset(name: str) -> Path:
-    """A bundled preset by name (e.g. 'grpo'), or a path."""
-    path = Path(name)
-    if path.suffix in (".yaml", ".yml") or path.exists():
-        return path
-    bundled = Path(__file__).parent / "configs" / f"{name}.yaml"
-    if bundled.is_file():
-        return bundled
-    raise UserError(f"--config: no file {name!r} and no bundled preset of that name")
 
 
 def _load(args):
     from podsrl.config import load_config
 
-    path = _preset(args.config) if args.config else _preset(DEFAULT_CONFIG)
-    return load_config(path, args.overrides)
+    return load_config(preset_path(args.config or DEFAULT_CONFIG), args.overrides)
 
 
 def cmd_train(args) -> int:
@@ -44,11 +33,21 @@ def cmd_train(args) -> int:
         cfg = load_config(saved, args.overrides + [f"output_dir={run_dir}"])
     else:
         cfg = _load(args)
+    if args.print_config:
+        from podsrl.config import config_yaml
+
+        print(config_yaml(cfg), end="")
+        return 0
     from podsrl.trainer import Trainer  # after the config: a bad one is reported without importing torch
 
     summary = Trainer(cfg, resume=bool(args.resume)).train()
     if os.environ.get("RANK", "0") == "0":  # torchrun: one summary line, from rank 0
         print(json.dumps({k: v for k, v in summary.items() if k.startswith(("eval/", "step", "time/"))}))
+    return 0
+
+
+def cmd_presets(args) -> int:
+    print(preset_table())
     return 0
 
 
@@ -75,7 +74,7 @@ def cmd_eval(args) -> int:
     task, problems = load_task(cfg, tokenizer, model)
     if not problems:
         raise UserError(f"task {task.name}: no eval set to evaluate on (task.eval_size, task.eval_fraction, "
-                        "task.args.eval_split)")
+                        "task.args.eval_split, task.args.eval_path)")
     engine = rollout_engine(cfg, model, tokenizer)
     verify = verifier(reward_manager(cfg, task), task)  # correctness is the `correct` reward alone, as in training
     try:
@@ -93,14 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_config(p):
-        p.add_argument("--config", help="YAML config or bundled preset name (grpo, pods, aero, dynamo, ...); "
+        p.add_argument("--config", help="YAML config or bundled preset name (`podsrl presets` lists them); "
                        "default: default (PODS tuned for a short CPU run)")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=16 optim.lr=1e-4")
         return p
 
     p = with_config(sub.add_parser("train", help="RL training (warm-up first if the built-in model needs it)"))
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest good checkpoint")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (preset, file and overrides, validated) as YAML and exit")
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("presets", help="list the bundled presets (--config NAME) and what each is for")
+    p.set_defaults(func=cmd_presets)
     p = with_config(sub.add_parser("warmup", help="supervised warm-up of the built-in model (cached)"))
     p.set_defaults(func=cmd_warmup)
     p = with_config(sub.add_parser("eval", help="held-out accuracy of a model"))
@@ -120,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="measure step costs here, predict the step time of (prompts, n, m) settings")
     add_plan_arguments(p)
-    p.set_defaults(func=lambda args: plan_main(args, _preset(args.config)))
+    p.set_defaults(func=lambda args: plan_main(args, preset_path(args.config)))
     return parser
 
 

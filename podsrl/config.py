@@ -20,6 +20,7 @@ import yaml
 
 from podsrl.errors import ConfigError
 from podsrl.fileio import write_text_atomic
+from podsrl.trl_names import translate_trl_names
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -40,7 +41,9 @@ class TinyModelConfig:
 @dataclass
 class ModelConfig:
     name_or_path: str = _f("tiny", "'tiny' (built-in char-level Qwen2), a local path, or a Hugging Face hub id.")
-    dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "Parameter dtype of the policy.")
+    dtype: Literal["float32", "bfloat16", "float16"] = _f(
+        "float32", "Parameter dtype of the policy (bfloat16: the weights themselves, no float32 master copy; LoRA "
+        "adapters stay float32). float16 is refused: there is no loss scaling.")
     device: str = _f("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...")
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     lora_rank: int = _f(0, "LoRA rank through peft; 0 trains all weights.")
@@ -492,7 +495,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     if isinstance(tree.get("model"), str):
         tree["model"] = {"name_or_path": tree["model"]}
     _reject_removed_keys(tree)
-    cfg = _build(Config, tree)
+    cfg = _build(Config, translate_trl_names(tree))
     if not cfg.name and path is not None:
         cfg.name = Path(path).stem
     validate(cfg)
@@ -544,6 +547,8 @@ def validate(cfg: Config) -> None:
     need(cfg.warmup.validation_size >= 1, "warmup.validation_size", "must be >= 1")
     need(cfg.reward_timeout > 0, "reward_timeout", "must be > 0")
     need(cfg.model.lora_rank >= 0, "model.lora_rank", "must be >= 0")
+    need(cfg.model.dtype != "float16", "model.dtype", "float16 is refused: podsrl has no loss scaling, so small "
+         "float16 gradients would underflow to zero; use bfloat16 (the same memory) or float32")
     fsdp = cfg.train.strategy == "fsdp"
     need(fsdp or not cfg.train.cpu_offload, "train.cpu_offload", "needs train.strategy=fsdp")
     need(not (fsdp and cfg.log.grad_noise), "log.grad_noise", "is not available with train.strategy=fsdp (its "
@@ -574,8 +579,12 @@ def validate(cfg: Config) -> None:
     METHODS[cfg.method].validate(cfg)
 
 
+def config_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
 def dump_config(cfg: Config, path: Path) -> None:
-    write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    write_text_atomic(path, config_yaml(cfg))
 
 
 def config_help(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from podsrl.answers import answer_region
 from podsrl.extras import require
 
 TIMEOUT = "timeout"  # status of an item whose worker was killed for running past the deadline
@@ -176,6 +177,8 @@ def _verify_item(item: tuple[str, str, int]) -> bool | str:
         if not gold_parsed:  # bare LaTeX such as "x^2+1" parses better inside math delimiters
             gold_parsed = parse(f"${gold}$", parsing_timeout=inner, raise_on_error=True)
         pred_parsed = parse(pred, extraction_mode="first_match", parsing_timeout=inner, raise_on_error=True)
+        if not pred_parsed:  # a bare LaTeX answer such as \dfrac{1}{2}: as for the gold
+            pred_parsed = parse(f"${pred}$", parsing_timeout=inner, raise_on_error=True)
         if not gold_parsed or not pred_parsed:
             return False
         return bool(verify(gold_parsed, pred_parsed, timeout_seconds=inner, raise_on_error=True))
@@ -183,18 +186,6 @@ def _verify_item(item: tuple[str, str, int]) -> bool | str:
         return TIMEOUT
     except Exception:  # noqa: BLE001 - unparsable model output is simply not a correct answer
         return False
-
-
-def answer_region(completion: str, max_chars: int = 2000) -> str:
-    """The part of a completion that is checked: the last <answer>...</answer> block if there is one, else the
-    last `max_chars` characters (long completions are capped so parsing time stays bounded)."""
-    start = completion.rfind("<answer>")
-    if start >= 0:
-        end = completion.find("</answer>", start)
-        inner = completion[start + len("<answer>"): end if end >= 0 else None]
-        if inner.strip():
-            return inner[-max_chars:]
-    return completion[-max_chars:]
 
 
 class MathVerifyPool:

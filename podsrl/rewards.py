@@ -79,7 +79,9 @@ class TaskVerifierReward:
 
 
 class MathVerifyReward:
-    """`correct` for dataset tasks: math-verify of the completion's final answer against the gold answer.
+    """`correct` for dataset tasks: math-verify of the completion's final answer against the gold answer. The
+    answer is read from the last <answer> block, else the last \\boxed{}, else the last 2,000 characters
+    (podsrl.answers.answer_region).
 
     Runs in worker processes (math-verify is not thread-safe); an item past the per-item timeout is reported
     through `score_detailed` so the manager counts it as a timeout. Called directly (as TRL would), timed-out
@@ -107,14 +109,17 @@ class MathVerifyReward:
         return self.score_detailed(prompts, completions, **columns)[0]
 
 
-# think/answer layout asked for by the usual system prompt ("<think>\n...\n</think>\n<answer>\n...\n</answer>")
-_FORMAT_RE = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>\s*$", re.DOTALL)
-_TAGS = ("<think>\n", "\n</think>\n", "\n<answer>\n", "\n</answer>")
+# The think/answer layout: one think block, then one answer block, each tag once, any whitespace around the tags
+# (so "<think>\n...\n</think>\n<answer>\n...\n</answer>" and "<think>...</think> <answer>...</answer>" both
+# count: a model following either way of writing the usual system prompt gets the reward).
+_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+_INSIDE = r"(?:(?!</?think>|</?answer>).)*"  # block content: any text but another tag
+_FORMAT_RE = re.compile(rf"\s*<think>{_INSIDE}</think>\s*<answer>{_INSIDE}</answer>\s*", re.DOTALL)
 
 
 def format_reward(prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> list[float]:
     """1.0 when the whole completion is a think block followed by an answer block, else 0.0."""
-    return [1.0 if _FORMAT_RE.match(c) else 0.0 for c in completions]
+    return [1.0 if _FORMAT_RE.fullmatch(c) else 0.0 for c in completions]
 
 
 def tag_count_reward(prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> list[float]:
@@ -129,8 +134,9 @@ def verify_answers(golds: Sequence[str], completions: Sequence[str]) -> list[boo
 
 
 BUILTINS: dict[str, str] = {
-    "correct": "the task's verifier, or math-verify against the gold answer (1.0 / 0.0)",
-    "format": "1.0 for a '<think>\\n...\\n</think>\\n<answer>\\n...\\n</answer>' completion",
+    "correct": "the task's verifier, or math-verify against the gold answer (1.0 / 0.0) of the last <answer> block, "
+               "else the last \\boxed{}, else the last 2,000 characters",
+    "format": "1.0 for a '<think>...</think><answer>...</answer>' completion (whitespace around tags free)",
     "tag_count": "0.25 per think/answer tag present exactly once",
 }
 

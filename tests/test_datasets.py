@@ -134,6 +134,48 @@ def test_eval_split_file(tmp_path):
         DatasetTask(str(train), prompt_column="q", answer_column="sol", eval_split="test")
 
 
+def test_eval_path_file_counts_what_is_used(tmp_path, caplog):
+    train = write_jsonl(tmp_path / "train.jsonl", ROWS[:10])
+    other = write_parquet(tmp_path / "other.parquet", ROWS[10:])  # another file, another format
+    with caplog.at_level("INFO", logger="podsrl"):
+        task = DatasetTask(str(train), prompt_column="q", answer_column="sol", eval_path=str(other), eval_limit=4)
+    assert len(task) == 10 and [p.answer for p in task.eval_set()] == [str(2 * i) for i in range(10, 14)]
+    assert "evaluating on 4 of the 10 eval problems of " + str(other) + " (task.eval_size=4)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="podsrl"):
+        task = DatasetTask(str(train), prompt_column="q", answer_column="sol", eval_path=str(other), eval_limit=50)
+    assert len(task.eval_set()) == 10
+    assert "evaluating on 10 of the 10 eval problems" in caplog.text and "more than there are" in caplog.text
+
+
+def test_eval_path_hub_dataset_uses_its_split_and_config(tmp_path, monkeypatch):
+    train = write_jsonl(tmp_path / "train.jsonl", ROWS[:10])
+    calls = []
+
+    def fake_hub(name, config, split):
+        calls.append((name, config, split))
+        return iter([(f"split {split!r} row {i}", r) for i, r in enumerate(ROWS[15:])])
+
+    monkeypatch.setattr(data_files, "_read_hub", fake_hub)
+    task = DatasetTask(str(train), prompt_column="q", answer_column="sol", eval_path="org/other-set",
+                       eval_split="validation", eval_config="main")
+    assert calls == [("org/other-set", "main", "validation")] and len(task.eval_set()) == 5
+    DatasetTask(str(train), prompt_column="q", answer_column="sol", eval_path="org/other-set")
+    assert calls[-1] == ("org/other-set", None, "test")  # the split defaults to "test"
+
+
+def test_eval_path_errors_name_the_field(tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", ROWS[:10])
+    with pytest.raises(DataError, match=r"^task\.args\.eval_path: .*missing\.jsonl: file not found"):
+        DatasetTask(str(train), prompt_column="q", answer_column="sol", eval_path=str(tmp_path / "missing.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"q": "a", "sol": "#### 1"}\n{"q": \n')
+    with pytest.raises(DataError, match=r"^task\.args\.eval_path: .*bad\.jsonl: line 2 is not valid JSON"):
+        DatasetTask(str(train), prompt_column="q", answer_column="sol", eval_path=str(bad))
+    with pytest.raises(DataError, match="eval_path or eval_fraction"):
+        DatasetTask(str(train), eval_path=str(bad), eval_fraction=0.1)
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -166,10 +208,12 @@ def test_bad_inputs(tmp_path):
         (str(tmp_path / "nope.jsonl"), r"nope\.jsonl: file not found"),
         (str(tmp_path), r"is a directory"),
     ]
+    limit = csv.field_size_limit()
     for path, match in cases:
         fmt = "gsm8k" if "noans" in path else "raw"
         with pytest.raises(DataError, match=match):
             DatasetTask(path, prompt_column="q", answer_column="sol", answer_format=fmt, max_line_bytes=100)
+    assert csv.field_size_limit() == limit  # process-wide: importlib.metadata reads RECORD files with it
 
 
 def test_no_prompt_column_found(tmp_path):

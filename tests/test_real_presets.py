@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def stand_in_model(tmp_path):
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(TinyModelConfig(hidden_size=64, num_layers=2, intermediate_size=128,
-                                             max_position_embeddings=128), tokenizer)
+                                             max_position_embeddings=512), tokenizer)
     path = tmp_path / "stand-in"
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

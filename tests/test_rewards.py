@@ -4,9 +4,10 @@ import time
 import pytest
 import torch
 
+from podsrl.answers import answer_region
 from podsrl.batch import Problem
 from podsrl.errors import ConfigError, UserError
-from podsrl.math_verify_pool import CRASHED, TIMEOUT, MathVerifyPool, ProcessPool, answer_region
+from podsrl.math_verify_pool import CRASHED, TIMEOUT, MathVerifyPool, ProcessPool
 from podsrl.rewards import (
     MathVerifyReward,
     RewardManager,
@@ -79,6 +80,7 @@ MV_CASES = [
     ("72", "73", False),
     ("1/2", "0.25", False),
     ("12", "<answer>13</answer> although 12 was mentioned", False),  # the answer block decides
+    ("1/2", "<answer>\\dfrac{1}{2}</answer>", True),  # bare LaTeX in the answer block
     ("5", "junk without numbers", False),
     ("5", "", False),
     ("5", "}}}{{{\\frac{\\boxed{", False),
@@ -93,7 +95,20 @@ def test_math_verify_table(pool):
 def test_math_verify_long_input_capped(pool):
     long = "blah 17 " * 200_000 + "so the final answer is \\boxed{42}"
     assert pool.check(["42"], [long]) == [True]  # True, not None: finished inside the per-item timeout
-    assert answer_region(long, 2000).endswith("\\boxed{42}") and len(answer_region(long, 2000)) == 2000
+    assert answer_region(long, 2000) == "\\boxed{42}"
+    assert answer_region("blah 17 " * 1000, 2000) == ("blah 17 " * 1000)[-2000:]
+
+
+@pytest.mark.parametrize("completion,region", [
+    ("<answer>1</answer> \\boxed{2} <answer> 3 </answer> tail", " 3 "),      # the last answer block
+    ("<answer>1</answer> then <answer> </answer>", "<answer>1</answer> then <answer> </answer>"),  # empty: next rules
+    ("x \\boxed{1} y \\boxed{\\frac{a}{b}} z", "\\boxed{\\frac{a}{b}}"),   # else the last \\boxed{}, braces matched
+    ("so \\fbox{7}.", "\\fbox{7}"),
+    ("\\boxed{unclosed", "\\boxed{unclosed"),                               # else the text itself
+    ("<answer>4", "4"),                                                    # an unclosed last block runs to the end
+])
+def test_answer_region_order(completion, region):
+    assert answer_region(completion) == region
 
 
 def test_process_pool_kills_hung_worker_and_keeps_order():
@@ -114,8 +129,13 @@ def test_process_pool_survives_crashed_worker():
 
 def test_format_and_tag_count():
     good = "<think>\nreason\n</think>\n<answer>\n4\n</answer>\n"
-    assert format_reward([], [good, "<think>r</think><answer>4</answer>", "4"]) == [1.0, 0.0, 0.0]
-    assert tag_count_reward([], [good, "<think>\nx\n</think>\n", "<think>\n<think>\n", ""]) == [1.0, 0.5, 0.0, 0.0]
+    one_line = " <think> r </think> <answer>4</answer>"  # whitespace around the tags is free
+    broken = ["4", "<answer>4</answer>", "<think>r</think><answer>4</answer> and more",
+              "<think>r</think><answer>4</answer><answer>5</answer>", "<think>a<think>b</think><answer>4</answer>",
+              "<answer>4</answer><think>r</think>"]
+    assert format_reward([], [good, one_line, *broken]) == [1.0, 1.0] + [0.0] * len(broken)
+    assert tag_count_reward([], [good, one_line, "<think>\nx\n</think>\n", "<think>\n<think>\n", ""]) == \
+        [1.0, 1.0, 0.5, 0.0, 0.0]
 
 
 def test_correct_uses_task_verifier_when_present(pool):

@@ -1,4 +1,5 @@
 """`rollout.engine: vllm`: generation with vLLM on a GPU, colocated with the trainer (same process, same GPU).
+Not yet run on a GPU (docs/results.md, "GPU paths not yet run").
 
 vLLM is imported only when this engine is built; without it (or without CUDA) the error says what to install.
 

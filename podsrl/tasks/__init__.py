@@ -43,7 +43,7 @@ def build_task(cfg: TaskConfig, tokenizer=None) -> Task:
             raise ConfigError("task.args.path: a dataset task needs a file path or a Hugging Face dataset name")
         source = args.pop("path")
         args.setdefault("eval_limit", cfg.eval_size)
-        if args.get("eval_split") is None:  # no eval set given: hold one out (task.eval_fraction, unless args say)
+        if args.get("eval_split") is None and args.get("eval_path") is None:  # no eval set given: hold one out (task.eval_fraction, unless args say)
             args.setdefault("eval_fraction", cfg.eval_fraction if cfg.eval_size else 0.0)
         return _construct(DatasetTask, "dataset", source, seed=cfg.seed, format_prompt=formatter, **args)
     if cfg.name == "reasoning_gym":

@@ -67,7 +67,15 @@ def _must_be_object(row: Any, path: Path, label: str) -> dict:
 
 
 def _read_csv(path: Path, max_line_bytes: int) -> Iterator[tuple[str, dict]]:
-    csv.field_size_limit(max_line_bytes)
+    # csv's field limit is process-wide (importlib.metadata reads RECORD files with it): set it for this file only
+    previous = csv.field_size_limit(max_line_bytes)
+    try:
+        yield from _csv_rows(path)
+    finally:
+        csv.field_size_limit(previous)
+
+
+def _csv_rows(path: Path) -> Iterator[tuple[str, dict]]:
     try:
         # utf-8-sig: a byte-order mark (Excel's "CSV UTF-8") is dropped instead of becoming part of the first
         # column's name

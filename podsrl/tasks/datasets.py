@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from podsrl.answers import extract_boxed
 from podsrl.batch import Problem
 from podsrl.errors import DataError
 from podsrl.tasks.base import Task
@@ -40,24 +41,6 @@ def extract_gsm8k(text: str) -> str | None:
         return None
     out = text.rsplit("####", 1)[1].strip().replace(",", "")
     return out or None
-
-
-def extract_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (or \\fbox{...}), with nested braces matched; None if there is none
-    or its braces never close."""
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if start < 0:
-        return None
-    i = text.index("{", start) + 1
-    depth = 1
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i:j].strip() or None
-    return None
 
 
 def numeric_answer(value: Any) -> str | None:
@@ -114,9 +97,11 @@ class DatasetTask(Task):
     prompt_column / answer_column: None picks the first present of PROMPT_COLUMNS / ANSWER_COLUMNS.
     id_column: a column to use as uid (else a hash of the question text). Other columns go to metadata.
     answer_format: raw | gsm8k | boxed | auto (see `extract_answer`) for text answers; a number cell is the answer.
-    Eval set: `eval_split` (a hub split name or a local file), else `eval_fraction` of the distinct questions held
-    out by seed (at most `eval_limit`), else none. Eval questions never occur in training: a question held out
-    is held out with all its duplicates, and eval_split questions that also occur in training are dropped.
+    Eval set: `eval_path` (a local file, or a hub dataset read with split `eval_split`, default "test", and
+    `eval_config`), else `eval_split` of the training dataset (with a local training file: the eval file's path),
+    else `eval_fraction` of the distinct questions held out by seed, else none; at most `eval_limit` of them. Eval
+    questions never occur in training: a question held out is held out with all its duplicates, and eval_split /
+    eval_path questions that also occur in training are dropped.
     format_prompt: turns a question into the text given to the tokenizer (see podsrl.tasks.templates).
     No verifier of its own: the `correct` reward checks answers with math-verify.
     """
@@ -134,6 +119,8 @@ class DatasetTask(Task):
         id_column: str | None = None,
         answer_format: str = "auto",
         eval_split: str | None = None,
+        eval_path: str | None = None,
+        eval_config: str | None = None,
         eval_fraction: float = 0.0,
         eval_limit: int | None = None,
         seed: int = 0,
@@ -142,8 +129,8 @@ class DatasetTask(Task):
     ) -> None:
         if answer_format not in ANSWER_FORMATS:
             raise DataError(f"answer_format: {answer_format!r} is not one of {', '.join(ANSWER_FORMATS)}")
-        if eval_split is not None and eval_fraction:
-            raise DataError("give either eval_split or eval_fraction, not both")
+        if (eval_split is not None or eval_path is not None) and eval_fraction:
+            raise DataError("give either eval_split / eval_path or eval_fraction, not both")
         if not 0.0 <= eval_fraction < 1.0:
             raise DataError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
         self.name = f"dataset:{Path(source).name or source}"
@@ -151,19 +138,18 @@ class DatasetTask(Task):
         self._columns = (prompt_column, answer_column, id_column, answer_format)
         self._format = format_prompt or (lambda q: q)
         train, train_labels = self._problems(source, read_rows(source, split, config, max_line_bytes))
-        if eval_split is not None:
-            local = Path(source).expanduser().exists()
-            if local and not Path(eval_split).expanduser().is_file():
-                raise DataError(f"eval_split {eval_split!r}: file not found (with a local dataset file, "
-                                "eval_split is the path of the eval file)")
-            eval_src = eval_split if local else source
-            held, held_labels = self._problems(eval_src, read_rows(eval_src, eval_split, config, max_line_bytes))
+        if eval_split is not None or eval_path is not None:
+            eval_src, rows = self._eval_rows(eval_path, eval_split, eval_config, config, max_line_bytes)
+            held, held_labels = self._problems(eval_src, rows)
             seen = {p.prompt for p in train}
             kept = [(p, lab) for p, lab in zip(held, held_labels) if p.prompt not in seen]
             if len(kept) < len(held):
                 log.info("dataset %s: %d eval questions of %s also occur in training and were dropped",
                          Path(source).name, len(held) - len(kept), eval_src)
             held, held_labels = [p for p, _ in kept], [lab for _, lab in kept]
+            log.info("dataset %s: evaluating on %d of the %d eval problems of %s (task.eval_size=%s%s)",
+                     Path(source).name, len(held[:eval_limit]), len(held), eval_src, eval_limit,
+                     ", more than there are" if eval_limit is not None and eval_limit > len(held) else "")
         elif eval_fraction:
             train, train_labels, held, held_labels = self._hold_out(train, train_labels, eval_fraction, eval_limit)
         else:
@@ -171,6 +157,21 @@ class DatasetTask(Task):
         self.train_problems, self._train_labels = train, train_labels
         self._eval, self._eval_labels = held[:eval_limit], held_labels[:eval_limit]
         self._perm_epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
+
+    def _eval_rows(self, eval_path: str | None, eval_split: str | None, eval_config: str | None,
+                   config: str | None, max_line_bytes: int) -> tuple[str, list[tuple[str, dict]]]:
+        """(source, rows) of the eval set given by eval_path or eval_split (see the class docstring)."""
+        if eval_path is not None:
+            try:
+                return eval_path, read_rows(eval_path, eval_split or "test", eval_config, max_line_bytes)
+            except DataError as exc:
+                raise DataError(f"task.args.eval_path: {exc}") from None
+        if Path(self.source).expanduser().exists():
+            if not Path(eval_split).expanduser().is_file():
+                raise DataError(f"eval_split {eval_split!r}: file not found (with a local dataset file, "
+                                "eval_split is the path of the eval file; or give task.args.eval_path)")
+            return eval_split, read_rows(eval_split, eval_split, config, max_line_bytes)
+        return self.source, read_rows(self.source, eval_split, config, max_line_bytes)
 
     def _hold_out(self, train: list[Problem], labels: list[str], fraction: float, limit: int | None):
         """Hold out ceil(fraction * distinct questions) of them (at most `limit`), chosen by the seed alone; a

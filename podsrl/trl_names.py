@@ -1,0 +1,150 @@
+"""TRL's `GRPOConfig` names next to podsrl's: the migration table of docs/trl.md (generated from `ROWS`, with both
+sides' defaults), and the TRL names a podsrl config accepts where the meaning is the same.
+
+TRL defaults are stated as TRL declares them; tests/test_trl_table.py checks every row against the installed
+`GRPOConfig`, and podsrl's defaults are read from podsrl/config.py, so neither side can go stale silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from podsrl.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Row:
+    trl: str  # the GRPOConfig field
+    trl_default: Any  # its declared default
+    podsrl: tuple[str, ...]  # podsrl keys (empty: no counterpart)
+    note: str  # same or not, and what to do
+    accepted: bool = False  # podsrl takes the TRL name in a config, meaning the same
+    values: dict[Any, Any] | None = None  # TRL value -> podsrl value, where the spelling differs
+    fills: tuple[str, ...] = field(default=())  # further keys set when the user has not set them
+
+
+ROWS: tuple[Row, ...] = (
+    Row("learning_rate", 1e-6, ("optim.lr",), "**differs**: podsrl's default is tuned for the built-in 0.8M model; "
+        "the Qwen presets set 5e-6 / 1e-5 for LoRA", accepted=True),
+    Row("max_completion_length", 512, ("rollout.max_new_tokens",), "**differs**: the built-in task's answers are a "
+        "few characters; the Qwen presets set 512 / 1024", accepted=True),
+    Row("num_generations", 8, ("rollout.n",), "**differs**; with `method: pods`, `pods.m` of the n are trained",
+        accepted=True),
+    Row("bf16", None, ("model.dtype",), "**differs**: TRL resolves `None` to bf16 mixed precision (float32 master "
+        "weights, bf16 compute) unless `fp16`; podsrl computes in `model.dtype`, and `bfloat16` there is the weights "
+        "themselves, no float32 copy (LoRA adapters stay float32). `float16` is refused (no loss scaling)"),
+    Row("gradient_checkpointing", True, (), "**differs**: podsrl has no gradient checkpointing; lower "
+        "`optim.micro_batch_size` (rollouts per forward/backward) to save memory"),
+    Row("vllm_importance_sampling_correction", True, (), "**differs**: with `use_vllm`, TRL corrects for the "
+        "sampler/trainer log-prob mismatch; podsrl applies no such correction (the `fast` and `hf` engines sample "
+        "with the trained weights themselves)"),
+    Row("lr_scheduler_type", "linear", ("optim.scheduler",), "**differs**: podsrl has `constant` and `cosine` "
+        "(no `linear`)", accepted=True, values={"constant": "constant", "cosine": "cosine"}),
+    Row("warmup_steps", 0, ("optim.warmup_steps",), "same", accepted=True),
+    Row("per_device_train_batch_size", 8, ("rollout.prompts_per_step",), "**different vocabulary**: TRL counts "
+        "completions per device and micro-step (`num_generations` of them per prompt); podsrl counts prompts per "
+        "step P, each with `rollout.n` rollouts, P·n generated a step"),
+    Row("gradient_accumulation_steps", 1, ("optim.micro_batch_size",), "**different vocabulary**: in TRL it "
+        "multiplies the completions per optimiser step; in podsrl an optimiser step takes the step's trained "
+        "rollouts / `optim.mini_batches`, run in micro-batches of `optim.micro_batch_size` (memory only)"),
+    Row("steps_per_generation", None, ("optim.mini_batches",), "**different vocabulary**: optimiser steps per "
+        "generated batch (TRL's `None` = `gradient_accumulation_steps`); podsrl splits the step's batch into this "
+        "many mini-batches"),
+    Row("mask_truncated_completions", False, (), "same behaviour by default: podsrl trains on truncated completions "
+        "(with their reward) and has no switch to mask them"),
+    Row("loss_type", "dapo", ("algo.loss_agg",), "same (`dapo` = `token_mean`; `grpo` = `seq_mean_token_mean`, "
+        "`dr_grpo` = `seq_mean_token_sum_norm`)", accepted=True,
+        values={"dapo": "token_mean", "grpo": "seq_mean_token_mean", "dr_grpo": "seq_mean_token_sum_norm"}),
+    Row("scale_rewards", "group", ("algo.scale",), "same (`group`, `batch`, `none`; TRL's `true`/`false` = "
+        "`group`/`none`)", accepted=True,
+        values={"group": "group", "batch": "batch", "none": "none", True: "group", False: "none"}),
+    Row("epsilon", 0.2, ("algo.epsilon_low",), "same; as in TRL, it also sets the upper clip unless `epsilon_high` "
+        "is given", accepted=True, fills=("algo.epsilon_high",)),
+    Row("epsilon_high", None, ("algo.epsilon_high",), "same (TRL's `None` = `epsilon`)", accepted=True),
+    Row("beta", 0.0, ("algo.beta",), "same (0 loads no reference model)", accepted=True),
+    Row("num_iterations", 1, ("optim.epochs",), "same", accepted=True),
+    Row("temperature", 1.0, ("rollout.temperature",), "same", accepted=True),
+    Row("top_p", 1.0, ("rollout.top_p",), "same", accepted=True),
+    Row("top_k", 0, ("rollout.top_k",), "same (0 = off)", accepted=True),
+    Row("max_grad_norm", 1.0, ("optim.max_grad_norm",), "same", accepted=True),
+    Row("weight_decay", 0.0, ("optim.weight_decay",), "same", accepted=True),
+    Row("max_steps", -1, ("train.max_steps",), "**differs**: TRL's -1 means `num_train_epochs`; podsrl counts "
+        "steps only", accepted=True),
+    Row("seed", 42, ("seed",), "**differs**", accepted=True),
+    Row("save_steps", 500, ("train.save_every",), "**differs**", accepted=True),
+    Row("eval_steps", None, ("train.eval_every",), "**differs**: TRL's `None` = `logging_steps`", accepted=True),
+    Row("report_to", "none", ("log.report_to",), "**differs**; the same values (`tensorboard`, `wandb`, "
+        "`trackio`, `all`, `none`)", accepted=True),
+    Row("run_name", None, ("log.run_name",), "same meaning; podsrl's default is the config name and seed",
+        accepted=True),
+)
+
+ACCEPTED = {row.trl: row for row in ROWS if row.accepted and row.podsrl != (row.trl,)}  # seed: the same key
+
+
+def _get(tree: dict, dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _set(tree: dict, dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{dotted}: {part} is not a section")
+    tree[last] = value
+
+
+def translate_trl_names(tree: dict) -> dict:
+    """Move top-level TRL names (`num_generations: 8`, `learning_rate=1e-6` on the command line) to their podsrl
+    keys. A TRL name and its podsrl key both given, a TRL value with no podsrl counterpart, or a TRL name whose
+    meaning differs (`per_device_train_batch_size`) is a ConfigError saying what to set instead."""
+    for name in tree:
+        row = next((r for r in ROWS if r.trl == name and not r.accepted), None)
+        if row is not None:
+            instead = f"set {', '.join(row.podsrl)}" if row.podsrl else "podsrl has no counterpart"
+            raise ConfigError(f"{name}: TRL's name, not taken by podsrl since the meaning differs; {instead} "
+                              "(docs/trl.md has the table)")
+    given = [name for name in tree if name in ACCEPTED]
+    filled = []
+    for name in given:
+        row, value = ACCEPTED[name], tree.pop(name)
+        if row.values is not None:
+            if value not in row.values:
+                raise ConfigError(f"{name}: {value!r} has no podsrl counterpart; use one of "
+                                  f"{', '.join(map(str, row.values))} (or set {row.podsrl[0]})")
+            value = row.values[value]
+        for key in row.podsrl:
+            if _get(tree, key) is not None:
+                raise ConfigError(f"{name}: TRL's name for {key}, which is also set; give one of them")
+            _set(tree, key, value)
+        filled += [(key, value) for key in row.fills]
+    for key, value in filled:
+        if _get(tree, key) is None:
+            _set(tree, key, value)
+    return tree
+
+
+def _cell(value: Any) -> str:
+    return f"`{value}`" if isinstance(value, str) else f"`{value!r}`"
+
+
+def trl_table_markdown() -> str:
+    """The migration table: TRL name and default, podsrl key and default, what differs."""
+    from podsrl.config import config_help
+
+    defaults = {key: default.strip("'") for key, default, _ in config_help()}  # config_help gives reprs
+    lines = ["| TRL `GRPOConfig` | TRL default | podsrl key | podsrl default | accepted by name | note |",
+             "|---|---|---|---|---|---|"]
+    for row in ROWS:
+        keys = ", ".join(f"`{k}`" for k in row.podsrl) or "none"
+        podsrl_default = ", ".join(f"`{defaults[k]}`" for k in row.podsrl) or "none"
+        lines.append(f"| `{row.trl}` | {_cell(row.trl_default)} | {keys} | {podsrl_default} | "
+                     f"{'yes' if row.accepted else 'no'} | {row.note} |")
+    return "\n".join(lines) + "\n"
