@@ -20,6 +20,7 @@ import socket
 from pathlib import Path
 
 from podsrl.errors import UserError
+from podsrl.run_log import RunLog
 
 log = logging.getLogger("podsrl")
 
@@ -40,10 +41,12 @@ def _describe(holder: dict) -> str:
 
 
 class RunLock:
-    """Takes the lock of `run_dir` (created if needed) or raises a UserError naming the process that holds it."""
+    """Takes the lock of `run_dir` (created if needed) or raises a UserError naming the process that holds it.
+    `keep_log`: the holder also appends podsrl's log to the run's run.log until it lets go (a training run)."""
 
-    def __init__(self, run_dir: str | Path) -> None:
+    def __init__(self, run_dir: str | Path, keep_log: bool = False) -> None:
         self.run_dir = Path(run_dir)
+        self.log: RunLog | None = None
         create_run_dir(self.run_dir)
         self.path = self.run_dir / LOCK_FILE
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -61,6 +64,7 @@ class RunLock:
                 raise UserError(f"output_dir: cannot lock {self.path} ({e.strerror or e})") from None
             log.warning("cannot lock %s (%s): nothing stops a second process writing this run directory",
                         self.path, e.strerror)
+        self.log = RunLog(self.run_dir) if keep_log else None  # after the lock: a refused writer never writes it
         previous = self._holder()
         if previous:
             log.warning("taking over %s from a process that ended without releasing it (%s)", self.path,
@@ -84,9 +88,11 @@ class RunLock:
         self._file.flush()
 
     def close(self) -> None:
-        """Clear the holder's text, then unlock (closing the file unlocks). Idempotent."""
+        """Close the run log, clear the holder's text, then unlock (closing the file unlocks). Idempotent."""
         if self._file.closed:
             return
+        if self.log is not None:
+            self.log.close()
         try:
             self._write({})
         except OSError:  # a full or vanished disk: the OS still drops the lock on close

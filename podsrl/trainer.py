@@ -45,7 +45,6 @@ from podsrl.models import count_parameters, load_policy, resolve_device
 from podsrl.plotting import plot_run
 from podsrl.prompt_stats import PromptStats
 from podsrl.run_lock import RunLock
-from podsrl.run_log import RunLog
 from podsrl.tracking import build_metrics_logger, build_progress, read_metrics
 from podsrl.update import PolicyUpdater
 
@@ -87,9 +86,8 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(cfg.output_dir)
         self.dist = init_distributed(resolve_device(cfg.model.device))  # torchrun: this rank's place and device
-        # One writer per run directory (rank 0 for the job), held until train() returns; the log kept beside it.
-        self.lock = RunLock(self.run_dir) if self.dist.is_main else None
-        self.run_log = RunLog(self.run_dir) if self.dist.is_main else None
+        # One writer per run directory (rank 0 for the job), held until train() returns, with its run.log.
+        self.lock = RunLock(self.run_dir, keep_log=True) if self.dist.is_main else None
         try:
             self._build(resume)
         except BaseException:
@@ -348,9 +346,8 @@ class Trainer:
             self._release_run_dir()
 
     def _release_run_dir(self) -> None:
-        for held in (self.run_log, self.lock):  # the log is closed before the lock lets another writer in
-            if held is not None:
-                held.close()
+        if self.lock is not None:
+            self.lock.close()
 
     def _train(self) -> dict:
         cfg = self.cfg
