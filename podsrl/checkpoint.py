@@ -9,13 +9,15 @@ Layout of one checkpoint, `<run>/checkpoints/step-00000042/`:
     state.json          step, data position, elapsed time, counters, per-prompt statistics, python RNG
     manifest.json       sha256 of every file above, written last
 It is written to a temporary directory and renamed into place, so a kill mid-write leaves no half checkpoint
-under a real name; a checkpoint whose manifest is missing or whose checksums fail is skipped on resume.
+under a real name; a checkpoint whose manifest is missing or whose sizes or checksums fail is skipped on resume,
+with a warning naming it and why.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -25,6 +27,9 @@ import torch
 
 from podsrl import faults
 from podsrl.errors import UserError
+from podsrl.run_lock import create_run_dir
+
+log = logging.getLogger("podsrl")
 
 MANIFEST = "manifest.json"
 
@@ -63,10 +68,7 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> None:
     if not resume and list_checkpoints(run_dir):
         raise UserError(f"output_dir: {run_dir} already holds checkpoints of a run; continue it with "
                         f"`podsrl train --resume {run_dir}`, or choose another output_dir")
-    try:
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"output_dir: cannot create {run_dir} ({e.strerror or e})") from None
+    create_run_dir(run_dir)
 
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state: dict, rng_state: dict,
@@ -100,7 +102,8 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state:
         torch.save(rng_state, tmp / "rng.pt")
         (tmp / "state.json").write_text(json.dumps(state), encoding="utf-8")
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        manifest = {"step": step, "files": {str(p.relative_to(tmp)): _sha256(p) for p in files}}
+        manifest = {"step": step, "files": {str(p.relative_to(tmp)): _sha256(p) for p in files},
+                    "sizes": {str(p.relative_to(tmp)): p.stat().st_size for p in files}}
         for p in files:  # data on disk before the manifest that vouches for it
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
@@ -208,12 +211,47 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
 
 
-def verify_checkpoint(path: Path) -> bool:
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be resumed from, or None when its manifest vouches for every file."""
     try:
         manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
-        return all(_sha256(path / name) == digest for name, digest in manifest["files"].items())
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
+        files, sizes = manifest["files"], manifest.get("sizes", {})
+        names = list(files.items())
+    except FileNotFoundError:
+        return f"no {MANIFEST} (its save did not finish)"
+    except OSError as e:
+        return f"{MANIFEST} is unreadable ({e.strerror or e})"
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return f"{MANIFEST} is not a checkpoint manifest"
+    for name, digest in names:
+        try:
+            size, actual = (path / name).stat().st_size, _sha256(path / name)
+        except FileNotFoundError:
+            return f"{name} is missing"
+        except OSError as e:
+            return f"{name} is unreadable ({e.strerror or e})"
+        if name in sizes and size != sizes[name]:
+            return f"{name} has {size} bytes, {sizes[name]} expected (truncated or overwritten)"
+        if actual != digest:
+            return f"{name} does not match its sha256 in {MANIFEST} (damaged)"
+    return None
+
+
+def verify_checkpoint(path: Path) -> bool:
+    return checkpoint_problem(path) is None
+
+
+def resume_checkpoint(run_dir: Path) -> tuple[Path | None, list[dict]]:
+    """The newest checkpoint whose manifest checks out, and the newer ones skipped ({path, reason}), each of those
+    logged as a warning: resuming from an older checkpoint than the user expects must never be silent."""
+    skipped = []
+    for path in reversed(list_checkpoints(run_dir)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, skipped
+        log.warning("resume: skipping checkpoint %s: %s", path, problem)
+        skipped.append({"path": str(path), "reason": problem})
+    return None, skipped
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

@@ -1,4 +1,5 @@
-"""`podsrl train | eval | warmup | compare | report | plan | presets` (user errors: one line on stderr, exit code 2)."""
+"""`podsrl train | eval | warmup | compare | report | plan | presets` (user errors: one line on stderr, exit code 2;
+every exit code is in podsrl/exit_codes.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import signal
 import sys
 from pathlib import Path
 
-from podsrl.errors import UserError
+from podsrl.errors import UnhealthyRun, UserError
+from podsrl.exit_codes import ExitCode
 from podsrl.presets import preset_path, preset_table
 
 DEFAULT_CONFIG = "default"  # no --config: PODS on the built-in task, tuned for a short CPU run (configs/default.yaml)
@@ -31,6 +33,11 @@ def cmd_train(args) -> int:
         if not saved.is_file():
             raise UserError(f"--resume: {run_dir} is not a run directory (no config.yaml)")
         cfg = load_config(saved, args.overrides + [f"output_dir={run_dir}"])
+        finished = _finished_at(run_dir, cfg)
+        if finished is not None:  # a requeued job of a finished run must not train again, nor fail
+            if os.environ.get("RANK", "0") == "0":
+                print(f"podsrl: {run_dir} is finished (step {finished}, summary.json); nothing to resume")
+            return ExitCode.FINISHED
     else:
         cfg = _load(args)
     if args.print_config:
@@ -40,10 +47,27 @@ def cmd_train(args) -> int:
         return 0
     from podsrl.trainer import Trainer  # after the config: a bad one is reported without importing torch
 
-    summary = Trainer(cfg, resume=bool(args.resume)).train()
+    trainer = Trainer(cfg, resume=bool(args.resume))
+    summary = trainer.train()
+    if trainer.stopped_by_signal:  # checkpointed: a scheduler must read "not done yet", not "finished"
+        return ExitCode.STOPPED_RESUMABLE
     if os.environ.get("RANK", "0") == "0":  # torchrun: one summary line, from rank 0
         print(json.dumps({k: v for k, v in summary.items() if k.startswith(("eval/", "step", "time/"))}))
-    return 0
+    return ExitCode.FINISHED
+
+
+def _finished_at(run_dir: Path, cfg) -> int | None:
+    """The step of a run that already reached the budget of `cfg` (its summary.json says so), else None; a
+    resume with a larger budget (e.g. train.max_steps) continues the run."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+        step, elapsed = int(summary["step"]), float(summary["time/elapsed"])
+        rollouts = float(summary.get("total/rollouts_generated", 0))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    t = cfg.train
+    spent = step >= t.max_steps or 0 < t.max_seconds <= elapsed or 0 < t.max_rollouts <= rollouts
+    return step if spent else None
 
 
 def cmd_presets(args) -> int:
@@ -150,10 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except UserError as e:
         print(f"podsrl: error: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.UNHEALTHY if isinstance(e, UnhealthyRun) else ExitCode.USER_ERROR
     except KeyboardInterrupt:
         print("podsrl: interrupted", file=sys.stderr)
-        return 130
+        return ExitCode.INTERRUPTED
 
 
 if __name__ == "__main__":

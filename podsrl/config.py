@@ -273,6 +273,16 @@ class TrainConfig:
     save_every: int = _f(50, "Checkpoint every N steps (and at the end).")
     keep_checkpoints: int = _f(2, "Checkpoints kept on disk (older ones are deleted).")
     max_nonfinite_steps: int = _f(3, "Consecutive non-finite losses/gradients (each skipped) before the run stops.")
+    # Health checks (podsrl/health.py): each warns once, logs health/<check> and is listed in summary.json.
+    health_steps: int = _f(10, "Steps in a row a collapse sign must hold before its health warning (0 = no "
+                           "health checks): reward 0, empty completions, low entropy, KL or clipped-ratio blow-up.")
+    health_min_entropy: float = _f(0.01, "Health: mean token entropy (nats) below this is an entropy collapse.")
+    health_max_kl: float = _f(2.0, "Health: mean per-token KL to the reference (algo.beta > 0) above this is a "
+                              "blow-up.")
+    health_max_clipped: float = _f(0.5, "Health: share of tokens whose probability ratio is clipped "
+                                   "(clip_ratio/region_mean) above this is a blow-up.")
+    stop_on_collapse: bool = _f(False, "Stop the run (exit code 3) when a health check fires, instead of warning "
+                                "and going on.")
     # How the update is spread over torchrun ranks (docs/scale.md); one process ignores these.
     strategy: Literal["ddp", "fsdp"] = _f(
         "ddp", "ddp: every rank holds the whole model, gradients and optimiser state (fits one device); fsdp: "
@@ -537,6 +547,10 @@ def validate(cfg: Config) -> None:
     need(cfg.train.eval_every >= 1, "train.eval_every", "must be >= 1")
     need(cfg.train.save_every >= 1, "train.save_every", "must be >= 1")
     need(cfg.train.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
+    need(cfg.train.health_steps >= 0, "train.health_steps", "must be >= 0 (0 = no health checks)")
+    need(cfg.train.health_min_entropy >= 0, "train.health_min_entropy", "must be >= 0")
+    need(cfg.train.health_max_kl > 0, "train.health_max_kl", "must be > 0")
+    need(0 < cfg.train.health_max_clipped <= 1, "train.health_max_clipped", "must be in (0, 1]")
     need(cfg.task.eval_size >= 0, "task.eval_size", "must be >= 0")
     need(cfg.eval.size >= 0, "eval.size", "must be >= 0")
     need(cfg.eval.samples >= 0, "eval.samples", "must be >= 0")

@@ -1,4 +1,5 @@
-"""Errors a user can cause. The CLI prints them as one line and exits with code 2; bugs still raise."""
+"""Errors a user can cause. The CLI prints them as one line and exits with code 2 (3 for an unhealthy run); bugs
+still raise."""
 
 
 class UserError(Exception):
@@ -11,3 +12,8 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """A dataset file or row is wrong; the message names the file and row."""
+
+
+class UnhealthyRun(UserError):
+    """Training went bad (non-finite losses in a row, or a collapse under train.stop_on_collapse): exit code 3,
+    since retrying the same settings fails the same way."""

@@ -26,23 +26,25 @@ from podsrl.algo.group_stats import group_stats, zero_variance_groups
 from podsrl.batch import Problem, RolloutBatch, concat_batches
 from podsrl.build import base_weights, load_model, load_task, reward_manager, rollout_engine, verifier
 from podsrl.checkpoint import (
-    latest_checkpoint,
     load_checkpoint_files,
     load_sharded_tensors,
     prepare_run_dir,
+    resume_checkpoint,
     save_checkpoint,
 )
 from podsrl.config import Config, dump_config
 from podsrl.distributed import NullLogger, init_distributed
 from podsrl.engines import SamplingParams
-from podsrl.errors import UserError
+from podsrl.errors import UnhealthyRun, UserError
 from podsrl.evaluation import evaluate
 from podsrl.fileio import write_text_atomic
 from podsrl.forward_record import ForwardRecord
+from podsrl.health import HealthMonitor
 from podsrl.methods import METHODS, StepContext
 from podsrl.models import count_parameters, load_policy, resolve_device
 from podsrl.plotting import plot_run
 from podsrl.prompt_stats import PromptStats
+from podsrl.run_lock import RunLock
 from podsrl.tracking import build_metrics_logger, build_progress, read_metrics
 from podsrl.update import PolicyUpdater
 
@@ -83,12 +85,22 @@ class Trainer:
     def __init__(self, cfg: Config, resume: bool = False) -> None:
         self.cfg = cfg
         self.run_dir = Path(cfg.output_dir)
+        self.dist = init_distributed(resolve_device(cfg.model.device))  # torchrun: this rank's place and device
+        # One writer per run directory (rank 0 for the job), held until train() returns, with its run.log.
+        self.lock = RunLock(self.run_dir, keep_log=True) if self.dist.is_main else None
+        try:
+            self._build(resume)
+        except BaseException:
+            self._release_run_dir()
+            raise
+
+    def _build(self, resume: bool) -> None:
+        cfg = self.cfg
         prepare_run_dir(self.run_dir, resume)
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        self.dist = init_distributed(resolve_device(cfg.model.device))  # torchrun: this rank's place and device
         self.device = self.dist.device
-        checkpoint = latest_checkpoint(self.run_dir) if resume else None
+        checkpoint, self.skipped_checkpoints = resume_checkpoint(self.run_dir) if resume else (None, [])
         if resume and checkpoint is None:
             log.warning("no valid checkpoint in %s: starting from the beginning", self.run_dir)
         with self.dist.main_first():
@@ -124,7 +136,8 @@ class Trainer:
         self.accountant = ComputeAccountant(count_parameters(self.generation_model))
         self.rng = torch.Generator().manual_seed(cfg.seed)
         self.step, self.data_position, self.elapsed = 0, 0, 0.0
-        self.stop_requested = False
+        self.stop_requested = self.stopped_by_signal = False
+        self.health = HealthMonitor(cfg.train, speak=self.dist.is_main)
         if checkpoint is not None:
             self._restore(checkpoint)
             log.info("resumed %s at step %d", self.run_dir, self.step)
@@ -168,7 +181,7 @@ class Trainer:
         self.elapsed += time.process_time() - cpu0 if cfg.train.clock == "cpu" else step_time
         self.step += 1
         if self.updater.nonfinite_in_a_row >= cfg.train.max_nonfinite_steps:
-            raise UserError(f"training stopped: {self.updater.nonfinite_in_a_row} consecutive steps with a "
+            raise UnhealthyRun(f"training stopped: {self.updater.nonfinite_in_a_row} consecutive steps with a "
                             f"non-finite loss or gradient (step {self.step}); try a lower optim.lr. The last good "
                             f"checkpoint is in {self.run_dir / 'checkpoints'}")
         record.metrics = self._step_metrics(record, kept, {**select_metrics, **method_metrics}, update_metrics,
@@ -327,6 +340,16 @@ class Trainer:
         return metrics
 
     def train(self) -> dict:
+        try:
+            return self._train()
+        finally:
+            self._release_run_dir()
+
+    def _release_run_dir(self) -> None:
+        if self.lock is not None:
+            self.lock.close()
+
+    def _train(self) -> dict:
         cfg = self.cfg
         progress = build_progress(cfg, cfg.train.max_steps, self.dist.is_main, start=self.step)
         previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -339,7 +362,9 @@ class Trainer:
                 last_eval = self._logged_eval() or self.run_eval()
             while self.dist.agree(self.budget_left()):
                 metrics = self.train_step().metrics
+                metrics.update(self.health.observe(metrics, self.step))
                 self.logger.log(metrics)
+                self.health.stop_if_asked(str(self.run_dir / "checkpoints"))
                 self._warn_if_slow()
                 finished = not self.dist.agree(self.budget_left())
                 # Stopped by a signal: checkpoint at once (a grace period may be short), no extra eval record.
@@ -358,9 +383,11 @@ class Trainer:
             self.dist.close()
         if self.stop_requested and not self._budget_spent():
             log.warning("stopped by signal at step %d; resume with --resume %s", self.step, self.run_dir)
+            self.stopped_by_signal = True
             return last_eval
         summary = {"step": self.step, "time/elapsed": self.elapsed, **last_eval,
-                   **self.accountant.total_metrics(),
+                   **self.accountant.total_metrics(), "health_warnings": self.health.warnings,
+                   "skipped_checkpoints": self.skipped_checkpoints,
                    # the engine that really sampled, and why it is not the one configured (null: it is)
                    "engine": self.engine.sampler, "engine/fallback": self.engine.fallback_reason}
         if self.dist.is_main:
@@ -412,7 +439,7 @@ class Trainer:
             "step": self.step, "data_position": self.data_position, "elapsed": self.elapsed,
             "prompt_stats": self.stats.state_dict(), "accounting": self.accountant.state_dict(),
             "nonfinite_in_a_row": self.updater.nonfinite_in_a_row, "python_random": _py_random_state(),
-            "method": self.method.state_dict(),
+            "method": self.method.state_dict(), "health": self.health.state_dict(),
         }
         optimizer_state = {"scheduler": self.scheduler.state_dict()}
         tensors = None
@@ -449,6 +476,7 @@ class Trainer:
         self.updater.nonfinite_in_a_row = state["nonfinite_in_a_row"]
         _set_py_random_state(state["python_random"])
         self.method.load_state_dict(state.get("method", {}))
+        self.health.load_state_dict(state.get("health", {}))
         if "cuda" in rng_state and torch.cuda.is_available() and len(rng_state["cuda"]) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(rng_state["cuda"])
 

@@ -7,6 +7,7 @@ import csv
 import io
 import json
 import math
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -37,6 +38,7 @@ from podsrl.experiments.report import (
     report_main,
 )
 from podsrl.experiments.runner import add_compare_arguments, compare_main, run_compare, train_argv
+from podsrl.run_lock import RunLock
 
 
 def write_run(
@@ -440,6 +442,30 @@ def test_failing_run_does_not_stop_the_others(tmp_path, fake):
     with pytest.raises(UserError, match="no such file"):
         run_compare([tmp_path / "missing.yaml"], [1], out)
 
+
+
+def test_compare_leaves_a_run_another_process_writes_and_report_reads_while_it_writes(tmp_path, fake, capsys):
+    cmd, cfg = fake
+    out = tmp_path / "out"
+    kw = {"budget_seconds": 8, "train_command": cmd, "progress": False, "console": Console(file=io.StringIO())}
+    busy = out / "grpo" / "seed1"
+    (busy / "checkpoints" / "step-00000002").mkdir(parents=True)  # a run in progress, with its first checkpoint
+    records = [{"step": s, "time/elapsed": 2.0 * s, "eval/accuracy": 0.1 * s, "total/tokens_trained": 10 * s}
+               for s in range(3)]
+    (busy / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 3, "ti')
+    with RunLock(busy):
+        res = run_compare([cfg["grpo"], cfg["pods"]], [1], out, **kw)
+        assert [(o.label, o.status) for o in res.outcomes] == [("grpo", "failed"), ("pods", "finished")]
+        assert f"is in use by another podsrl process (pid {os.getpid()} on host " in res.failures[0].message
+        assert [Path(c[2]).stem for c in calls(out)] == ["pods"]  # the busy run was neither started nor moved
+        assert (busy / "checkpoints" / "step-00000002").is_dir()
+        # `podsrl report` reads the runs, the busy one included, without taking their locks
+        parser = argparse.ArgumentParser()
+        add_report_arguments(parser)
+        assert report_main(parser.parse_args([str(out), "--smooth", "1", "--out", str(tmp_path / "report")])) == 0
+        assert "grpo" in (tmp_path / "report" / "results.md").read_text()
+    res = run_compare([cfg["grpo"], cfg["pods"]], [1], out, **kw)  # once free, compare resumes it
+    assert [o.status for o in res.outcomes] == ["resumed", "skipped"] and "--resume" in calls(out)[-1]
 
 def test_train_argv():
     argv = train_argv(["py", "-m", "podsrl"], Path("c.yaml"), 3, Path("o/c/seed3"), 12.5, 1000, ["a=1"], True)

@@ -36,6 +36,7 @@ from rich.progress import (
 
 from podsrl.errors import UserError
 from podsrl.experiments.report import HEADER_FILE, add_analysis_arguments, build_report, verdict_lines
+from podsrl.run_lock import LOCK_FILE, RunLock
 
 _POLL_SECONDS = 0.5
 _LOG_TAIL_LINES = 15
@@ -105,7 +106,7 @@ def run_state(run_dir: Path) -> str:
 
 def _move_aside(run_dir: Path) -> None:
     """Keep a partial run without checkpoint for inspection, out of the way of the new run and of reports."""
-    if not run_dir.exists() or not any(run_dir.iterdir()):
+    if not run_dir.exists() or all(p.name == LOCK_FILE for p in run_dir.iterdir()):
         return
     k = 1
     while (stale := run_dir.with_name(f".{run_dir.name}.stale{k}")).exists():
@@ -295,15 +296,20 @@ def run_compare(
         for seed in seeds:
             for config, label in zip(configs, labels):
                 run_dir = out / label / f"seed{seed}"
-                state = run_state(run_dir)
                 outcome = RunOutcome(
                     label, seed, run_dir, "skipped", log_path=out / "logs" / f"{label}-seed{seed}.log"
                 )
+                try:  # held while deciding and moving aside; the trainer takes it again for the run itself
+                    with RunLock(run_dir):
+                        state = run_state(run_dir)
+                        if state == "fresh":
+                            _move_aside(run_dir)
+                except UserError as exc:  # another process writes this run: leave it alone
+                    state, outcome.status, outcome.message = "locked", "failed", f"{label} seed {seed}: {exc}"
+                    console.print(f"[bold red]{outcome.message}[/bold red]")
                 if state == "finished":
                     console.print(f"[dim]{label} seed {seed}: finished before, skipped[/dim]")
-                else:
-                    if state == "fresh":
-                        _move_aside(run_dir)
+                elif state != "locked":
                     argv = train_argv(
                         prefix,
                         config,

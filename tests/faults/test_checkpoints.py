@@ -19,13 +19,15 @@ from podsrl.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint_files,
+    resume_checkpoint,
     save_checkpoint,
     verify_checkpoint,
 )
 from podsrl.config import TinyModelConfig
 from podsrl.errors import UserError
+from podsrl.exit_codes import ExitCode
 from podsrl.models import build_char_tokenizer, build_tiny_model
-from tests.faults.common import assert_same_run, error_line, resume_argv, train_argv
+from tests.faults.common import assert_same_run, error_line, last_step, resume_argv, train_argv
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +59,65 @@ def test_corrupt_or_partial_checkpoints_are_skipped_for_the_previous_good_one(tm
     optimizer = tmp_path / "checkpoints" / "step-00000002" / "optimizer.pt"
     optimizer.write_bytes(optimizer.read_bytes()[:100])  # truncated
     assert latest_checkpoint(tmp_path) is None
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _make_unreadable(path: Path) -> None:  # a directory where the file was: unreadable even for root
+    path.unlink()
+    path.mkdir()
+
+
+# Damage to each kind of file of a checkpoint, and the reason resume gives for skipping it.
+DAMAGE = {
+    "weights truncated": ("model/model.safetensors", _truncate, "model/model.safetensors has {size} bytes, {want} "
+                          "expected (truncated or overwritten)"),
+    "model config changed": ("model/config.json", _flip_byte,
+                             "model/config.json does not match its sha256 in manifest.json (damaged)"),
+    "optimizer bit rot": ("optimizer.pt", _flip_byte, "optimizer.pt does not match its sha256 in manifest.json "
+                          "(damaged)"),
+    "rng missing": ("rng.pt", Path.unlink, "rng.pt is missing"),
+    "state unreadable": ("state.json", _make_unreadable, "state.json is unreadable (Is a directory)"),
+    "manifest missing": (MANIFEST, Path.unlink, "no manifest.json (its save did not finish)"),
+    "manifest garbled": (MANIFEST, lambda p: p.write_text("{\"files\": 3"), "manifest.json is not a checkpoint "
+                         "manifest"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_resume_names_each_skipped_checkpoint_and_why(tmp_path, model, caplog, kind):
+    name, damage, reason = DAMAGE[kind]
+    good, bad = _save(tmp_path, 2, model), _save(tmp_path, 4, model)
+    want = json.loads((bad / MANIFEST).read_text())["sizes"].get(name)
+    damage(bad / name)
+    size = (bad / name).stat().st_size if (bad / name).is_file() else None
+    with caplog.at_level("WARNING", logger="podsrl"):
+        found, skipped = resume_checkpoint(tmp_path)
+    reason = reason.format(size=size, want=want)
+    assert found == good and skipped == [{"path": str(bad), "reason": reason}]
+    assert caplog.messages == [f"resume: skipping checkpoint {bad}: {reason}"]
+
+
+def test_resume_past_a_damaged_checkpoint_says_so_and_loses_nothing_more(tmp_path, launcher, warm_cache,
+                                                                         reference_run):
+    run = tmp_path / "run"
+    result = launcher.run(train_argv(run, warm_cache), env={"PODSRL_FAULTS": "term@step:5"})
+    assert result.code == ExitCode.STOPPED_RESUMABLE, result.stderr[-3000:]
+    latest = latest_checkpoint(run)
+    assert latest.name == "step-00000005" == f"step-{last_step(run):08d}"
+    _truncate(latest / "model" / "model.safetensors")  # e.g. a disk quota hit by something else
+    result = launcher.run(resume_argv(run))
+    assert result.code == ExitCode.FINISHED, result.stderr[-3000:]
+    skipped = json.loads((run / "summary.json").read_text())["skipped_checkpoints"]
+    assert [s["path"] for s in skipped] == [str(latest)]
+    assert skipped[0]["reason"].startswith("model/model.safetensors has ")
+    line = f"resume: skipping checkpoint {latest}: {skipped[0]['reason']}"
+    assert f"WARNING {line}" in result.stderr.splitlines()
+    assert f"WARNING {line}" in (run / "run.log").read_text()
+    assert "resumed" in result.stderr and "at step 4" in result.stderr  # one checkpoint interval redone, exactly
+    assert_same_run(run, reference_run)
 
 
 def test_a_good_checkpoint_loads_back_exactly(tmp_path, model):
@@ -105,6 +166,7 @@ def test_a_pickle_payload_is_refused_not_executed(tmp_path, launcher, reference_
     (checkpoint / "optimizer.pt").write_bytes(pickle.dumps({"optimizer": Payload()}))
     manifest = json.loads((checkpoint / MANIFEST).read_text())
     manifest["files"]["optimizer.pt"] = hashlib.sha256((checkpoint / "optimizer.pt").read_bytes()).hexdigest()
+    manifest["sizes"]["optimizer.pt"] = (checkpoint / "optimizer.pt").stat().st_size
     (checkpoint / MANIFEST).write_text(json.dumps(manifest))  # a consistent checkpoint, as someone might send one
     with pytest.raises(UserError, match="refusing to load"):
         load_checkpoint_files(checkpoint)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from podsrl.checkpoint import latest_checkpoint, list_checkpoints
+from podsrl.exit_codes import ExitCode
 from tests.faults.common import (
     MAX_STEPS,
     SAVE_EVERY,
@@ -90,13 +91,15 @@ def test_sigkill_at_random_times(tmp_path, launcher, warm_cache, reference_run):
     assert _summary(run) == _summary(reference_run)
 
 
-def test_sigterm_and_sigint_save_exit_zero_and_resume(tmp_path, launcher, warm_cache, reference_run):
+def test_sigterm_and_sigint_save_exit_resumable_and_resume(tmp_path, launcher, warm_cache, reference_run):
     run = tmp_path / "run"
     # Injected SIGTERM at the start of step 4 (not a save or eval step): that step finishes, is checkpointed at
-    # once without an extra eval record, and the process exits 0.
+    # once without an extra eval record, and the process exits with the resumable code, so a scheduler that
+    # requeues failed jobs requeues it (exit 0 would read as finished).
     result = launcher.run(train_argv(run, warm_cache), env={"PODSRL_FAULTS": "term@step:4"})
-    assert result.code == 0, result.stderr[-3000:]
-    assert "stopped by signal at step 4" in result.stderr
+    assert result.code == ExitCode.STOPPED_RESUMABLE == 75, result.stderr[-3000:]
+    assert f"stopped by signal at step 4; resume with --resume {run}" in result.stderr
+    assert "Traceback" not in result.stderr
     assert _resume_step(run) == last_step(run) == 4
     assert not (run / "summary.json").exists()
     # A real SIGINT from outside (Ctrl-C) while training: same outcome at whatever step was in flight.
@@ -104,12 +107,20 @@ def test_sigterm_and_sigint_save_exit_zero_and_resume(tmp_path, launcher, warm_c
     wait_for_step(run, 5, child)
     child.signal(signal.SIGINT)
     result = child.wait()
-    assert result.code == 0, result.stderr[-3000:]
-    assert _resume_step(run) == last_step(run)
-    if last_step(run) < 6:
-        assert launcher.run(resume_argv(run)).code == 0
+    if last_step(run) < 6:  # the signal landed before the last step: resumable
+        assert result.code == ExitCode.STOPPED_RESUMABLE, result.stderr[-3000:]
+        assert _resume_step(run) == last_step(run)
+        assert launcher.run(resume_argv(run)).code == ExitCode.FINISHED
+    else:  # it landed in the last step: the run is finished, whatever stopped it
+        assert result.code == ExitCode.FINISHED, result.stderr[-3000:]
     assert_same_run(run, reference_run)
     assert _summary(run) == _summary(reference_run)
+    # A requeued job of the finished run: one line, exit 0, nothing trained or rewritten.
+    before = (run / "metrics.jsonl").read_bytes()
+    result = launcher.run(resume_argv(run))
+    assert result.code == ExitCode.FINISHED, result.stderr[-3000:]
+    assert result.stdout.strip() == f"podsrl: {run} is finished (step 6, summary.json); nothing to resume"
+    assert (run / "metrics.jsonl").read_bytes() == before
 
 
 def test_second_sigint_aborts_and_loses_at_most_the_steps_since_the_checkpoint(

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from podsrl.checkpoint import latest_checkpoint
 from podsrl.config import load_config
+from podsrl.exit_codes import ExitCode
 from podsrl.tracking import read_metrics
 from podsrl.trainer import Trainer
 from tests.faults.common import error_line, tiny, train_argv
@@ -43,7 +44,7 @@ def test_consecutive_nan_steps_stop_the_run_with_a_clear_message(tmp_path, launc
     argv = train_argv(run, warm_cache, **{"train.save_every": 1, "train.keep_checkpoints": 5,
                                           "train.max_nonfinite_steps": 3})
     result = launcher.run(argv, env={"PODSRL_FAULTS": "nan@loss:2-4"})
-    assert result.code == 2
+    assert result.code == ExitCode.UNHEALTHY  # not a config error: retrying the same settings fails the same way
     line = error_line(result.stderr)
     assert "3 consecutive steps with a non-finite loss or gradient (step 4)" in line
     assert str(run / "checkpoints") in line

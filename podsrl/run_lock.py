@@ -1,0 +1,106 @@
+"""One writer per run directory: an advisory lock on `<run>/run.lock`, held for the life of the run.
+
+flock(2) ties the lock to the open file, so the OS drops it when the holder ends, however it ends (SIGKILL, OOM
+kill, a crash): a dead run never blocks its own resume. The file's text (pid, host, start time) only names the
+holder in the message a second writer gets; a clean release clears it, so text found on a free lock means the
+previous holder died holding it. On shared filesystems the lock spans hosts where the filesystem passes flock on
+(NFS with lock support, Lustre mounted with `flock`); where it cannot lock at all the run goes on with a warning.
+Only rank 0 of a torchrun job takes it: the ranks are one writer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+
+from podsrl.errors import UserError
+from podsrl.run_log import RunLog
+
+log = logging.getLogger("podsrl")
+
+LOCK_FILE = "run.lock"
+
+
+def create_run_dir(run_dir: Path) -> None:
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"output_dir: cannot create {run_dir} ({e.strerror or e})") from None
+
+
+def _describe(holder: dict) -> str:
+    if not holder:
+        return "pid unknown: it is starting"
+    return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
+
+
+class RunLock:
+    """Takes the lock of `run_dir` (created if needed) or raises a UserError naming the process that holds it.
+    `keep_log`: the holder also appends podsrl's log to the run's run.log until it lets go (a training run)."""
+
+    def __init__(self, run_dir: str | Path, keep_log: bool = False) -> None:
+        self.run_dir = Path(run_dir)
+        self.log: RunLog | None = None
+        create_run_dir(self.run_dir)
+        self.path = self.run_dir / LOCK_FILE
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._file = os.fdopen(fd, "r+", encoding="utf-8")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = self._holder()
+            self._file.close()
+            raise UserError(f"output_dir: {self.run_dir} is in use by another podsrl process ({_describe(holder)}); "
+                            "wait for it to end or stop it, or choose another output_dir") from None
+        except OSError as e:  # ENOLCK / EOPNOTSUPP: a filesystem without locks; refusing would strand its users
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                self._file.close()
+                raise UserError(f"output_dir: cannot lock {self.path} ({e.strerror or e})") from None
+            log.warning("cannot lock %s (%s): nothing stops a second process writing this run directory",
+                        self.path, e.strerror)
+        self.log = RunLog(self.run_dir) if keep_log else None  # after the lock: a refused writer never writes it
+        previous = self._holder()
+        if previous:
+            log.warning("taking over %s from a process that ended without releasing it (%s)", self.path,
+                        _describe(previous))
+        self._write({"pid": os.getpid(), "host": socket.gethostname(),
+                     "started": datetime.datetime.now().isoformat(timespec="seconds")})
+
+    def _holder(self) -> dict:
+        try:
+            self._file.seek(0)
+            holder = json.loads(self._file.read() or "{}")
+        except (OSError, ValueError):
+            return {"pid": "?", "host": "?", "started": "? (unreadable lock file)"}
+        return holder if isinstance(holder, dict) else {}
+
+    def _write(self, holder: dict) -> None:
+        self._file.seek(0)
+        self._file.truncate()
+        if holder:
+            self._file.write(json.dumps(holder))
+        self._file.flush()
+
+    def close(self) -> None:
+        """Close the run log, clear the holder's text, then unlock (closing the file unlocks). Idempotent."""
+        if self._file.closed:
+            return
+        if self.log is not None:
+            self.log.close()
+        try:
+            self._write({})
+        except OSError:  # a full or vanished disk: the OS still drops the lock on close
+            pass
+        self._file.close()
+
+    def __enter__(self) -> RunLock:  # noqa: PYI034 - no typing_extensions dependency for Self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
