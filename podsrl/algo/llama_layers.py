@@ -46,24 +46,6 @@ def fused_gate_up(mlp: torch.nn.Module) -> torch.Tensor | None:
     return torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
 
 
-def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, weight, bias) written into `out` [tokens, out_features] (contiguous x [..., in_features]); returned
-    in x's leading shape. The same matmul F.linear runs on such x, so the same bits."""
-    flat = x.reshape(-1, x.shape[-1])
-    if bias is None:
-        torch.mm(flat, weight.t(), out=out)
-    else:
-        torch.addmm(bias, flat, weight.t(), out=out)
-    return out.view(*x.shape[:-1], out.shape[-1])
-
-
-def plain_projections(layer: torch.nn.Module) -> bool:
-    """Whether every projection of a decoder layer is one plain matmul: q/k/v as fused_qkv, o_proj, gate/up as
-    fused_gate_up, down_proj (what a ForwardRecord keeps and the update can take from it)."""
-    return (_qkv_fusable(layer.self_attn) and _gate_up_fusable(layer.mlp)
-            and type(layer.self_attn.o_proj) is torch.nn.Linear)
-
-
 def _qkv_fusable(attn: torch.nn.Module) -> bool:
     projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
     return all(type(m) is torch.nn.Linear for m in projections) and len({m.bias is None for m in projections}) == 1

@@ -14,8 +14,6 @@ Where the time goes in GRPO rollouts (many samples of few prompts, varied length
   kernel and the per-layer forward's dispatch cost more than a decode step's matmuls at RL batch sizes); at those
   sizes a CPU decode step's other cost is per-op dispatch, so the loop binds its modules, weights and norms once per
   call, looks rotary cos/sin up in a per-call table, and spends as few ops per layer as give the same bits.
-With SamplingParams.keep_forward_bytes the layer loop writes the projections' outputs into buffers kept for the
-update (podsrl/forward_record.py), the same matmuls written in place.
 Masks and position ids are built here exactly as `generate` builds them, so greedy outputs equal `generate`'s (other
 models run the model's own forward). A Llama-family model it cannot drive is an error naming the cause (see
 transformers_api.check_fast_path); other models it cannot drive fall back to HFEngine, logged and recorded.
@@ -35,9 +33,7 @@ from podsrl.algo.attention import decode_attention, decode_bias, grouped_attenti
 from podsrl.algo.llama_layers import (
     fused_gate_up,
     fused_qkv,
-    linear_into,
     norm_function,
-    plain_projections,
     rotate,
     signed_sin,
 )
@@ -53,7 +49,6 @@ from podsrl.engines.rows import (
 )
 from podsrl.engines.sampling import row_uniforms, sample_with_uniforms
 from podsrl.engines.slot_cache import SlotLayer, compact
-from podsrl.forward_record import ForwardBuffers, ForwardWriter
 from podsrl.transformers_api import (
     Cache,
     DynamicCache,
@@ -157,10 +152,6 @@ class FastEngine(RolloutEngine):
             self._layers = list(self._body.layers[: model.config.num_hidden_layers])
             self._kv_heads = model.config.num_key_value_heads
             self._plans: list[LayerPlan] = []
-        self._writer: ForwardWriter | None = None  # while a generate call keeps its projection outputs
-        # buffers written into, each reused once the record holding it is released (several when a step makes
-        # several generate calls before its update)
-        self._buffers: list[ForwardBuffers] = []
 
     @property
     def sampler(self) -> str:
@@ -189,10 +180,7 @@ class FastEngine(RolloutEngine):
                 self._plans = [layer_plan(layer) for layer in self._layers]
                 self._final_norm = norm_function(self._body.norm)
                 self._rotary = self._rotary_table(prefill_ids.shape[1] + params.max_new_tokens)
-            writer = self._forward_writer(prefill_ids.numel() + rows * (params.max_new_tokens - 1),
-                                          params.keep_forward_bytes)
-            tokens, logprobs, forward = self._decode(prefill_ids, prefill_mask, expand, rows, params, seeds, stops,
-                                                     writer)
+            tokens, logprobs = self._decode(prefill_ids, prefill_mask, expand, rows, params, seeds, stops)
         mask, truncated = completion_mask(tokens, stops)
         return GenerationOutput(
             group_index=group_index,
@@ -202,25 +190,7 @@ class FastEngine(RolloutEngine):
             completion_mask=mask,
             truncated=truncated,
             logprobs=logprobs * mask if params.return_logprobs else None,
-            forward=forward,
         )
-
-    def _forward_writer(self, capacity: int, max_bytes: int) -> ForwardWriter | None:
-        """Where this call writes its projection outputs for the update: released buffers of an earlier call that
-        fit, else new ones; None when the outputs are not to be kept, cannot be (a
-        layer's projections are not plain matmuls) or would take more than max_bytes."""
-        if not max_bytes or self._body is None or not all(map(plain_projections, self._layers)):
-            return None
-        features = [(p.qkv[0].shape[0], p.o_proj.out_features, p.gate_up.shape[0], p.down_proj.out_features)
-                    for p in self._plans]
-        weight = self._body.embed_tokens.weight
-        if capacity * sum(map(sum, features)) * weight.element_size() > max_bytes:
-            return None
-        free = next((b for b in self._buffers if b.fits(features, capacity, weight.dtype, weight.device)), None)
-        if free is None:  # room to spare: the next call's prompts may be a little longer
-            free = ForwardBuffers(features, capacity + capacity // 4, weight.dtype, weight.device)
-            self._buffers = [b for b in self._buffers if b.lent] + [free]  # free ones too small: dropped
-        return ForwardWriter(free)
 
     def _distinct_prompts(self, prompts: list[list[int]], counts: list[int]):
         """Left-padded distinct prompts and the row -> distinct prompt index that expands them to rows."""
@@ -283,16 +253,11 @@ class FastEngine(RolloutEngine):
             attend, blocked = decode_attention, decode_bias(mask, self._kv_heads, hidden.dtype)  # for all layers
         else:
             attend, blocked = grouped_attention, ~mask  # [B, 1, Q, K]
-        writer = self._writer
-        if writer is not None:
-            writer.begin(ids.numel())
         for i, plan in enumerate(self._plans):
             attn = plan.attn
-            kept = None if writer is None else writer.outputs(i)  # only when every layer has plain_projections
             x = plan.input_norm(hidden)
             if plan.qkv is not None:
-                projected = F.linear(x, *plan.qkv) if kept is None else linear_into(x, *plan.qkv, kept[0])
-                qkv = projected.view(batch, width, -1, attn.head_dim).transpose(1, 2)
+                qkv = F.linear(x, *plan.qkv).view(batch, width, -1, attn.head_dim).transpose(1, 2)
                 sizes = (qkv.shape[1] - 2 * self._kv_heads, self._kv_heads, self._kv_heads)  # q, k, v heads
                 if plan.qk_norms is not None:  # Qwen3: per-head RMSNorm before the rotation
                     q, k, v = qkv.split_with_sizes(sizes, dim=1)
@@ -310,25 +275,19 @@ class FastEngine(RolloutEngine):
             keys, values = cache.layers[i].update(k, v)
             out = attend(q, keys, values, blocked, attn.scaling)
             out = out.transpose(1, 2).reshape(batch, width, -1)
-            o_proj = plan.o_proj
-            hidden = hidden + (o_proj(out) if kept is None else linear_into(out, o_proj.weight, o_proj.bias, kept[1]))
+            hidden = hidden + plan.o_proj(out)
             x = plan.post_norm(hidden)
             if plan.gate_up is not None:
-                gate_up = F.linear(x, plan.gate_up) if kept is None else linear_into(x, plan.gate_up, None, kept[2])
-                gate, up = gate_up.chunk(2, dim=-1)
-                x = plan.act_fn(gate) * up
-                down = plan.down_proj
-                x = down(x) if kept is None else linear_into(x, down.weight, down.bias, kept[3])
+                gate, up = F.linear(x, plan.gate_up).chunk(2, dim=-1)
+                x = plan.down_proj(plan.act_fn(gate) * up)
             else:
                 x = plan.mlp(x)
             hidden = hidden + x
         # the norm is per position, so normalising only the last one gives the same logits
         return self.model.lm_head(self._final_norm(hidden[:, -1:]))[:, -1]
 
-    def _decode(self, prefill_ids, prefill_mask, expand, rows: int, params: SamplingParams, seeds, stops,
-                writer: ForwardWriter | None):
-        """Tokens [R, Lc] (pad after a row's stop), sampled-token log-probs [R, Lc], and with a writer the record
-        of the projections' outputs (else None)."""
+    def _decode(self, prefill_ids, prefill_mask, expand, rows: int, params: SamplingParams, seeds, stops):
+        """Tokens [R, Lc] (pad after a row's stop) and sampled-token log-probs [R, Lc]."""
         device = model_device(self.model)
         width, steps = prefill_ids.shape[1], params.max_new_tokens
         if self.cache_kind == "static":
@@ -341,7 +300,6 @@ class FastEngine(RolloutEngine):
         valid[:, :width] = prefill_mask.to(device).bool()
         positions = (prefill_mask.cumsum(1) - 1).masked_fill(prefill_mask == 0, 0).to(device)
         causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
-        self._writer = writer  # _layer_loop writes each forward call's projection outputs through it
         logits = self._forward(
             prefill_ids.to(device), causal[None, None] & valid[:, None, None, :width], positions, cache
         )
@@ -383,15 +341,11 @@ class FastEngine(RolloutEngine):
                 finished, n_finished = finished[order], 0
             elif n_finished:
                 tokens = tokens.masked_fill(finished, self.pad_token_id)
-            if writer is not None:
-                writer.decode.append((live, tokens))
             logits = self._forward(
                 tokens[:, None], valid[:, None, None, : width + t + 1], next_pos[:, None], cache
             )
             next_pos = next_pos + 1
-        self._writer = None
-        forward = None if writer is None else writer.record(prefill_ids, prefill_mask, expand, rows)
-        return out_tokens[:, :used].cpu(), out_logprobs[:, :used].cpu(), forward
+        return out_tokens[:, :used].cpu(), out_logprobs[:, :used].cpu()
 
 
 class LayerPlan(NamedTuple):

@@ -11,9 +11,7 @@ maths of the code it replaces (the tests compare the whole update with the plain
 - `gather_slots` / `packed_order`: tokens into attention blocks and back, each backward one gather or copy, using
   that every token has exactly one home slot and padding slots get no gradient (no scatter-add);
 - `swiglu`: silu(gate) * up of the fused gate/up projection, its backward writing both halves' gradients into one
-  buffer (autograd's chunk backward concatenates them: one more pass over [tokens, 2 x intermediate]);
-- `linear` with a known output (recorded while sampling, podsrl/forward_record.py): no forward matmul, F.linear's
-  backward.
+  buffer (autograd's chunk backward concatenates them: one more pass over [tokens, 2 x intermediate]).
 """
 
 from __future__ import annotations
@@ -145,28 +143,3 @@ class _SwiGLU(torch.autograd.Function):
 def swiglu(gate_up: Tensor) -> Tensor:
     """silu(gate) * up, gate and up the two halves of the last dimension (a fused gate/up projection's output)."""
     return _SwiGLU.apply(gate_up)
-
-
-class _KnownLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):  # type: ignore[override]
-        x, weight = ctx.saved_tensors
-        flat = grad.flatten(0, -2)
-        d_x = grad @ weight if ctx.needs_input_grad[0] else None
-        d_weight = flat.t() @ x.flatten(0, -2) if ctx.needs_input_grad[1] else None
-        d_bias = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return d_x, d_weight, d_bias, None
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, known: Tensor | None = None) -> Tensor:
-    """F.linear(x, weight, bias). Given `known`, its value computed under these weights (while sampling), the
-    forward returns it without the matmul and the backward is F.linear's."""
-    if known is None:
-        return F.linear(x, weight, bias)
-    return _KnownLinear.apply(x, weight, bias, known)

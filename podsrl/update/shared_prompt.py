@@ -20,9 +20,7 @@ Measured choice (`python benchmarks/update_speed.py --attention`, one GSM8K-shap
 one packed sequence per group with a dense block mask took ~12x longer than the index-expanded prompt keys with
 length buckets (2.16 vs 0.18 s): on CPU the masked attention is [sum of lengths]^2 whatever the mask allows.
 
-Given the batch's sampling forward (podsrl/forward_record.py: one pass over the batch, so the same weights), the
-projections' outputs are gathered from it instead of computed, and only their backward runs. The gate/up projection
-is one matmul and its SiLU gating one autograd function (`swiglu`) either way.
+The gate/up projection is one matmul and its SiLU gating one autograd function (`swiglu`).
 
 Drives the decoder layers of Llama, Mistral, Qwen2 and Qwen3 models from their own submodules (LoRA-wrapped ones
 included); `unsupported_reason` says why another model falls back to the plain path.
@@ -44,13 +42,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from podsrl.algo.attention import grouped_attention
-from podsrl.algo.llama_layers import fused_gate_up, fused_qkv, plain_projections
+from podsrl.algo.llama_layers import fused_gate_up, fused_qkv
 from podsrl.algo.logprobs import head_logprobs_and_entropy
 from podsrl.batch import RolloutBatch
-from podsrl.forward_record import ForwardBuffers, ForwardRecord, LayerOutputs
 from podsrl.transformers_api import (
     LLAMA_FAMILY,
     base_model,
@@ -59,7 +57,7 @@ from podsrl.transformers_api import (
     llama_layout_problem,
     rotary_function,
 )
-from podsrl.update.kernels import gather_slots, linear, packed_order, rms_norm, rotate_qkv, swiglu
+from podsrl.update.kernels import gather_slots, packed_order, rms_norm, rotate_qkv, swiglu
 
 SILU_TYPES = ("SiLU", "SiLUActivation")  # activation modules that are F.silu (transformers' or torch's)
 
@@ -254,9 +252,6 @@ class SharedPromptForward:
         self.window = sliding_window(model)
         self.chunk = logits_chunk
         self.rotary = rotary_function(self.layers[0])  # the model's own rotary application
-        self.takes_records = all(map(plain_projections, self.layers))  # else a ForwardRecord is ignored
-        self.reused = False  # whether the last call took the projections' forward from a record
-        self.gathered: ForwardBuffers | None = None  # where the last call gathered a record's outputs
 
     def fits(self, batch: RolloutBatch, rows: Tensor, width: int) -> bool:
         """False when some row is longer than a sliding window (then windowed attention would differ)."""
@@ -265,25 +260,16 @@ class SharedPromptForward:
         longest = int(batch.prompt_mask[rows].sum(dim=1).max()) + width
         return longest <= self.window
 
-    def __call__(self, batch: RolloutBatch, rows: Tensor, width: int, device: torch.device, temperature: float,
-                 record: ForwardRecord | None = None) -> tuple[Tensor, Tensor] | None:
+    def __call__(self, batch: RolloutBatch, rows: Tensor, width: int, device: torch.device,
+                 temperature: float) -> tuple[Tensor, Tensor] | None:
         """([B, width] log-probs, [B, width] entropies; 0 outside the completion mask), or None when this
-        micro-batch has rows the plan cannot express. With `record` (the batch's sampling forward, under the
-        current weights) the projections' forward is taken from it where it holds this micro-batch's tokens;
-        `reused` says whether it was."""
+        micro-batch has rows the plan cannot express."""
         plan = build_plan(batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows, :width],
                           batch.completion_mask[rows, :width], device)
         if plan is None:
             return None
-        known = None
-        if record is not None and self.takes_records:
-            source = record.source(batch.sampling_row[rows], plan.prompt_lengths, plan.input_lengths, plan.row_group)
-            if source is not None:  # into buffers this object keeps: overwritten by the next call
-                self.gathered = record.gather_buffers(self.gathered, max(len(source), len(plan.pred_index)))
-                known = record.gather(source.to(device), plan.ids, plan.pred_index, self.gathered)
-        self.reused = known is not None
         with self._routed():
-            return self.root(plan, temperature, known)
+            return self.root(plan, temperature)
 
     @contextmanager
     def _routed(self) -> Iterator[None]:
@@ -304,12 +290,11 @@ class SharedPromptForward:
                 else:
                     module.forward = previous
 
-    def _model_forward(self, plan: Plan, temperature: float,
-                       known: list[LayerOutputs] | None) -> tuple[Tensor, Tensor]:
+    def _model_forward(self, plan: Plan, temperature: float) -> tuple[Tensor, Tensor]:
         x = self.body.embed_tokens(plan.ids)
         cos, sin = self.body.rotary_emb(x[None], plan.positions[None])
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos[0], sin[0], plan, i == len(self.layers) - 1, None if known is None else known[i])
+            x = layer(x, cos[0], sin[0], plan, i == len(self.layers) - 1)
         hidden = rms_norm(self.body.norm, x)
         logp, entropy = head_logprobs_and_entropy(hidden, self.head.weight, self.head.bias, plan.targets,
                                                   temperature, self.chunk)
@@ -317,36 +302,33 @@ class SharedPromptForward:
         return zeros.masked_scatter(plan.valid, logp), zeros.masked_scatter(plan.valid, entropy)
 
     def _layer_forward(self, layer: torch.nn.Module, x: Tensor, cos: Tensor, sin: Tensor, plan: Plan,
-                       last: bool, known: LayerOutputs | None) -> Tensor:
-        """`known`: this layer's projection outputs from the sampling forward (q/k/v, o, gate/up, down), or None."""
+                       last: bool) -> Tensor:
         attn = layer.self_attn
-        known_qkv, known_o, known_gate_up, known_down = (None,) * 4 if known is None else known
-        q, k, v = self._projections(attn, rms_norm(layer.input_layernorm, x), cos, sin, known_qkv)
-        x = x + projection(attn.o_proj, block_attention(q, k, v, plan, attn.scaling), known_o)
+        q, k, v = self._projections(attn, rms_norm(layer.input_layernorm, x), cos, sin)
+        x = x + attn.o_proj(block_attention(q, k, v, plan, attn.scaling))
         if last:  # only predicting positions are read after the last layer
             x = x[plan.pred_index]
         x_mlp = rms_norm(layer.post_attention_layernorm, x)
         gate_up = fused_gate_up(layer.mlp)
         if gate_up is None:
             return x + layer.mlp(x_mlp)
-        gate_up = linear(x_mlp, gate_up, None, known_gate_up)
+        gate_up = F.linear(x_mlp, gate_up)
         if type(layer.mlp.act_fn).__name__ in SILU_TYPES:
             hidden = swiglu(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = layer.mlp.act_fn(gate) * up
-        return x + projection(layer.mlp.down_proj, hidden, known_down)
+        return x + layer.mlp.down_proj(hidden)
 
-    def _projections(self, attn: torch.nn.Module, x: Tensor, cos: Tensor, sin: Tensor,
-                     known: Tensor | None) -> tuple[Tensor, ...]:
+    def _projections(self, attn: torch.nn.Module, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, ...]:
         """Rotated queries [N, H, d], rotated keys and values [N, Hkv, d]; cos/sin [N, d]. Plain Linear projections
-        run as one matmul (its output `known`, or computed) with the rotation in `rotate_qkv`; Qwen3's per-head
+        run as one matmul with the rotation in `rotate_qkv`; Qwen3's per-head
         norms and the model's own rotary function follow it; LoRA-wrapped projections run as their modules."""
         n, head_dim = x.shape[0], attn.head_dim
         heads, kv_heads = attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim
         fused = fused_qkv(attn)
         if fused is not None:
-            qkv = linear(x, *fused, known).view(n, -1, head_dim)
+            qkv = F.linear(x, *fused).view(n, -1, head_dim)
             if not hasattr(attn, "q_norm"):
                 return rotate_qkv(qkv, cos[:, None], sin[:, None], heads, kv_heads)
             q, k, v = qkv.split_with_sizes((heads, kv_heads, kv_heads), dim=1)
@@ -358,11 +340,6 @@ class SharedPromptForward:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = self.rotary(q[None], k[None], cos[None], sin[None], unsqueeze_dim=2)
         return q[0], k[0], v
-
-
-def projection(module: torch.nn.Module, x: Tensor, known: Tensor | None) -> Tensor:
-    """module(x), or its output `known` (a plain Linear's, from the sampling forward) with only its backward run."""
-    return module(x) if known is None else linear(x, module.weight, module.bias, known)
 
 
 def block_attention(q: Tensor, k: Tensor, v: Tensor, plan: Plan, scaling: float) -> Tensor:
