@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from podsrl.config import TinyModelConfig, load_config  # noqa: E402
-from podsrl.models import build_char_tokenizer, build_tiny_model  # noqa: E402
+from podsrl.models.loading import build_char_tokenizer, build_tiny_model  # noqa: E402
 from podsrl.trainer import Trainer  # noqa: E402
 
 # The built-in model and a ~10M-parameter one of the same shape family (width 384, 6 layers): where per-operation

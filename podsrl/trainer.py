@@ -40,7 +40,7 @@ from podsrl.evaluation import evaluate
 from podsrl.fileio import write_text_atomic
 from podsrl.health import HealthMonitor
 from podsrl.methods import METHODS, StepContext
-from podsrl.models import count_parameters, load_policy, resolve_device
+from podsrl.models.loading import count_parameters, load_policy, resolve_device
 from podsrl.plotting import plot_run
 from podsrl.prompt_stats import PromptStats
 from podsrl.run_lock import RunLock

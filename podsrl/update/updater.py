@@ -16,8 +16,9 @@ from podsrl.algo.grad_noise import make_probe
 from podsrl.algo.loss import LOSS_AGGREGATIONS, aggregation_stats, clipped_policy_loss, k3_kl
 from podsrl.batch import RolloutBatch
 from podsrl.config import Config
+from podsrl.models.packed import packed_forward_problem
 from podsrl.update.plain import plain_logprobs
-from podsrl.update.shared_prompt import SharedPromptForward, unsupported_reason
+from podsrl.update.shared_prompt import SharedPromptForward
 
 log = logging.getLogger("podsrl")
 
@@ -51,7 +52,7 @@ class PolicyUpdater:
     def _shared_forward(self, model, role: str) -> SharedPromptForward | None:
         if not self.cfg.update.shared_prompt:
             return None
-        reason = unsupported_reason(model)
+        reason = packed_forward_problem(model)
         if reason is not None:
             log.warning("update: the shared-prompt path cannot drive the %s model (%s); using the plain path",
                         role, reason)

@@ -1,4 +1,6 @@
-"""Autograd functions of the shared-prompt update that do in a few passes what autograd's decomposition does in many.
+"""The pointwise parts of the Llama-family layer (podsrl/models/llama.py): RMSNorm, the rotary embedding and the SwiGLU
+gating as plain ops for decoding, and as autograd functions for the update that do in a few passes what autograd's
+decomposition does in many.
 
 On CPU the update's non-matmul time is a count of passes over [tokens, width] tensors (each ~40-300 us at a
 thousand tokens), not their arithmetic, and autograd's backward of slicing, `cat` and fancy indexing adds passes of
@@ -20,7 +22,34 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from podsrl.algo.llama_layers import float32_rms_norm, rotate, signed_sin
+# transformers' RMSNorm classes whose forward is weight * (x * rsqrt(mean(x^2) + variance_epsilon)), in float32
+PLAIN_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+
+
+def float32_rms_norm(module: torch.nn.Module) -> bool:
+    """A plain RMSNorm with float32 weights: on float32 inputs its maths is F.rms_norm's (same bits). In other dtypes
+    the module rounds before the weight multiply, so callers run the module there."""
+    return type(module).__name__ in PLAIN_RMS_NORMS and module.weight.dtype == torch.float32
+
+
+def signed_sin(sin: Tensor) -> Tensor:
+    """sin with its first half negated: rotate_half(x) sin = roll(x, d / 2) signed_sin, product by product."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rotate(x: Tensor, cos: Tensor, signed: Tensor) -> Tensor:
+    """The rotary embedding as transformers applies it to these models (x cos + rotate_half(x) sin, rotate_half(x) =
+    (-x2, x1)), the same bits in four ops instead of seven (negating is exact); `signed` = signed_sin(sin)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed
+
+
+def rotate_fused(qkv: Tensor, cos: Tensor, signed: Tensor, heads: int, kv_heads: int) -> tuple[Tensor, ...]:
+    """[..., heads + 2 kv_heads, d] projections -> rotated q [..., heads, d], rotated k and v [..., kv_heads, d]:
+    queries and keys rotated in one pass (kernels.rotate_qkv is the same with its own backward)."""
+    qk, v = qkv.split_with_sizes((heads + kv_heads, kv_heads), dim=-2)
+    q, k = rotate(qk, cos, signed).split_with_sizes((heads, kv_heads), dim=-2)
+    return q, k, v
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -49,7 +78,7 @@ def rms_norm(module: torch.nn.Module, x: Tensor) -> Tensor:
 
 
 class _RotateQKV(torch.autograd.Function):
-    """x cos + rotate_half(x) sin = x cos + swap_halves(x) sin', sin' = (-sin1, sin2) (llama_layers.rotate): full-width
+    """x cos + rotate_half(x) sin = x cos + swap_halves(x) sin', sin' = (-sin1, sin2) (`rotate`): full-width
     passes over queries and keys together, instead of half-width strided ones per tensor."""
 
     @staticmethod
@@ -77,11 +106,11 @@ class _RotateQKV(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def rotate_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int, kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    """[N, heads + 2 kv_heads, d] projections -> rotated queries [N, heads, d], rotated keys and values [N, kv_heads,
-    d]; cos/sin [N, 1, d]. The rotation is transformers' apply_rotary_pos_emb (x cos + rotate_half(x) sin,
-    rotate_half(x) = (-x2, x1))."""
-    return _RotateQKV.apply(qkv, cos, signed_sin(sin), heads, kv_heads)
+def rotate_qkv(qkv: Tensor, cos: Tensor, signed: Tensor, heads: int, kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """`rotate_fused` with its own backward: [N, heads + 2 kv_heads, d] projections -> rotated queries [N, heads, d],
+    rotated keys and values [N, kv_heads, d]; cos and signed = signed_sin(sin) [N, 1, d]. The rotation is
+    transformers' apply_rotary_pos_emb (x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1))."""
+    return _RotateQKV.apply(qkv, cos, signed, heads, kv_heads)
 
 
 class _GatherSlots(torch.autograd.Function):
