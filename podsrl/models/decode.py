@@ -101,7 +101,9 @@ class DecodeStack:
     def begin(self, length: int) -> None:
         """Binds the layers' plans and the rotary table for one generate call of at most `length` positions (per
         call: the optimiser changes the weights in place)."""
-        self.plans = [layer_plan(layer, i, self.model.config, autograd=False) for i, layer in enumerate(self.layers)]
+        config = self.model.config
+        self.plans = [layer_plan(layer, i, config, autograd=False, heads_first=True)
+                      for i, layer in enumerate(self.layers)]
         self.final_norm = norm_function(self.body.norm)
         self.rotary = self.rotary_table(length)
 
@@ -113,9 +115,9 @@ class DecodeStack:
         return torch.cat((cos[0], signed_sin(sin[0])), dim=-1)
 
     def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos and signed sin at `positions` [B, Q] from the table, [B, Q, 1, d] each (broadcast over the heads of
-        token-major [B, Q, heads, d])."""
-        return F.embedding(positions, self.rotary).unflatten(-1, (2, -1))[:, :, None].unbind(-2)
+        """cos and signed sin at `positions` [B, Q] from the table, [B, 1, Q, d] each (broadcast over the heads of
+        [B, heads, Q, d])."""
+        return F.embedding(positions, self.rotary).unflatten(-1, (2, -1))[:, None].unbind(-2)
 
     def logits(self, ids: Tensor, mask: Tensor, positions: Tensor, cache) -> Tensor:
         """`mask` is the bool [B, 1, Q, K] 'may attend' tensor over the cache after this call's keys."""
@@ -141,7 +143,7 @@ class CacheAttention:
             self.attend, self.blocked = grouped_attention, ~mask  # [B, 1, Q, K]
 
     def __call__(self, plan: LayerPlan, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """q [B, Q, H, d], k/v [B, Q, Hkv, d] -> [B, Q, H * d]."""
-        keys, values = self.cache.layers[plan.index].update(k.transpose(1, 2), v.transpose(1, 2))
-        out = self.attend(q.transpose(1, 2), keys, values, self.blocked, plan.scaling)
+        """q [B, H, Q, d], k/v [B, Hkv, Q, d] -> [B, Q, H * d]."""
+        keys, values = self.cache.layers[plan.index].update(k, v)
+        out = self.attend(q, keys, values, self.blocked, plan.scaling)
         return out.transpose(1, 2).flatten(2)

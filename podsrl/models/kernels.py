@@ -45,10 +45,11 @@ def rotate(x: Tensor, cos: Tensor, signed: Tensor) -> Tensor:
 
 
 def rotate_fused(qkv: Tensor, cos: Tensor, signed: Tensor, heads: int, kv_heads: int) -> tuple[Tensor, ...]:
-    """[..., heads + 2 kv_heads, d] projections -> rotated q [..., heads, d], rotated k and v [..., kv_heads, d]:
-    queries and keys rotated in one pass (kernels.rotate_qkv is the same with its own backward)."""
-    qk, v = qkv.split_with_sizes((heads + kv_heads, kv_heads), dim=-2)
-    q, k = rotate(qk, cos, signed).split_with_sizes((heads, kv_heads), dim=-2)
+    """[B, heads + 2 kv_heads, W, d] projections (heads first, as the decode step runs) -> rotated q [B, heads, W, d],
+    rotated k and v [B, kv_heads, W, d]: queries and keys rotated in one pass (`rotate_qkv` is the same, token-major
+    with its own backward)."""
+    qk, v = qkv.split_with_sizes((heads + kv_heads, kv_heads), dim=1)
+    q, k = rotate(qk, cos, signed).split_with_sizes((heads, kv_heads), dim=1)
     return q, k, v
 
 

@@ -7,7 +7,8 @@ gated MLP with gate/up as one matmul. What differs between the two callers is a 
   completion blocks);
 - `autograd`: the update's pointwise parts run as the autograd functions of kernels.py (fewer passes forward and
   backward), the decode step's as plain ops that give transformers' bits with the fewest dispatches.
-Tensors are token-major: hidden [..., D] (decode [B, W, D], training [N, D]), q/k/v [..., heads, d].
+Hidden states are [..., D] (decode [B, W, D], training [N, D]); q/k/v come out as attention reads them: decode
+heads first [B, heads, W, d] (what the KV cache stores, no transpose per tensor), training token-major [N, heads, d].
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class LayerPlan(NamedTuple):
     tuple instead of looking up submodules and parameters (~1 us each while decoding, a third of a small op)."""
 
     index: int  # the layer's place in the stack (its KV cache layer)
+    heads_first: bool  # q/k/v as [B, heads, W, d] (decode) instead of [..., heads, d]
     attn: torch.nn.Module
     heads: int
     kv_heads: int
@@ -77,7 +79,7 @@ class LayerPlan(NamedTuple):
     mlp: Callable[[Tensor], Tensor]
 
 
-def layer_plan(layer: torch.nn.Module, index: int, config, autograd: bool) -> LayerPlan:
+def layer_plan(layer: torch.nn.Module, index: int, config, autograd: bool, heads_first: bool = False) -> LayerPlan:
     """The layer's plan: q/k/v and gate/up each one matmul (instead of three and two) where they are plain Linear
     (not LoRA-wrapped) and the MLP is the gated down(act(gate(x)) * up(x)). Bind it where the weights are what the
     forward must use (under FSDP2, inside the layer's own call, while its parameters are gathered)."""
@@ -87,6 +89,7 @@ def layer_plan(layer: torch.nn.Module, index: int, config, autograd: bool) -> La
         qk_norms = (norm_function(attn.q_norm, autograd), norm_function(attn.k_norm, autograd))
     return LayerPlan(
         index=index,
+        heads_first=heads_first,
         attn=attn,
         heads=config.num_attention_heads,
         kv_heads=config.num_key_value_heads,
@@ -120,23 +123,27 @@ def _mlp_function(mlp: torch.nn.Module, autograd: bool) -> Callable[[Tensor], Te
 
 
 def project_qkv(plan: LayerPlan, x: Tensor, cos: Tensor, signed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Rotated queries [..., heads, d], rotated keys and values [..., kv_heads, d] of normed hidden states x [..., D];
-    cos and signed sin broadcast over the heads ([..., 1, d])."""
+    """Rotated queries, rotated keys and values of normed hidden states x [..., D]: [..., heads, d] or with
+    `heads_first` [B, heads, W, d]; cos and signed sin broadcast over the heads ([..., 1, d] or [B, 1, W, d])."""
+    shape = (*x.shape[:-1], -1, plan.head_dim)
     if plan.qkv is not None:
-        qkv = F.linear(x, *plan.qkv).unflatten(-1, (-1, plan.head_dim))
+        qkv = F.linear(x, *plan.qkv).view(shape)
+        if plan.heads_first:
+            qkv = qkv.transpose(1, 2)
         if plan.qk_norms is None:
             return plan.rotate_qkv(qkv, cos, signed, plan.heads, plan.kv_heads)
-        q, k, v = qkv.split_with_sizes((plan.heads, plan.kv_heads, plan.kv_heads), dim=-2)
+        q, k, v = qkv.split_with_sizes((plan.heads, plan.kv_heads, plan.kv_heads), dim=-3 if plan.heads_first else -2)
     else:  # wrapped projections (LoRA) run as their modules
-        attn, shape = plan.attn, (-1, plan.head_dim)
-        q, k, v = (attn.q_proj(x).unflatten(-1, shape), attn.k_proj(x).unflatten(-1, shape),
-                   attn.v_proj(x).unflatten(-1, shape))
+        attn = plan.attn
+        q, k, v = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
+        if plan.heads_first:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if plan.qk_norms is not None:  # Qwen3: per-head RMSNorm before the rotation
         q, k = plan.qk_norms[0](q), plan.qk_norms[1](k)
     return rotate(q, cos, signed), rotate(k, cos, signed), v
 
 
-# attention as a caller reads it: (plan, q [..., H, d], k, v [..., Hkv, d]) -> [..., H * d]
+# attention as a caller reads it: (plan, q, k, v as project_qkv lays them out) -> [..., H * d] like the hidden states
 Attend = Callable[[LayerPlan, Tensor, Tensor, Tensor], Tensor]
 
 
