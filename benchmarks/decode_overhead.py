@@ -30,7 +30,7 @@ from benchmarks.update_speed import gemm_rate  # noqa: E402
 from podsrl.config import TinyModelConfig  # noqa: E402
 from podsrl.engines.base import SamplingParams  # noqa: E402
 from podsrl.engines.fast import FastEngine  # noqa: E402
-from podsrl.models import build_char_tokenizer, build_tiny_model  # noqa: E402
+from podsrl.models.loading import build_char_tokenizer, build_tiny_model  # noqa: E402
 
 PROMPTS = ("12+13=", "20+31=", "33+14=", "25+16=")
 PER_PROMPT = (1, 4, 16, 64)
@@ -92,7 +92,7 @@ def main() -> None:
 
     if opts.compile:
         compiled = FastEngine(model, tokenizer)
-        compiled._layer_loop = torch.compile(compiled._layer_loop, dynamic=True)
+        compiled.forward.logits = torch.compile(compiled.forward.logits, dynamic=True)
         start = time.perf_counter()
         call(compiled, PER_PROMPT[1])
         print(f"torch.compile: first call (compilation) {time.perf_counter() - start:.1f} s")

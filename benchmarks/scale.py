@@ -31,7 +31,7 @@ from podsrl.batch import Problem, RolloutBatch
 from podsrl.config import TinyModelConfig, load_config
 from podsrl.engines.base import SamplingParams
 from podsrl.engines.fast import FastEngine
-from podsrl.models import build_char_tokenizer, build_tiny_model, count_parameters
+from podsrl.models.loading import build_char_tokenizer, build_tiny_model, count_parameters
 from podsrl.update import PolicyUpdater
 
 

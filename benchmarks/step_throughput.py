@@ -15,12 +15,8 @@ the same FLOP rate with no other cost.
 Part 2 (the built-in task with the warmed-up model, as `podsrl train` runs it): PODS 64->16 vs GRPO 16-16 steps,
 alternating, with their split into generate/score/select/update (target: ratio <= 1.3).
 
-`--reuse-ab` runs, instead of parts 1 and 2, podsrl's step of part 1 with and without update.reuse_sampling_forward
-(the update taking the projections' forward from sampling), alternating, at 64 and 256 rollouts; with `--presets
-NAME ...`, the same A/B on those configs/NAME.yaml presets (the built-in task, warmed up) instead.
-
     python benchmarks/step_throughput.py [--repeats 5] [--threads 1] [--skip-trl] [--skip-task]
-                                         [--trl-no-checkpointing] [--model tiny|10m] [--reuse-ab [--presets ...]]
+                                         [--trl-no-checkpointing] [--model tiny|10m]
 """
 
 from __future__ import annotations
@@ -40,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from podsrl.config import TinyModelConfig, load_config  # noqa: E402
-from podsrl.models import build_char_tokenizer, build_tiny_model  # noqa: E402
+from podsrl.models.loading import build_char_tokenizer, build_tiny_model  # noqa: E402
 from podsrl.trainer import Trainer  # noqa: E402
 
 # The built-in model and a ~10M-parameter one of the same shape family (width 384, 6 layers): where per-operation
@@ -83,32 +79,21 @@ def med(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
-def work_ratios(batch, trl_prompt_len: int, new_tokens: int, trl_checkpointing: bool,
-                reused_share: float = 0.0) -> tuple[float, float, float]:
+def work_ratios(batch, trl_prompt_len: int, new_tokens: int, trl_checkpointing: bool) -> tuple[float, float, float]:
     """TRL's matmul work over podsrl's for one step, (generation, update, step), in tokens x FLOPs per parameter
     (the same parameters in both): 2 per token forwarded while generating, 6 per token trained, 8 where TRL
     recomputes its forward for gradient checkpointing. podsrl forwards each distinct prompt once and each completion
     token but the last, in generation and in the update alike; TRL prefills every row's padded prompt, runs
     new_tokens - 1 decode steps over every row (its completions reach the cap in every step here) and trains every
-    row's padded prompt + completion. `reused_share`: the share of the parameters whose forward podsrl's update took
-    from the sampling forward (update.reuse_sampling_forward), 2 FLOPs per token fewer for those."""
+    row's padded prompt + completion."""
     rows = batch.num_rollouts
     first_rows = [int((batch.group_index == g).nonzero()[0]) for g in batch.group_index.unique()]
     prompt_tokens = int(batch.prompt_mask[first_rows].sum())
     forwarded = prompt_tokens + int((batch.completion_mask.sum(1) - 1).clamp(min=0).sum())
-    ours = (2 * forwarded, (6 - 2 * reused_share) * forwarded)
+    ours = (2 * forwarded, 6 * forwarded)
     theirs = (2 * rows * (trl_prompt_len + new_tokens - 1),
               (8 if trl_checkpointing else 6) * rows * (trl_prompt_len + new_tokens))
     return theirs[0] / ours[0], theirs[1] / ours[1], sum(theirs) / sum(ours)
-
-
-def projection_share(model: torch.nn.Module) -> float:
-    """The share of the model's parameters in its decoder layers' q/k/v/o and gate/up/down projections."""
-    layers = model.model.layers
-    names = ("q_proj", "k_proj", "v_proj", "o_proj")
-    projections = [getattr(layer.self_attn, n) for layer in layers for n in names]
-    projections += [getattr(layer.mlp, n) for layer in layers for n in ("gate_proj", "up_proj", "down_proj")]
-    return sum(p.numel() for m in projections for p in m.parameters()) / model.num_parameters()
 
 
 def recorded_batches(trainer: Trainer) -> list:
@@ -185,41 +170,11 @@ def part1(opts) -> None:
               f"update {statistics.median(trl_update) / statistics.median(p['time/update']):.2f}x "
               f"(TRL's 'rest' = step minus generation: scoring, advantages, loss, backward, optimiser)")
         prompt_len = max(len(trl.processing_class(p).input_ids) for p in dataset["prompt"])
-        reused = statistics.median(r.get("update/sampling_forward_reused", 0.0) for r in records)
-        share = reused * projection_share(ours.model)
-        works = [work_ratios(b, prompt_len, 16, trl.args.gradient_checkpointing, share) for b in batches[1:]]
+        works = [work_ratios(b, prompt_len, 16, trl.args.gradient_checkpointing) for b in batches[1:]]
         gen, upd, step = (statistics.median(w[i] for w in works) for i in range(3))
         print(f"  matmul work TRL/podsrl (tokens x FLOPs per parameter, see work_ratios), median: generation "
               f"{gen:.2f}x, update {upd:.2f}x, full step {step:.2f}x (the step ratio if both ran their matmuls at "
-              f"the same rate and had no other cost; podsrl's update took the projections' forward ({100 * share:.0f}%"
-              f" of the parameters) from sampling in {100 * reused:.0f}% of its micro-batches)")
-
-
-def reuse_ab(opts) -> None:
-    """Each setup's step with and without update.reuse_sampling_forward, alternating."""
-    shape = [f"model.tiny.{k}={v}" for k, v in vars(MODELS[opts.model]).items()]
-    if opts.presets:
-        print(f"== presets on the built-in task, update.reuse_sampling_forward true vs false, {opts.repeats} "
-              f"alternating steps each after one untimed; median (min-max) seconds")
-        setups = {name: (str(ROOT / "configs" / f"{name}.yaml"), []) for name in opts.presets}
-    else:
-        print(f"== podsrl step of part 1 ({opts.model} model), update.reuse_sampling_forward true vs false, "
-              f"{opts.repeats} alternating steps each after one untimed; median (min-max) seconds")
-        setups = {f"{rollouts} rollouts/step": (None, [
-            f"rollout.prompts_per_step={rollouts // 16}", "rollout.n=16", "method=grpo", "rollout.max_new_tokens=16",
-            "warmup.steps=0", "optim.lr=1e-4", f"optim.micro_batch_size={rollouts}", *shape]) for rollouts in (64, 256)}
-    for title, (preset, overrides) in setups.items():
-        trainers = {reuse: podsrl_trainer([*overrides, f"update.reuse_sampling_forward={reuse}"], preset)
-                    for reuse in ("true", "false")}
-        records = alternate_steps(trainers, opts.repeats)
-        print(title)
-        for name, rs in records.items():
-            print(f"  reuse {name:<5} step {med([r['time/step'] for r in rs])}  generate "
-                  f"{med([r['time/generate'] for r in rs])}  update {med([r['time/update'] for r in rs])}")
-        ratios = [b["time/step"] / a["time/step"] for a, b in zip(records["true"], records["false"])]
-        reused = statistics.median(r.get("update/sampling_forward_reused", 0.0) for r in records["true"])
-        print(f"  step without / with reuse: median {statistics.median(ratios):.3f}x ({min(ratios):.3f}-"
-              f"{max(ratios):.3f}x); micro-batches reusing: {100 * reused:.0f}%")
+              f"the same rate and had no other cost)")
 
 
 def part2(opts) -> None:
@@ -252,9 +207,6 @@ def main() -> None:
     parser.add_argument("--skip-task", action="store_true")
     parser.add_argument("--model", choices=list(MODELS), default="tiny",
                         help="model of the TRL comparison: the built-in one or a ~10M-parameter one")
-    parser.add_argument("--reuse-ab", action="store_true",
-                        help="only podsrl's step with and without update.reuse_sampling_forward")
-    parser.add_argument("--presets", nargs="*", default=[], help="--reuse-ab on these configs/ presets")
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -263,11 +215,9 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
           f"load average {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}")
     t0 = time.perf_counter()
-    if opts.reuse_ab:
-        reuse_ab(opts)
-    if not (opts.skip_trl or opts.reuse_ab):
+    if not opts.skip_trl:
         part1(opts)
-    if not (opts.skip_task or opts.reuse_ab):
+    if not opts.skip_task:
         part2(opts)
     print(f"(benchmark took {time.perf_counter() - t0:.0f}s; end load average {os.getloadavg()[0]:.2f})")
 

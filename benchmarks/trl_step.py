@@ -30,7 +30,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from podsrl.config import TinyModelConfig
 from podsrl.integrations.trl import PODSGRPOConfig, PODSGRPOTrainer
-from podsrl.models import build_char_tokenizer, build_tiny_model
+from podsrl.models.loading import build_char_tokenizer, build_tiny_model
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 

@@ -30,7 +30,7 @@ def measure(n: int, m: int, prompts: int, length: int, layers: int, width: int, 
     from podsrl.batch import Problem, RolloutBatch
     from podsrl.config import load_config
     from podsrl.methods import METHODS, offline_context
-    from podsrl.models import build_char_tokenizer, build_tiny_model
+    from podsrl.models.loading import build_char_tokenizer, build_tiny_model
     from podsrl.update import PolicyUpdater
 
     torch.manual_seed(0)

@@ -18,7 +18,7 @@ once per round (the median of those).
 
 `--attention` times the attention layout choice alone (forward + backward of one GSM8K-shaped group, 4 query and
 2 key/value heads of dim 64): one packed sequence with a dense block mask vs the prompt's keys index-expanded to
-length-bucketed completion rows (what shared_prompt.py does).
+length-bucketed completion rows (what podsrl/models/packed_layout.py does).
 
     python benchmarks/update_speed.py [--workload default gsm8k] [--repeats 5] [--threads 1] [--device cpu]
     python benchmarks/update_speed.py --attention
@@ -52,7 +52,7 @@ KEPT = 16  # rollouts kept per prompt by the default PODS 64 -> 16
 
 def default_workload(seed: int = 0):
     """The default step's update: model, config overrides and the 512-row batch."""
-    from podsrl.models import build_char_tokenizer, build_tiny_model
+    from podsrl.models.loading import build_char_tokenizer, build_tiny_model
     from podsrl.tasks import build_task
 
     cfg = load_config(DEFAULT_CONFIG, [])
@@ -181,8 +181,8 @@ def time_arms(name: str, repeats: int, device: str) -> dict:
 
 
 def attention_choice(repeats: int) -> None:
-    from podsrl.algo.attention import grouped_attention
-    from podsrl.update.shared_prompt import block_attention, build_plan
+    from podsrl.models.attention import grouped_attention
+    from podsrl.models.packed_layout import block_attention, build_plan
 
     gen = torch.Generator().manual_seed(0)
     lp, n, heads, kv_heads, dim = 200, 16, 4, 2, 64

@@ -50,7 +50,7 @@ def main() -> None:
 
     if args.model == "tiny":
         from podsrl.config import TinyModelConfig
-        from podsrl.models import build_char_tokenizer, build_tiny_model
+        from podsrl.models.loading import build_char_tokenizer, build_tiny_model
 
         tokenizer = build_char_tokenizer()
         model = build_tiny_model(TinyModelConfig(), tokenizer)

@@ -12,8 +12,6 @@ from typing import Any
 
 import torch
 
-from podsrl.forward_record import ForwardRecord
-
 
 @dataclass(frozen=True)
 class Problem:
@@ -40,9 +38,6 @@ class RolloutBatch:
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [R] float (NaN = missing)
     correct: torch.Tensor | None = None  # [R] bool, verifier correctness (used by AERO/DynaMO statistics)
     advantages: torch.Tensor | None = None  # [R] float, sequence-level advantage broadcast to tokens
-    # the sampling forward's projection outputs (podsrl/forward_record.py) and each row's row in it
-    sampling_forward: ForwardRecord | None = None
-    sampling_row: torch.Tensor | None = None  # [R] long
 
     @property
     def num_rollouts(self) -> int:
@@ -140,6 +135,4 @@ def concat_batches(batches: list[RolloutBatch], pad_token_id: int, disjoint: boo
         }
     if all(b.correct is not None for b in batches):
         out.correct = torch.cat([b.correct for b in batches])
-    out.sampling_forward, out.sampling_row = ForwardRecord.concat([b.sampling_forward for b in batches],
-                                                                  [b.sampling_row for b in batches])
     return out

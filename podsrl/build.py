@@ -11,7 +11,7 @@ import torch
 from podsrl.batch import Problem
 from podsrl.config import Config
 from podsrl.engines import RolloutEngine, build_engine
-from podsrl.models import load_policy
+from podsrl.models.loading import load_policy
 from podsrl.rewards import RewardManager, build_reward_manager
 from podsrl.tasks import build_task
 from podsrl.tasks.base import Task

@@ -89,7 +89,7 @@ def cmd_warmup(args) -> int:
 def cmd_eval(args) -> int:
     from podsrl.build import base_weights, load_model, load_task, reward_manager, rollout_engine, verifier
     from podsrl.evaluation import evaluate
-    from podsrl.models import resolve_device
+    from podsrl.models.loading import resolve_device
 
     cfg = _load(args)
     # The trainer's own builders: a LoRA run's --model is its adapter (on top of the warm-up or model.name_or_path)

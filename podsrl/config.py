@@ -246,15 +246,6 @@ class UpdateConfig:
                              "gradients as false, the plain per-row forward kept as the reference.")
     logits_chunk: int = _f(1024, "Tokens per chunk of the log-prob/entropy computation: the float32 softmax of at "
                            "most this many tokens x vocabulary exists at a time.")
-    reuse_sampling_forward: bool = _f(
-        True, "With one pass over the batch (optim.epochs = optim.mini_batches = 1), in one process, on the fast "
-        "engine and the shared-prompt path with plain projections (no LoRA): keep the q/k/v, o, gate/up and down "
-        "projections' outputs computed while sampling and run only their backward in the update (a third of its "
-        "matmul work; the same gradients up to float rounding). Holds those outputs for every generated token "
-        "until the update, up to update.sampling_forward_max_mb.")
-    sampling_forward_max_mb: int = _f(
-        2048, "reuse_sampling_forward: the most memory one generate call's kept outputs may take (its capacity: "
-        "every row at max_new_tokens); a call that would need more keeps none and its update runs the whole forward.")
 
 
 @dataclass
@@ -461,9 +452,20 @@ _MOVED = {
 }
 
 
+# Keys whose feature was removed -> what the error says instead.
+_DROPPED = {
+    "update.reuse_sampling_forward": "the update no longer takes projection outputs from sampling; leave it out",
+    "update.sampling_forward_max_mb": "it capped the sampling-forward reuse, which was removed; leave it out",
+}
+
+
 def _reject_removed_keys(tree: dict) -> None:
     """A ConfigError naming the replacement of any key of the pre-methods layout (select.*, rollout.allocation,
-    algo.modulation)."""
+    algo.modulation) or the removal of a dropped feature's key."""
+    for dotted, why in _DROPPED.items():
+        section, key = dotted.split(".")
+        if isinstance(tree.get(section), dict) and key in tree[section]:
+            raise ConfigError(f"{dotted}: removed ({why})")
     for section, keys in (("select", None), ("rollout", ("allocation",)), ("algo", ("modulation",))):
         values = tree.get(section)
         if not isinstance(values, dict):

@@ -38,10 +38,9 @@ from podsrl.engines import SamplingParams
 from podsrl.errors import UnhealthyRun, UserError
 from podsrl.evaluation import evaluate
 from podsrl.fileio import write_text_atomic
-from podsrl.forward_record import ForwardRecord
 from podsrl.health import HealthMonitor
 from podsrl.methods import METHODS, StepContext
-from podsrl.models import count_parameters, load_policy, resolve_device
+from podsrl.models.loading import count_parameters, load_policy, resolve_device
 from podsrl.plotting import plot_run
 from podsrl.prompt_stats import PromptStats
 from podsrl.run_lock import RunLock
@@ -78,7 +77,6 @@ class StepRecord:
     collect_metrics: list[dict] = field(default_factory=list)  # one per method.collect
     skipped_rollouts: int = 0  # generated, then dropped by the reward policy 'skip' (still compute spent)
     skipped_tokens: int = 0
-    sampling_forwards: list[ForwardRecord] = field(default_factory=list)  # one per generate call that kept one
 
 
 class Trainer:
@@ -170,8 +168,6 @@ class Trainer:
         if faults.fire("loss", self.step + 1):  # injected numerical fault: a NaN loss and gradient
             kept.advantages = torch.full_like(kept.advantages, float("nan"))
         update_metrics = self.updater.update(kept.trim_padding(), self.rng) if kept.num_rollouts else {}
-        for forward in record.sampling_forwards:  # their buffers go back to the engine for the next step
-            forward.release()
         if self.data_parallel is not None:  # FSDP2: gathers the updated shards into the generation copy
             self.data_parallel.sync_generation_model()
         self.engine.sync_weights(self.generation_model)
@@ -246,8 +242,7 @@ class Trainer:
     def sampling_params(self) -> SamplingParams:
         r = self.cfg.rollout
         return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, return_logprobs=self.cfg.optim.epochs * self.cfg.optim.mini_batches > 1,
-                              keep_forward_bytes=self.updater.sampling_forward_bytes)
+                              top_k=r.top_k, return_logprobs=self.cfg.optim.epochs * self.cfg.optim.mini_batches > 1)
 
     def generate_and_score(self, problems: list[Problem], indices: list[int], counts: list[int],
                            record: StepRecord) -> RolloutBatch:
@@ -263,10 +258,6 @@ class Trainer:
             prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
             completion_mask=out.completion_mask.float(), truncated=out.truncated, old_logprobs=out.logprobs,
         )
-        if out.forward is not None:  # the update takes it only under these weights
-            out.forward.weights_version = self.updater.weights_version
-            record.sampling_forwards.append(out.forward)
-            batch.sampling_forward, batch.sampling_row = out.forward, torch.arange(batch.num_rollouts)
         ids = batch.completion_ids.masked_fill(batch.completion_mask == 0, self.tokenizer.pad_token_id)
         batch.completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         result = self.rewards.score(problems, batch.group_index, batch.completions)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from podsrl.config import Config, TaskConfig, to_dict
-from podsrl.models import build_char_tokenizer, build_tiny_model, resolve_device
+from podsrl.models.loading import build_char_tokenizer, build_tiny_model, resolve_device
 from podsrl.tasks import build_task
 from podsrl.tracking import build_progress
 

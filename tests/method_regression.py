@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from podsrl.config import load_config
-from podsrl.models import build_char_tokenizer, build_tiny_model
+from podsrl.models.loading import build_char_tokenizer, build_tiny_model
 from podsrl.trainer import Trainer
 from podsrl.warmup import run_warmup, warmup_path
 

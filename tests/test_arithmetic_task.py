@@ -9,7 +9,7 @@ import pytest
 from podsrl.batch import Problem
 from podsrl.config import load_config
 from podsrl.errors import ConfigError
-from podsrl.models import build_char_tokenizer
+from podsrl.models.loading import build_char_tokenizer
 from podsrl.tasks import build_task
 from podsrl.tasks.arithmetic import ArithmeticTask, worked_solution
 from podsrl.warmup import run_warmup, validation_tokens, warmup_key

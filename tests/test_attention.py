@@ -1,8 +1,8 @@
-"""podsrl/algo/attention.py: the CPU matmul attention and the fused kernel used off the CPU agree."""
+"""podsrl/models/attention.py: the CPU matmul attention and the fused kernel used off the CPU agree."""
 
 import torch
 
-from podsrl.algo.attention import fused_attention, grouped_attention
+from podsrl.models.attention import fused_attention, grouped_attention
 
 
 def test_grouped_matmul_attention_equals_the_fused_kernel_with_gqa_and_fully_blocked_queries():

@@ -11,7 +11,7 @@ import torch
 from podsrl.batch import Problem
 from podsrl.config import TaskConfig, load_config
 from podsrl.errors import ConfigError, DataError, UserError
-from podsrl.models import build_char_tokenizer
+from podsrl.models.loading import build_char_tokenizer
 from podsrl.rewards import RewardManager, RewardSpec, build_reward_manager
 from podsrl.tasks import build_task
 from podsrl.tasks.datasets import DatasetTask, numeric_answer

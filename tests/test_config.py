@@ -1,5 +1,6 @@
 """Config loading: YAML + dotted overrides, typed coercion, errors naming the key; the generated reference is current."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,13 @@ def test_every_preset_loads():
 def test_docs_config_reference_is_current():
     assert (ROOT / "docs/config.md").read_text() == config_reference_markdown(), (
         "docs/config.md is stale: regenerate it with the command at its top")
+
+
+@pytest.mark.parametrize("key", ["update.reuse_sampling_forward", "update.sampling_forward_max_mb"])
+def test_keys_of_the_removed_sampling_forward_reuse_name_the_removal(key, tmp_path):
+    with pytest.raises(ConfigError, match=re.escape(key) + r": removed \(.*\)$"):
+        load_config(None, [f"{key}=false"])
+    section, name = key.split(".")
+    (tmp_path / "c.yaml").write_text(f"{section}:\n  {name}: 1\n")
+    with pytest.raises(ConfigError, match=r"removed \("):
+        load_config(tmp_path / "c.yaml")

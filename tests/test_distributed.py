@@ -225,9 +225,6 @@ def test_torchrun_two_ranks_with_resume_match_one_process(tmp_path):
     two = [r for r in two if "reward" in r] + two[-1:]
     assert [r["step"] for r in two] == [r["step"] for r in single] == [1, 2, 3, 3]
     assert all(r["grad_norm"] > 0 and r["reward_std"] > 0 for r in single[:3])  # real updates, not zeros
-    # one process takes the projections' forward from sampling; two ranks split rows they did not all sample
-    assert all(r.pop("update/sampling_forward_reused") == 1.0 for r in single[:3])
-    assert not any("update/sampling_forward_reused" in r for r in two)
     for a, b in zip(single, two):
         for k, v in a.items():
             if not k.startswith("time/") and isinstance(v, float):

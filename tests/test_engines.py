@@ -12,14 +12,16 @@ import transformers
 from transformers import Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from podsrl.algo.attention import decode_attention, decode_bias, grouped_attention
-from podsrl.algo.llama_layers import norm_function, rotate
 from podsrl.engines import SamplingParams, build_engine, check_engine_options
 from podsrl.engines.fast import FastEngine
 from podsrl.engines.hf import HFEngine
 from podsrl.engines.sampling import filter_logits, row_uniforms, sample_rows, splitmix64
 from podsrl.errors import ConfigError
-from podsrl.transformers_api import FastPathUnavailable
+from podsrl.models.attention import decode_attention, decode_bias, grouped_attention
+from podsrl.models.decode import DecodeStack, ModelForward
+from podsrl.models.kernels import rotate
+from podsrl.models.llama import norm_function
+from podsrl.models.transformers_api import FastPathUnavailable
 from tests.conftest import device_under_test
 from tests.tiny_lm import EOS, PAD, tiny_causal_lm
 from tests.tiny_lm import TokStub as Tok
@@ -205,7 +207,7 @@ def test_layer_loop_matches_the_model_forward(kind):
     model = make_model(kind, peak=3.0, eos_bias=2.0)
     prompts, counts, seeds = random_prompts([3, 8, 5]), [3, 2, 4], torch.arange(9) * 31
     looped, full = FastEngine(model, Tok()), FastEngine(model, Tok(), layer_loop=False)
-    assert looped._body is not None and full._body is None
+    assert isinstance(looped.forward, DecodeStack) and isinstance(full.forward, ModelForward)
     for params in (
         SamplingParams(max_new_tokens=9, temperature=0.8, top_p=0.9),
         SamplingParams(max_new_tokens=9, greedy=True),
@@ -246,7 +248,8 @@ def test_layer_loop_unfused_and_qwen3_match_the_model_forward():
         a, b = (e.generate(prompts, counts, params, seeds) for e in (looped, full))
         assert torch.equal(a.completion_ids, b.completion_ids)
         assert torch.allclose(a.logprobs, b.logprobs, atol=1e-6)
-    assert looped._plans[0].qkv is not None and looped._plans[1].qkv is None and looped._plans[1].gate_up is None
+    plans = looped.forward.plans
+    assert plans[0].qkv is not None and plans[1].qkv is None and plans[1].mlp is wrapped.model.layers[1].mlp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -280,8 +283,9 @@ def test_rotary_table_and_norms_give_transformers_bits():
     x = torch.randn(2, 6, 3, model.config.hidden_size // 4, device=model.device)  # [B, q + k heads, Q, d]
     with torch.no_grad():
         q, k = apply_rotary_pos_emb(x[:, :4], x[:, 4:], *model.model.rotary_emb(x, positions))
-        engine._rotary = engine._rotary_table(12)
-        assert torch.equal(rotate(x, *engine._cos_sin(positions)), torch.cat([q, k], dim=1))
+        stack = engine.forward
+        stack.rotary = stack.rotary_table(12)
+        assert torch.equal(rotate(x, *stack.cos_sin(positions)), torch.cat([q, k], dim=1))
         norm = model.model.layers[0].input_layernorm
         h = torch.randn(5, 3, model.config.hidden_size, device=model.device) * 3
         if h.is_cuda:
@@ -301,7 +305,7 @@ def test_dynamic_rotary_runs_the_model_forward():
                          rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     model = LlamaForCausalLM(config).eval()
     engine = FastEngine(model, Tok())
-    assert engine._body is None and engine.fallback is None
+    assert isinstance(engine.forward, ModelForward) and engine.fallback is None
     out = engine.generate(random_prompts([3, 5]), [2, 1], SamplingParams(max_new_tokens=4, greedy=True),
                           torch.arange(3))
     assert out.completion_ids.shape == (3, 4)
@@ -426,7 +430,7 @@ def test_llama_family_model_never_falls_back_quietly():
 def test_fast_engine_drives_the_built_in_families_itself(kind):
     """Fails when the installed transformers moves an internal the layer loop needs (e.g. the cache argument)."""
     engine = build_engine("fast", make_model(kind), Tok())
-    assert engine.fallback is None and engine.fallback_reason is None and engine._body is not None
+    assert engine.fallback is None and engine.fallback_reason is None and isinstance(engine.forward, DecodeStack)
 
 
 @pytest.mark.parametrize("engine, options, key", [

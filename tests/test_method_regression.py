@@ -19,6 +19,6 @@ def test_case_reproduces_the_recorded_metrics(tmp_path, warmup_cache, case):
     for step, (g, e) in enumerate(zip(got, expected), start=1):
         assert sorted(g) == sorted(e), (step, set(g) ^ set(e))
         for key, value in e.items():
-            # abs_tol: the chunked log-probs (podsrl/algo/logprobs.py) round differently from the recording's
+            # abs_tol: the chunked log-probs (podsrl/models/logprobs.py) round differently from the recording's
             # full log_softmax at float32's last bits, which a near-zero loss shows as ~1e-6 relative
             assert math.isclose(g[key], value, rel_tol=1e-6, abs_tol=1e-7), (step, key, g[key], value)

@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from podsrl.algo.logprobs import token_entropy
 from podsrl.algo.modulation import dynamo_modulation
 from podsrl.errors import ConfigError
+from podsrl.models.logprobs import token_entropy
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from podsrl.config import TinyModelConfig, load_config
-from podsrl.models import build_char_tokenizer, build_tiny_model
+from podsrl.models.loading import build_char_tokenizer, build_tiny_model
 from podsrl.tracking import read_metrics
 from podsrl.trainer import Trainer
 
@@ -66,7 +66,7 @@ def test_gsm8k_pods_preset_starts_with_a_stand_in_and_lora_adapter_reloads(tmp_p
     # The checkpoint holds the adapter; loaded onto the base it reproduces the trained policy.
     from podsrl.checkpoint import latest_checkpoint
     from podsrl.lora import load_adapter
-    from podsrl.models import load_pretrained
+    from podsrl.models.loading import load_pretrained
 
     base, tokenizer = load_pretrained(str(stand_in_model))
     reloaded = load_adapter(base, latest_checkpoint(tmp_path / "run") / "model")

@@ -6,14 +6,14 @@ import torch
 import transformers
 
 from podsrl.engines import build_engine
-from podsrl.transformers_api import (
+from podsrl.models.packed import packed_forward_problem
+from podsrl.models.transformers_api import (
     FastPathUnavailable,
     cache_argument,
     forward_with_cache,
     llama_layout_problem,
     new_dynamic_cache,
 )
-from podsrl.update.shared_prompt import unsupported_reason
 from tests.tiny_lm import TokStub as Tok
 from tests.tiny_lm import tiny_causal_lm
 
@@ -70,5 +70,5 @@ def test_moved_internal_stops_the_fast_engine_with_one_line(kind):
 
 def test_moved_internal_stops_the_shared_prompt_update_with_one_line():
     with pytest.raises(FastPathUnavailable, match="update.shared_prompt: false"):
-        unsupported_reason(moved_rotary("qwen"))
-    assert unsupported_reason(tiny_causal_lm(VOCAB, kind="qwen")) is None
+        packed_forward_problem(moved_rotary("qwen"))
+    assert packed_forward_problem(tiny_causal_lm(VOCAB, kind="qwen")) is None

@@ -23,7 +23,7 @@ from podsrl.integrations.trl import (
     pods_select,
     slice_batch,
 )
-from podsrl.models import build_char_tokenizer, build_tiny_model
+from podsrl.models.loading import build_char_tokenizer, build_tiny_model
 
 EPS = 1e-4
 

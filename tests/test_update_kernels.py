@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
 
-from podsrl.update import kernels
-from podsrl.update.kernels import gather_slots, packed_order, rms_norm, rotate_qkv
+from podsrl.models import kernels
+from podsrl.models.kernels import gather_slots, packed_order, rms_norm, rotate_qkv, signed_sin
 
 
 def rotary_tables(n: int, dim: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,16 +52,16 @@ def test_rotate_qkv_equals_apply_rotary_pos_emb(heads, kv_heads):
     qkv = torch.randn(n, heads + 2 * kv_heads, dim)
     q, k = apply_rotary_pos_emb(qkv[None, :, :heads], qkv[None, :, heads : heads + kv_heads], cos[None], sin[None],
                                 unsqueeze_dim=2)
-    rq, rk, rv = rotate_qkv(qkv, cos[:, None], sin[:, None], heads, kv_heads)
+    rq, rk, rv = rotate_qkv(qkv, cos[:, None], signed_sin(sin[:, None]), heads, kv_heads)
     torch.testing.assert_close(rq, q[0])
     torch.testing.assert_close(rk, k[0])
     assert torch.equal(rv, qkv[:, heads + kv_heads :])
     cos64, sin64 = rotary_tables(n, dim, torch.float64)
     leaf = torch.randn(n, heads + 2 * kv_heads, dim, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda t: rotate_qkv(t, cos64[:, None], sin64[:, None], heads, kv_heads), leaf)
+    assert torch.autograd.gradcheck(lambda t: rotate_qkv(t, cos64[:, None], signed_sin(sin64[:, None]), heads, kv_heads), leaf)
     # an output the loss does not use (None gradient) gets a zero gradient
     leaf.grad = None
-    rotate_qkv(leaf, cos64[:, None], sin64[:, None], heads, kv_heads)[0].sum().backward()
+    rotate_qkv(leaf, cos64[:, None], signed_sin(sin64[:, None]), heads, kv_heads)[0].sum().backward()
     assert torch.all(leaf.grad[:, heads:] == 0) and leaf.grad[:, :heads].abs().sum() > 0
 
 

@@ -1,4 +1,4 @@
-"""Chunked log-probs and entropy (podsrl/algo/logprobs.py) against torch's log_softmax with autograd: values and
+"""Chunked log-probs and entropy (podsrl/models/logprobs.py) against torch's log_softmax with autograd: values and
 gradients, from logits and from hidden states + output layer, any chunk size, -inf logits, no NaN."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from podsrl.algo.logprobs import head_logprobs_and_entropy, token_logprobs_and_entropy
+from podsrl.models.logprobs import head_logprobs_and_entropy, token_logprobs_and_entropy
 from tests.conftest import device_under_test
 
 DEV = device_under_test()  # inputs are drawn on the CPU (seeded), then moved

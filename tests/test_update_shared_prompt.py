@@ -23,11 +23,13 @@ from transformers import (
 from podsrl.algo.modulation import dynamo_modulation
 from podsrl.batch import Problem, RolloutBatch
 from podsrl.config import TinyModelConfig, load_config
-from podsrl.models import build_char_tokenizer, build_tiny_model
+from podsrl.models import packed_layout
+from podsrl.models.loading import build_char_tokenizer, build_tiny_model
+from podsrl.models.packed import packed_forward_problem
+from podsrl.models.packed_layout import build_plan, distinct_rows
 from podsrl.tracking import read_metrics
 from podsrl.trainer import Trainer
-from podsrl.update import PolicyUpdater, shared_prompt
-from podsrl.update.shared_prompt import build_plan, distinct_rows, unsupported_reason
+from podsrl.update import PolicyUpdater
 from tests.conftest import device_under_test, tiny_overrides
 
 TOL = 1e-5
@@ -197,7 +199,7 @@ def test_distinct_rows_are_torch_unique_up_to_order(monkeypatch, collide):
     """The plan's prompt deduplication: the same rows and grouping as torch.unique(dim=0); with every hash equal
     (a forced collision) the row check sends it to torch.unique itself."""
     if collide:
-        monkeypatch.setattr(shared_prompt, "_hash_weights", lambda width: torch.zeros(width, dtype=torch.long))
+        monkeypatch.setattr(packed_layout, "_hash_weights", lambda width: torch.zeros(width, dtype=torch.long))
     gen = torch.Generator().manual_seed(0)
     for _ in range(50):
         width = int(torch.randint(1, 12, (1,), generator=gen))
@@ -214,7 +216,7 @@ def test_other_architectures_fall_back_with_one_log_line(caplog):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=2))
-    assert "gpt2" in unsupported_reason(model)
+    assert "gpt2" in packed_forward_problem(model)
     with caplog.at_level(logging.WARNING, logger="podsrl"):
         updater = make_updater(model, True)
     assert updater.shared[id(model)] is None

@@ -22,8 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from podsrl.forward_record import ForwardRecord
-
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -34,9 +32,6 @@ class SamplingParams:
     greedy: bool = False  # argmax decoding (evaluation); ignores temperature/top-p/top-k for the choice
     stop_token_ids: tuple[int, ...] = ()  # in addition to the tokenizer's EOS
     return_logprobs: bool = True
-    # keep the projections' outputs for the update (podsrl/forward_record.py) where they fit in this many bytes
-    # (0: never); engines that cannot keep them ignore it
-    keep_forward_bytes: int = 0
 
 
 @dataclass
@@ -48,7 +43,6 @@ class GenerationOutput:
     completion_mask: torch.Tensor  # [R, Lc] float
     truncated: torch.Tensor  # [R] bool
     logprobs: torch.Tensor | None  # [R, Lc] float or None
-    forward: ForwardRecord | None = None  # with SamplingParams.keep_forward_bytes, where kept
 
 
 class RolloutEngine(ABC):

@@ -1,5 +1,5 @@
-"""The policy update: `PolicyUpdater` (updater.py) over log-probs from the shared-prompt path (shared_prompt.py) or
-the plain reference path (plain.py)."""
+"""The policy update: `PolicyUpdater` (updater.py) over log-probs from the shared-prompt path (shared_prompt.py,
+computed by podsrl/models/packed.py) or the plain reference path (plain.py)."""
 
 from podsrl.update.updater import PolicyUpdater
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from podsrl.algo.logprobs import token_logprobs_and_entropy
 from podsrl.batch import RolloutBatch
+from podsrl.models.logprobs import token_logprobs_and_entropy
 
 
 def plain_logprobs(model: torch.nn.Module, batch: RolloutBatch, rows: Tensor, width: int, device: torch.device,

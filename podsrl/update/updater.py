@@ -16,8 +16,9 @@ from podsrl.algo.grad_noise import make_probe
 from podsrl.algo.loss import LOSS_AGGREGATIONS, aggregation_stats, clipped_policy_loss, k3_kl
 from podsrl.batch import RolloutBatch
 from podsrl.config import Config
+from podsrl.models.packed import packed_forward_problem
 from podsrl.update.plain import plain_logprobs
-from podsrl.update.shared_prompt import SharedPromptForward, unsupported_reason
+from podsrl.update.shared_prompt import SharedPromptForward
 
 log = logging.getLogger("podsrl")
 
@@ -37,14 +38,6 @@ class PolicyUpdater:
                        if m is not None}
         self.aggregate = LOSS_AGGREGATIONS[cfg.algo.loss_agg]
         self.nonfinite_in_a_row = 0
-        self.weights_version = 0  # optimiser steps taken: a ForwardRecord is reused only under the weights it saw
-        # one pass and the whole batch here: the update's weights are the sampling's (podsrl/forward_record.py)
-        shared = self.shared.get(id(model))
-        self.reuses_sampling_forward = (cfg.update.reuse_sampling_forward and shared is not None
-                                        and shared.takes_records and data_parallel is None
-                                        and cfg.optim.epochs * cfg.optim.mini_batches == 1)
-        # what the engine is asked to keep (SamplingParams.keep_forward_bytes)
-        self.sampling_forward_bytes = cfg.update.sampling_forward_max_mb * 2**20 if self.reuses_sampling_forward else 0
 
     def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
         if self.dp is not None:  # this rank's share; the same number of micro-batches on every rank
@@ -59,7 +52,7 @@ class PolicyUpdater:
     def _shared_forward(self, model, role: str) -> SharedPromptForward | None:
         if not self.cfg.update.shared_prompt:
             return None
-        reason = unsupported_reason(model)
+        reason = packed_forward_problem(model)
         if reason is not None:
             log.warning("update: the shared-prompt path cannot drive the %s model (%s); using the plain path",
                         role, reason)
@@ -67,31 +60,23 @@ class PolicyUpdater:
         return SharedPromptForward(model, self.cfg.update.logits_chunk)
 
     def _forward(self, model, batch: RolloutBatch, rows: torch.Tensor):
-        """(([B, W] log-probs, [B, W] entropies), W, whether the sampling forward was reused), W: the longest
-        completion of these rows."""
+        """(([B, W] log-probs, [B, W] entropies), W), W: the longest completion of these rows."""
         # trim right padding of this slice (FSDP runs empty micro-batches too, to keep ranks in lockstep)
         width = max(1, int(batch.completion_mask[rows].sum(dim=1).max())) if rows.numel() else 1
         temperature, shared = self.cfg.rollout.temperature, self.shared.get(id(model))
         if shared is not None and rows.numel() and shared.fits(batch, rows, width):
-            out = shared(batch, rows, width, self.device, temperature, self._record(model, batch))
+            out = shared(batch, rows, width, self.device, temperature)
             if out is not None:
-                return out, width, shared.reused
+                return out, width
         return plain_logprobs(model, batch, rows, width, self.device, temperature,
-                              self.cfg.update.logits_chunk), width, False
-
-    def _record(self, model, batch: RolloutBatch):
-        """The batch's sampling forward when the policy's update may take it: sampled under the current weights."""
-        record = batch.sampling_forward
-        if model is not self.model or not self.reuses_sampling_forward or record is None:
-            return None
-        return record if record.weights_version == self.weights_version else None
+                              self.cfg.update.logits_chunk), width
 
     @torch.no_grad()
     def _precompute(self, model, batch: RolloutBatch) -> torch.Tensor:
         """[R, Lc] log-probs under `model` (old policy or reference), computed once before the first pass."""
         out = torch.zeros_like(batch.completion_mask)
         for rows in self._micro_batches(torch.arange(batch.num_rollouts)):
-            (logp, _), width, _ = self._forward(model, batch, rows)
+            (logp, _), width = self._forward(model, batch, rows)
             out[rows, :width] = logp.float().cpu()
         if self.dp is not None:  # each rank filled its rows, zeros elsewhere
             self.dp.all_reduce_(out)
@@ -138,7 +123,6 @@ class PolicyUpdater:
                     self.optimizer.zero_grad(set_to_none=True)
                     continue
                 self.optimizer.step()
-                self.weights_version += 1
                 self.scheduler.step()
                 sums["grad_norm"] += grad_norm
                 weight_sums["grad_norm"] += 1
@@ -168,7 +152,7 @@ class PolicyUpdater:
 
     def _micro_step(self, batch, rows, stats, old_logprobs, ref_logprobs):
         cfg = self.cfg
-        (logp, entropy), width, reused = self._forward(self.model, batch, rows)
+        (logp, entropy), width = self._forward(self.model, batch, rows)
         mask = batch.completion_mask[rows, :width].to(self.device)
         old = logp.detach() if old_logprobs is None else old_logprobs[rows, :width].to(self.device)
         adv = batch.advantages[rows].to(self.device)[:, None].expand_as(logp)
@@ -188,8 +172,6 @@ class PolicyUpdater:
         loss.backward()
         n_tok = float(mask.sum())
         metrics["entropy"] = (float((entropy.detach() * mask).sum()), n_tok)
-        if self.reuses_sampling_forward and batch.sampling_forward is not None:  # share of micro-batches reusing it
-            metrics["update/sampling_forward_reused"] = (float(reused), 1.0)
         metrics["clip_ratio/low_mean"] = (float((low.float() * mask).sum()), n_tok)
         metrics["clip_ratio/high_mean"] = (float((high.float() * mask).sum()), n_tok)
         metrics["clip_ratio/region_mean"] = (float(((low | high).float() * mask).sum()), n_tok)

@@ -26,7 +26,7 @@ from podsrl.checkpoint import (
 from podsrl.config import TinyModelConfig
 from podsrl.errors import UserError
 from podsrl.exit_codes import ExitCode
-from podsrl.models import build_char_tokenizer, build_tiny_model
+from podsrl.models.loading import build_char_tokenizer, build_tiny_model
 from tests.faults.common import assert_same_run, error_line, last_step, resume_argv, train_argv
 
 

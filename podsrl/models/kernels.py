@@ -1,4 +1,6 @@
-"""Autograd functions of the shared-prompt update that do in a few passes what autograd's decomposition does in many.
+"""The pointwise parts of the Llama-family layer (podsrl/models/llama.py): RMSNorm, the rotary embedding and the SwiGLU
+gating as plain ops for decoding, and as autograd functions for the update that do in a few passes what autograd's
+decomposition does in many.
 
 On CPU the update's non-matmul time is a count of passes over [tokens, width] tensors (each ~40-300 us at a
 thousand tokens), not their arithmetic, and autograd's backward of slicing, `cat` and fancy indexing adds passes of
@@ -11,9 +13,7 @@ maths of the code it replaces (the tests compare the whole update with the plain
 - `gather_slots` / `packed_order`: tokens into attention blocks and back, each backward one gather or copy, using
   that every token has exactly one home slot and padding slots get no gradient (no scatter-add);
 - `swiglu`: silu(gate) * up of the fused gate/up projection, its backward writing both halves' gradients into one
-  buffer (autograd's chunk backward concatenates them: one more pass over [tokens, 2 x intermediate]);
-- `linear` with a known output (recorded while sampling, podsrl/forward_record.py): no forward matmul, F.linear's
-  backward.
+  buffer (autograd's chunk backward concatenates them: one more pass over [tokens, 2 x intermediate]).
 """
 
 from __future__ import annotations
@@ -22,7 +22,35 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from podsrl.algo.llama_layers import float32_rms_norm, rotate, signed_sin
+# transformers' RMSNorm classes whose forward is weight * (x * rsqrt(mean(x^2) + variance_epsilon)), in float32
+PLAIN_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+
+
+def float32_rms_norm(module: torch.nn.Module) -> bool:
+    """A plain RMSNorm with float32 weights: on float32 inputs its maths is F.rms_norm's (same bits). In other dtypes
+    the module rounds before the weight multiply, so callers run the module there."""
+    return type(module).__name__ in PLAIN_RMS_NORMS and module.weight.dtype == torch.float32
+
+
+def signed_sin(sin: Tensor) -> Tensor:
+    """sin with its first half negated: rotate_half(x) sin = roll(x, d / 2) signed_sin, product by product."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rotate(x: Tensor, cos: Tensor, signed: Tensor) -> Tensor:
+    """The rotary embedding as transformers applies it to these models (x cos + rotate_half(x) sin, rotate_half(x) =
+    (-x2, x1)), the same bits in four ops instead of seven (negating is exact); `signed` = signed_sin(sin)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed
+
+
+def rotate_fused(qkv: Tensor, cos: Tensor, signed: Tensor, heads: int, kv_heads: int) -> tuple[Tensor, ...]:
+    """[B, heads + 2 kv_heads, W, d] projections (heads first, as the decode step runs) -> rotated q [B, heads, W, d],
+    rotated k and v [B, kv_heads, W, d]: queries and keys rotated in one pass (`rotate_qkv` is the same, token-major
+    with its own backward)."""
+    qk, v = qkv.split_with_sizes((heads + kv_heads, kv_heads), dim=1)
+    q, k = rotate(qk, cos, signed).split_with_sizes((heads, kv_heads), dim=1)
+    return q, k, v
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -51,7 +79,7 @@ def rms_norm(module: torch.nn.Module, x: Tensor) -> Tensor:
 
 
 class _RotateQKV(torch.autograd.Function):
-    """x cos + rotate_half(x) sin = x cos + swap_halves(x) sin', sin' = (-sin1, sin2) (llama_layers.rotate): full-width
+    """x cos + rotate_half(x) sin = x cos + swap_halves(x) sin', sin' = (-sin1, sin2) (`rotate`): full-width
     passes over queries and keys together, instead of half-width strided ones per tensor."""
 
     @staticmethod
@@ -79,11 +107,11 @@ class _RotateQKV(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def rotate_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int, kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    """[N, heads + 2 kv_heads, d] projections -> rotated queries [N, heads, d], rotated keys and values [N, kv_heads,
-    d]; cos/sin [N, 1, d]. The rotation is transformers' apply_rotary_pos_emb (x cos + rotate_half(x) sin,
-    rotate_half(x) = (-x2, x1))."""
-    return _RotateQKV.apply(qkv, cos, signed_sin(sin), heads, kv_heads)
+def rotate_qkv(qkv: Tensor, cos: Tensor, signed: Tensor, heads: int, kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """`rotate_fused` with its own backward: [N, heads + 2 kv_heads, d] projections -> rotated queries [N, heads, d],
+    rotated keys and values [N, kv_heads, d]; cos and signed = signed_sin(sin) [N, 1, d]. The rotation is
+    transformers' apply_rotary_pos_emb (x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1))."""
+    return _RotateQKV.apply(qkv, cos, signed, heads, kv_heads)
 
 
 class _GatherSlots(torch.autograd.Function):
@@ -145,28 +173,3 @@ class _SwiGLU(torch.autograd.Function):
 def swiglu(gate_up: Tensor) -> Tensor:
     """silu(gate) * up, gate and up the two halves of the last dimension (a fused gate/up projection's output)."""
     return _SwiGLU.apply(gate_up)
-
-
-class _KnownLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):  # type: ignore[override]
-        x, weight = ctx.saved_tensors
-        flat = grad.flatten(0, -2)
-        d_x = grad @ weight if ctx.needs_input_grad[0] else None
-        d_weight = flat.t() @ x.flatten(0, -2) if ctx.needs_input_grad[1] else None
-        d_bias = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return d_x, d_weight, d_bias, None
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, known: Tensor | None = None) -> Tensor:
-    """F.linear(x, weight, bias). Given `known`, its value computed under these weights (while sampling), the
-    forward returns it without the matmul and the backward is F.linear's."""
-    if known is None:
-        return F.linear(x, weight, bias)
-    return _KnownLinear.apply(x, weight, bias, known)

@@ -78,6 +78,16 @@ def llama_layout_problem(model: torch.nn.Module) -> str | None:
     return None
 
 
+def sliding_window(model: torch.nn.Module) -> int | None:
+    """The smallest attention window of any layer (None: full attention everywhere)."""
+    config = base_model(model).config
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None and all(t == "full_attention" for t in types):
+        return None
+    return window
+
+
 def rotary_function(layer: torch.nn.Module) -> Callable | None:
     """The model's own rotary application (q, k, cos, sin) -> (q, k), from the module that defines its attention."""
     return getattr(sys.modules[type(layer.self_attn).__module__], "apply_rotary_pos_emb", None)

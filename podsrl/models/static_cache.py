@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from podsrl.transformers_api import DynamicLayer
+from podsrl.models.transformers_api import DynamicLayer
 
 
 class SlotLayer(DynamicLayer):  # type: ignore[misc,valid-type]

@@ -1,0 +1,149 @@
+"""The fast engine's model forward over a KV cache: last-position logits of one prefill or decode step.
+
+On Llama/Mistral/Qwen2/Qwen3 models the decoder stack runs as `DecodeStack`: the one layer of podsrl/models/llama.py
+with attention as grouped matmuls over the cache (on CPU, SDPA's flash kernel and the per-layer forward's dispatch
+cost more than a decode step's matmuls at RL batch sizes); at those sizes a CPU decode step's other cost is per-op
+dispatch, so the stack binds its layers' plans once per generate call, looks rotary cos/sin up in a per-call table,
+and spends as few ops per layer as give the same bits. Other models run their own forward (`ModelForward`) with
+masks and position ids built as `generate` builds them. `cached_forward_problem` says why a model can take neither.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from podsrl.models.attention import decode_attention, decode_bias, grouped_attention
+from podsrl.models.kernels import signed_sin
+from podsrl.models.llama import LayerPlan, decoder_layer, layer_plan, norm_function
+from podsrl.models.transformers_api import (
+    DynamicCache,
+    cache_argument,
+    forward_with_cache,
+    is_llama_family,
+    llama_layout_problem,
+)
+
+
+def cached_forward_problem(model: torch.nn.Module) -> str | None:
+    """Why the model's forward cannot run over podsrl's caches and masks (None when it can)."""
+    if DynamicCache is None:
+        return "transformers cache utilities are unavailable"
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "generate"):
+        return f"{type(model).__name__} is not a transformers generation model"
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder-decoder models are not supported"
+    if cache_argument(model) is None:
+        return f"{type(model).__name__}.forward takes no KV cache argument"
+    attn = getattr(config, "_attn_implementation", None) or "eager"
+    if attn not in ("sdpa", "eager"):
+        return f"attention implementation {attn!r} needs masks built by transformers (only sdpa/eager handled)"
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        if any(t != "full_attention" for t in layer_types):
+            return f"layer types {sorted(set(layer_types))} include non-full attention"
+    elif getattr(config, "sliding_window", None) is not None:
+        return "sliding-window attention is not supported"
+    return None
+
+
+def stack_body(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The inner decoder stack when `DecodeStack` may drive it, else None."""
+    # their top-level forward is exactly embed -> rotary -> decoder layers -> norm -> lm_head (no embedding scale,
+    # no logit soft-capping), so the stack can drive their layers itself and skip that forward's per-call work
+    if not is_llama_family(model) or llama_layout_problem(model) is not None:
+        return None
+    # cos/sin come from a per-generate table: not for rotary types whose frequencies follow the longest position
+    # of each call
+    if getattr(model.model.rotary_emb, "rope_type", "default") in ("dynamic", "longrope"):
+        return None
+    return model.model
+
+
+class ModelForward:
+    """Last-position logits [B, V] from the model's own forward, reading and extending the cache."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    def begin(self, length: int) -> None:
+        """Nothing to bind per generate call."""
+
+    def logits(self, ids: Tensor, mask: Tensor, positions: Tensor, cache) -> Tensor:
+        extra = {"logits_to_keep": 1} if self.keep_arg else {}
+        out = forward_with_cache(self.model, cache, input_ids=ids, attention_mask=self._attention_mask(mask),
+                                 position_ids=positions, **extra)
+        return out.logits[:, -1]
+
+    def _attention_mask(self, allowed: Tensor) -> Tensor:
+        """4D mask from a bool [B, 1, Q, K] 'may attend' tensor, in the form the attention implementation expects."""
+        if self.model.config._attn_implementation == "sdpa":
+            return allowed
+        dtype = next(self.model.parameters()).dtype
+        zero = torch.zeros((), dtype=dtype, device=allowed.device)
+        return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
+class DecodeStack:
+    """Last-position logits [B, V] from the decoder stack driven layer by layer (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, body: torch.nn.Module) -> None:
+        self.model, self.body = model, body
+        self.layers = list(body.layers[: model.config.num_hidden_layers])
+        self.kv_heads = model.config.num_key_value_heads
+        self.plans: list[LayerPlan] = []
+
+    def begin(self, length: int) -> None:
+        """Binds the layers' plans and the rotary table for one generate call of at most `length` positions (per
+        call: the optimiser changes the weights in place)."""
+        config = self.model.config
+        self.plans = [layer_plan(layer, i, config, autograd=False, heads_first=True)
+                      for i, layer in enumerate(self.layers)]
+        self.final_norm = norm_function(self.body.norm)
+        self.rotary = self.rotary_table(length)
+
+    def rotary_table(self, length: int) -> Tensor:
+        """[length, 2 d]: per position, the model's rotary cos and signed sin (as `rotate` takes them), computed once
+        per generate call and looked up per step (the values are per position)."""
+        weight = self.body.embed_tokens.weight
+        cos, sin = self.body.rotary_emb(weight[:1], torch.arange(length, device=weight.device)[None])
+        return torch.cat((cos[0], signed_sin(sin[0])), dim=-1)
+
+    def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and signed sin at `positions` [B, Q] from the table, [B, 1, Q, d] each (broadcast over the heads of
+        [B, heads, Q, d])."""
+        return F.embedding(positions, self.rotary).unflatten(-1, (2, -1))[:, None].unbind(-2)
+
+    def logits(self, ids: Tensor, mask: Tensor, positions: Tensor, cache) -> Tensor:
+        """`mask` is the bool [B, 1, Q, K] 'may attend' tensor over the cache after this call's keys."""
+        hidden = self.body.embed_tokens(ids)
+        cos, sin = self.cos_sin(positions)
+        attend = CacheAttention(cache, mask, self.kv_heads, hidden)
+        for plan in self.plans:
+            hidden = decoder_layer(plan, hidden, cos, sin, attend)
+        # the norm is per position, so normalising only the last one gives the same logits
+        return self.model.lm_head(self.final_norm(hidden[:, -1:]))[:, -1]
+
+
+class CacheAttention:
+    """Attention of one forward call's queries over the KV cache, after appending its keys and values: grouped
+    matmuls (no per-call attention dispatch, no key/value head repeat), through decode_attention for the one-query
+    decode steps on CPU, its additive mask built once for all layers."""
+
+    def __init__(self, cache, mask: Tensor, kv_heads: int, hidden: Tensor) -> None:
+        self.cache = cache
+        if hidden.shape[1] == 1 and hidden.device.type == "cpu":
+            self.attend, self.blocked = decode_attention, decode_bias(mask, kv_heads, hidden.dtype)
+        else:
+            self.attend, self.blocked = grouped_attention, ~mask  # [B, 1, Q, K]
+
+    def __call__(self, plan: LayerPlan, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q [B, H, Q, d], k/v [B, Hkv, Q, d] -> [B, Q, H * d]."""
+        keys, values = self.cache.layers[plan.index].update(k, v)
+        out = self.attend(q, keys, values, self.blocked, plan.scaling)
+        return out.transpose(1, 2).flatten(2)
