@@ -1,11 +1,14 @@
 """Config loading: YAML + dotted overrides, typed coercion, errors naming the key; the generated reference is current."""
 
+import json
 from pathlib import Path
 
 import pytest
 
 from podsrl.config import config_reference_markdown, load_config
 from podsrl.errors import ConfigError
+from tests.preset_configs import FIXTURE as PRESET_FIXTURE
+from tests.preset_configs import resolved_presets
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,3 +42,13 @@ def test_every_preset_loads():
 def test_docs_config_reference_is_current():
     assert (ROOT / "docs/config.md").read_text() == config_reference_markdown(), (
         "docs/config.md is stale: regenerate it with the command at its top")
+
+
+def test_every_preset_resolves_to_its_recorded_config():
+    """Moving config code (e.g. a method's section into its module) must leave every preset's resolved keys and
+    values as recorded in tests/fixtures/preset_configs.json (re-record only for a deliberate change)."""
+    recorded = json.loads(PRESET_FIXTURE.read_text())
+    resolved = resolved_presets()
+    assert sorted(resolved) == sorted(recorded)
+    for name, values in recorded.items():
+        assert resolved[name] == values, name
