@@ -89,21 +89,6 @@ class DistContext:
     def wrap_engine(self, engine: RolloutEngine) -> RolloutEngine:
         return ShardedEngine(engine, self) if self.enabled else engine
 
-    def data_parallel(self, model: torch.nn.Module, ref_model: torch.nn.Module | None = None, train_cfg=None,
-                      generation_device: torch.device | None = None) -> DataParallel | None:
-        """The update's data-parallel object: DataParallel, or FSDP2 with `train.strategy: fsdp` (podsrl/fsdp.py,
-        which shards `model` and `ref_model` in place); None in one process."""
-        fsdp = train_cfg is not None and train_cfg.strategy == "fsdp"
-        if not self.enabled:
-            if fsdp:
-                log.info("train.strategy=fsdp: one process, nothing to shard; training the whole model here")
-            return None
-        if fsdp:
-            from podsrl.fsdp import FullyShardedDataParallel
-
-            return FullyShardedDataParallel(self, train_cfg, model, ref_model, generation_device)
-        return DataParallel(self, model)
-
     def agree_batch(self, batch: RolloutBatch, generator: torch.Generator) -> RolloutBatch:
         """The batch to update on: the ranks' own when all are identical (the normal case), else rank 0's."""
         if not self.enabled:

@@ -31,7 +31,22 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from podsrl.distributed import DataParallel, DistContext
+from podsrl.distributed import DataParallel, DistContext, log
+
+
+def build_data_parallel(ctx: DistContext, model: torch.nn.Module, ref_model: torch.nn.Module | None = None,
+                        train_cfg=None, generation_device: torch.device | None = None) -> DataParallel | None:
+    """The update's data-parallel object: DataParallel, or FSDP2 with `train.strategy: fsdp` (which shards `model`
+    and `ref_model` in place); None in one process. Lives here, not in podsrl/distributed.py, so that this module
+    builds on that one and not the other way round."""
+    fsdp = train_cfg is not None and train_cfg.strategy == "fsdp"
+    if not ctx.enabled:
+        if fsdp:
+            log.info("train.strategy=fsdp: one process, nothing to shard; training the whole model here")
+        return None
+    if fsdp:
+        return FullyShardedDataParallel(ctx, train_cfg, model, ref_model, generation_device)
+    return DataParallel(ctx, model)
 
 
 def compute_dtype(name: str, device: torch.device) -> torch.dtype:
