@@ -113,7 +113,7 @@ class AlgoConfig:
         "token_mean", "Loss aggregation (TRL: loss_type dapo/grpo/dr_grpo; verl: loss_agg_mode)."
     )
     beta: float = _f(0.0, "KL coefficient to a frozen reference (k3); 0 loads no reference model.")
-    advantage_clip: float = _f(0.0, "Clip every method's advantages to [-c, c] before the update (Knapsack-RL: 5); "
+    advantage_clip: float = _f(0.0, "Clip every method's advantages to [-c, c] before the update (e.g. 5); "
                                "0 = off.")
 
 
@@ -216,8 +216,8 @@ class LogConfig:
     grad_noise: bool = _f(False, "Log grad/noise_var (split-half estimate of the gradient's total variance), "
                           "grad/signal (squared norm) and their ratio on each step's first mini-batch. No extra "
                           "passes, one copy of the gradients; the update is the same up to floating-point "
-                          "summation order (micro-batches are formed within each half), which is why DynaMO's "
-                          "per-micro-batch modulation refuses it.")
+                          "summation order (micro-batches are formed within each half), which is why a method "
+                          "that modulates advantages per micro-batch may refuse it.")
 
 
 @dataclass
@@ -239,7 +239,7 @@ class CoreConfig:
     rewards: list[Any] = _f([], "Reward functions: names or {name, weight, function}; empty = the task's default.")
     reward_on_error: Literal["zero", "skip", "fail"] = _f("zero", "What a failing reward function's values become.")
     reward_timeout: float = _f(10.0, "Seconds a reward call may take before it counts as failed.")
-    reward_max_faulty_calls: int = _f(5, "Reward calls in a row (one per step; more with refills or AERO rounds) "
+    reward_max_faulty_calls: int = _f(5, "Reward calls in a row (one per step; more with refills or sampling rounds) "
                                       "in which every value of one reward function is faulty before the run stops "
                                       "(exit 2) instead of training on filled-in values.")
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -12,8 +12,8 @@ stay identical on every rank without being sent anywhere, and a checkpoint writt
   sequence counts) are global by construction, with no collective. Each mini-batch (same permutation on every rank) is
   split into equal row shares, each rank running the same number of micro-batches on its share; gradients are summed
   (not averaged: the weights already normalise over the whole mini-batch) by one flat all-reduce per optimiser step,
-  so they equal the one-process gradient. No collective runs per micro-batch, so uneven shares (PODS down-sampling,
-  AERO's uneven groups, odd row counts) cannot hang a rank; the loss and metrics are summed for logging.
+  so they equal the one-process gradient. No collective runs per micro-batch, so uneven shares (down-sampling,
+  uneven groups, odd row counts) cannot hang a rank; the loss and metrics are summed for logging.
 - Decisions that depend on time or signals (time budget, SIGTERM) are rank 0's, broadcast.
 - Rank 0 alone writes metrics, config, checkpoints and the summary; every rank evaluates (sharded as above).
 """

@@ -12,7 +12,7 @@ update's data-parallel object changes, behind the same interface as `DataParalle
   pre-multiplied sum), so the sharded gradient equals the one-process gradient.
 - Lockstep: FSDP2 all-gathers parameters in every forward and reduce-scatters in every backward, so every rank must
   run the same number of forward and backward passes. `micro_batches` gives every rank the same number of
-  micro-batches, empty ones included (PODS keeping few rows, uneven groups, one row for two ranks); the model runs
+  micro-batches, empty ones included (down-sampling keeping few rows, uneven groups, one row for two ranks); the model runs
   an empty micro-batch on one dummy row and returns zero rows still attached to the graph, so that rank joins the
   collectives with zero loss and zero gradient. Nothing else in the update is collective per micro-batch.
 - Clipping: `clip_grad_norm_` over the sharded (DTensor) gradients returns the global norm.
