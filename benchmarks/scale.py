@@ -31,6 +31,7 @@ from podsrl.batch import Problem, RolloutBatch
 from podsrl.config import TinyModelConfig, load_config
 from podsrl.engines.base import SamplingParams
 from podsrl.engines.fast import FastEngine
+from podsrl.fsdp import build_data_parallel
 from podsrl.models.loading import build_char_tokenizer, build_tiny_model, count_parameters
 from podsrl.update import PolicyUpdater
 
@@ -146,7 +147,7 @@ def run_update_bench(args, ctx=None) -> dict:
     cfg = load_config(None, [f"optim.micro_batch_size={args.micro}", f"rollout.max_new_tokens={args.max_new_tokens}"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    dp = ctx.data_parallel(model) if ctx is not None else None
+    dp = build_data_parallel(ctx, model) if ctx is not None else None
     sync_times: list[float] = []
     if dp is not None:
         inner = dp.grad_sync
@@ -235,7 +236,7 @@ def _fsdp_rank(rank: int, world: int, init: str, out: str, args) -> None:
         model, _ = make_model(args)
         model.train()
         train_cfg = cfg.train if name.startswith("fsdp") else None
-        dp = None if name == "1 process" else ctx.data_parallel(model, None, train_cfg)
+        dp = None if name == "1 process" else build_data_parallel(ctx, model, None, train_cfg)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
         arms[name] = (PolicyUpdater(model, optimizer, scheduler, cfg, torch.device("cpu"), data_parallel=dp),

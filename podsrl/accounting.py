@@ -1,4 +1,4 @@
-"""Compute accounting shared by every method, so GRPO, PODS, AERO and DynaMO compare on the same ledger.
+"""Compute accounting shared by every method, so that all methods compare on the same ledger.
 
 FLOPs are the usual dense-transformer estimates (METHODS.md §3): ≈2·params per generated token (one forward) and
 ≈6·params per trained token per update pass (forward + backward). They ignore attention's quadratic term, the

@@ -1,7 +1,7 @@
 """The one batch object that flows through a step: generate -> score -> select -> advantages -> update.
 
 Rows are rollouts (R of them). Each row carries an explicit `group_index` into `problems` (one group per prompt),
-so groups may have unequal sizes from the start (AERO, DynaMO) and nothing assumes a [P, n] reshape.
+so groups may have unequal sizes from the start (rounds, per-prompt allocation) and nothing assumes a [P, n] reshape.
 Stages add fields; they do not re-derive them.
 """
 
@@ -17,7 +17,7 @@ import torch
 class Problem:
     """One prompt of a task: what the model sees, and what the verifier needs."""
 
-    uid: str  # stable across the run: keys per-prompt statistics (AERO, DynaMO)
+    uid: str  # stable across the run: keys per-prompt statistics (PromptStats)
     prompt: str  # text given to the tokenizer (already templated)
     answer: str  # gold answer for the verifier
     metadata: dict[str, Any] = field(default_factory=dict)  # extra dataset columns, passed to reward functions
@@ -36,7 +36,7 @@ class RolloutBatch:
     completions: list[str] | None = None  # decoded completion texts
     rewards: torch.Tensor | None = None  # [R] float, weighted sum of reward functions
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [R] float (NaN = missing)
-    correct: torch.Tensor | None = None  # [R] bool, verifier correctness (used by AERO/DynaMO statistics)
+    correct: torch.Tensor | None = None  # [R] bool, verifier correctness (used by per-prompt statistics)
     advantages: torch.Tensor | None = None  # [R] float, sequence-level advantage broadcast to tokens
 
     @property
@@ -91,7 +91,7 @@ class RolloutBatch:
 def concat_batches(batches: list[RolloutBatch], pad_token_id: int, disjoint: bool = False) -> RolloutBatch:
     """Concatenate rollouts, re-padding prompts left and completions right.
 
-    By default all batches are over the same problems (e.g. AERO's rounds). With `disjoint=True` each batch brings
+    By default all batches are over the same problems (e.g. sampling rounds). With `disjoint=True` each batch brings
     its own problems (e.g. refills of dynamic sampling): problem lists are appended and group indices shifted.
     """
     problems = batches[0].problems

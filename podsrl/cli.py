@@ -15,7 +15,7 @@ from podsrl.errors import UnhealthyRun, UserError
 from podsrl.exit_codes import ExitCode
 from podsrl.presets import preset_path, preset_table
 
-DEFAULT_CONFIG = "default"  # no --config: PODS on the built-in task, tuned for a short CPU run (configs/default.yaml)
+DEFAULT_CONFIG = "default"  # no --config: the built-in task, tuned for a short CPU run (configs/default.yaml)
 
 
 def _load(args):
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def with_config(p):
         p.add_argument("--config", help="YAML config or bundled preset name (`podsrl presets` lists them); "
-                       "default: default (PODS tuned for a short CPU run)")
+                       "default: default (tuned for a short CPU run)")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=16 optim.lr=1e-4")
         return p
 

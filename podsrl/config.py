@@ -4,6 +4,10 @@
 
 Unknown keys and bad values raise ConfigError naming the dotted key. Algorithm presets (configs/*.yaml) are bundles
 of vetted defaults; the trainer itself is algorithm-blind and reads only these fields.
+
+The sections here are the core's; each method brings its own section (its `section` dataclass, under its name), and
+`Config` is composed from the method registry, so adding a method never touches this file. The checks that need
+the registries (engine options, trackers, the method's own) are in podsrl/validation.py.
 """
 
 from __future__ import annotations
@@ -20,13 +24,13 @@ import yaml
 
 from podsrl.errors import ConfigError
 from podsrl.fileio import write_text_atomic
+from podsrl.methods import METHODS
+from podsrl.options import option
+from podsrl.removed_keys import reject_removed_keys
 from podsrl.trl_names import translate_trl_names
+from podsrl.validation import check_choices
 
-
-def _f(default: Any, help: str, **kw: Any) -> Any:
-    if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+_f = option
 
 
 @dataclass
@@ -109,115 +113,8 @@ class AlgoConfig:
         "token_mean", "Loss aggregation (TRL: loss_type dapo/grpo/dr_grpo; verl: loss_agg_mode)."
     )
     beta: float = _f(0.0, "KL coefficient to a frozen reference (k3); 0 loads no reference model.")
-    advantage_clip: float = _f(0.0, "Clip every method's advantages to [-c, c] before the update (Knapsack-RL: 5); "
+    advantage_clip: float = _f(0.0, "Clip every method's advantages to [-c, c] before the update (e.g. 5); "
                                "0 = off.")
-
-
-# ---------------------------------------------------------------------------------------------- methods
-# One section per method of podsrl.methods (chosen by the top-level `method` key); each method reads only its own.
-
-
-@dataclass
-class PodsConfig:
-    m: int = _f(0, "Rollouts trained per prompt, chosen from the rollout.n generated; 0 means m = n (no "
-                "down-sampling).")
-    rule: Literal["max_variance", "max_reward", "random"] = _f(
-        "max_variance", "Down-sampling rule when m < n: the m-subset of largest reward variance (the paper's), the "
-        "m largest rewards, or a uniform m-subset.")
-    normalize_over: Literal["subset", "group"] = _f("subset", "Advantage statistics over the kept subset or group.")
-
-
-@dataclass
-class AeroConfig:
-    n_explore: int = _f(8, "Rollouts per prompt in the exploration round.")
-    n_extra: int = _f(2, "Rollouts added per rescue round to prompts with no success yet.")
-    n_max: int = _f(16, "Per-prompt cap on rollouts (rescue stops there).")
-    k: float = _f(1.0, "Selective rejection keeps all c successes and k*c failures when 0 < u < 0.5.")
-    symmetric: bool = _f(False, "Also trim u > 0.5 groups to all failures plus k times as many successes.")
-    keep_dead: int = _f(4, "Rollouts kept from an all-fail/all-success group (they get the posterior advantage).")
-    dead_zone_advantage: Literal["baseline", "constant"] = _f(
-        "baseline", "(r - u~)/sqrt(u~(1-u~)) with u~ the posterior mean, or the constant 2u~ - 1."
-    )
-    alpha0: float = _f(1.0, "Beta prior alpha of each prompt's success rate.")
-    beta0: float = _f(1.0, "Beta prior beta of each prompt's success rate.")
-    reject_rescued: bool = _f(True, "Also apply selective rejection to groups that the rescue rounds turned from "
-                              "all-fail into minority-success (their u is recomputed after rescue).")
-
-
-@dataclass
-class DynamoConfig:
-    n_min: int = _f(8, "Fewest rollouts a prompt gets under variance allocation.")
-    n_max: int = _f(24, "Most rollouts a prompt gets under variance allocation.")
-    unknown_rule: Literal["reference", "rollout_n"] = _f(
-        "reference", "Base count of prompts with too little history: max(n_min, min_history) - attempts, at least "
-        "n_min, with the rest of the budget going to known prompts by priority (the reference code); or "
-        "`explore` rollouts each (rollout_n).")
-    explore: int = _f(0, "Rollouts for prompts with too little history under unknown_rule=rollout_n (0 = rollout.n).")
-    weight: Literal["variance", "std"] = _f("variance", "Priority by Bernoulli variance (reference) or its root.")
-    min_history: int = _f(4, "Rollouts seen before a prompt's variance is trusted.")
-    mastered_rate: float = _f(0.85, "Success rate at which a prompt counts as mastered (priority = floor).")
-    floor: float = _f(0.01, "Smallest priority.")
-    refresh: Literal["step", "epoch"] = _f(
-        "step", "Recompute priorities every step, or once per dataset epoch (the epoch of the step's first prompt).")
-    modulation: bool = _f(True, "Token-level advantage modulation by entropy (the factors below); false leaves "
-                          "the allocation alone. Refuses log.grad_noise (the probe's micro-batches would change it).")
-    lambda_min: float = _f(0.6, "Stabilisation floor of the modulation factor.")
-    gamma: float = _f(50.0, "Stabilisation sharpness.")
-    tau: float = _f(0.99, "Stabilisation threshold on the normalised entropy change.")
-    mu_max: float = _f(1.2, "Largest compensation factor for low-entropy positive-advantage tokens.")
-    stabilize: bool = _f(True, "Apply the stabilisation factor.")
-    compensate: bool = _f(True, "Apply the compensation factor.")
-
-
-# ---- GRESO, Knapsack-RL, Reinforce-Ada (METHODS.md §6-8), one section each
-
-
-@dataclass
-class GresoConfig:
-    p_init: float = _f(0.5, "Starting p_easy and p_hard: a prompt all-correct on its last z visits is skipped with "
-                       "probability 1 - max(p_easy^z, min_keep); likewise all-wrong with p_hard.")
-    min_keep: float = _f(0.01, "Smallest probability of keeping a prompt however long its streak.")
-    skip: Literal["both", "easy", "hard"] = _f(
-        "both", "Which predictions may skip a prompt: both (the method), easy (all-correct streaks only: prompts the "
-        "model fails are always rolled out) or hard (all-wrong streaks only). For ablations.")
-    target_zero_variance: float = _f(0.25, "Target share T of zero-variance groups: p_easy adapts towards T/3 "
-                                     "all-correct groups per step, p_hard towards 2T/3 all-wrong ones.")
-    p_step: float = _f(0.01, "Change of p_easy / p_hard after each step (from the second epoch on).")
-    p_min: float = _f(0.05, "Lower clamp of p_easy and p_hard.")
-    p_max: float = _f(0.95, "Upper clamp of p_easy and p_hard.")
-    max_scan: float = _f(4.0, "Most replacement prompts drawn for skipped ones per collect, as a multiple of the "
-                         "prompts asked for; when spent, the prompts that passed are rolled out.")
-    refill_scale: float = _f(1.25, "Refill draws int(missing / (1 - zero-variance fraction) * refill_scale) prompts "
-                             "(DAPO/GRESO estimate) ...")
-    refill_min: float = _f(0.25, "... at least this fraction of rollout.prompts_per_step ...")
-    refill_max: float = _f(1.5, "... and at most this fraction of rollout.prompts_per_step.")
-
-
-@dataclass
-class KnapsackConfig:
-    min_n: int = _f(2, "Rollouts of a prompt with 0 < p < 1 before the solver adds more.")
-    max_n: int = _f(128, "Most rollouts one prompt gets.")
-    negative_n: int = _f(2, "Rollouts of a prompt that has never been solved lately (p = 0).")
-    positive_n: int = _f(2, "Rollouts of a prompt that is always solved lately (p = 1).")
-    alpha: float = _f(0.9, "Fallback: an effective prompt needs ln(1-alpha)/ln(max(p, 1-p)) rollouts; if all of "
-                      "them need less than the budget, the surplus goes to p = 0 prompts.")
-    min_history: int = _f(8, "Rollouts seen before a prompt's rate is trusted; until then it gets rollout.n.")
-    window: int = _f(16, "p is the last visit's success rate if it had >= window rollouts, else the mean of the "
-                     "newest window outcomes (at most 16, the per-prompt ring).")
-    ref_quirks: bool = _f(False, "Reproduce the reference: prompts without history count as p = 0 in the fallback, "
-                          "and budget beyond max_n stays on the effective prompts.")
-
-
-@dataclass
-class ReinforceAdaConfig:
-    round_repeat: int = _f(8, "Rollouts drawn per active prompt in each round (M).")
-    max_rounds: int = _f(4, "Most sampling rounds per step (R).")
-    positive_threshold: float = _f(0.7, "A rollout is positive iff its reward exceeds this.")
-    exit_rule: Literal["balanced", "positive_focused"] = _f(
-        "balanced", "A prompt stops sampling once its pool has floor(n/2) positives and n - floor(n/2) negatives "
-        "(balanced), or one positive (positive_focused).")
-    std: bool = _f(False, "Divide the advantage r - mean(pool) by the pool's std (off in the reference script).")
-    epsilon: float = _f(1e-6, "Floor of the pool std and its additive epsilon when std is on.")
 
 
 @dataclass
@@ -310,17 +207,19 @@ class LogConfig:
     grad_noise: bool = _f(False, "Log grad/noise_var (split-half estimate of the gradient's total variance), "
                           "grad/signal (squared norm) and their ratio on each step's first mini-batch. No extra "
                           "passes, one copy of the gradients; the update is the same up to floating-point "
-                          "summation order (micro-batches are formed within each half), which is why DynaMO's "
-                          "per-micro-batch modulation refuses it.")
+                          "summation order (micro-batches are formed within each half), which is why a method "
+                          "that modulates advantages per micro-batch may refuse it.")
 
 
 @dataclass
-class Config:
+class CoreConfig:
+    """The sections every run has; `Config` adds one section per registered method."""
+
     name: str = _f("", "Label of this configuration in comparisons (default: the config file's stem).")
     seed: int = _f(0, "Seed of the RL run (sampling, prompt order, selection).")
     output_dir: str = _f("runs/default", "Run directory: config, metrics, checkpoints, plots.")
-    method: str = _f("grpo", "The method (podsrl.methods.METHODS): grpo, pods, aero, dynamo, greso, knapsack, "
-                     "reinforce_ada; its options are in the section of the same name.")
+    method: str = _f("grpo", f"The method (podsrl.methods.METHODS): {', '.join(METHODS)}; its options are in the "
+                     "section of the same name.")
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
@@ -331,19 +230,26 @@ class Config:
     rewards: list[Any] = _f([], "Reward functions: names or {name, weight, function}; empty = the task's default.")
     reward_on_error: Literal["zero", "skip", "fail"] = _f("zero", "What a failing reward function's values become.")
     reward_timeout: float = _f(10.0, "Seconds a reward call may take before it counts as failed.")
-    reward_max_faulty_calls: int = _f(5, "Reward calls in a row (one per step; more with refills or AERO rounds) "
+    reward_max_faulty_calls: int = _f(5, "Reward calls in a row (one per step; more with refills or sampling rounds) "
                                       "in which every value of one reward function is faulty before the run stops "
                                       "(exit 2) instead of training on filled-in values.")
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
-    pods: PodsConfig = field(default_factory=PodsConfig)
-    aero: AeroConfig = field(default_factory=AeroConfig)
-    dynamo: DynamoConfig = field(default_factory=DynamoConfig)
     filter: FilterConfig = field(default_factory=FilterConfig)
-    greso: GresoConfig = field(default_factory=GresoConfig)
-    knapsack: KnapsackConfig = field(default_factory=KnapsackConfig)
-    reinforce_ada: ReinforceAdaConfig = field(default_factory=ReinforceAdaConfig)
+
+
+def _compose(methods: dict) -> type:
+    """CoreConfig plus a section `<name>` (the method's `section` dataclass) for each method that has options, in
+    registry order."""
+    sections = [(name, m.section, field(default_factory=m.section)) for name, m in methods.items()
+                if m.section is not None]
+    cls = dataclasses.make_dataclass("Config", sections, bases=(CoreConfig,))
+    cls.__module__, cls.__doc__ = __name__, "A run's configuration: the core sections and every method's own."
+    return cls
+
+
+Config = _compose(METHODS)
 
 
 # ---------------------------------------------------------------------------------------------- conversion
@@ -436,50 +342,6 @@ def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
-# Keys removed by the methods redesign -> what to write instead (docs/architecture.md has the table).
-_MOVED = {
-    "select.m": "pods.m (with method: pods)",
-    "select.normalize_over": "pods.normalize_over (with method: pods)",
-    "select.filter_zero_variance": "filter.zero_variance",
-    "select.max_refill_rounds": "filter.max_refill_rounds",
-    "select.rule=none": "method: grpo",
-    "select.rule=aero": "method: aero",
-    "select.rule=max_variance": "method: pods (pods.rule: max_variance)",
-    "select.rule=random": "method: pods with pods.rule: random",
-    "select.rule=max_reward": "method: pods with pods.rule: max_reward",
-    "rollout.allocation=variance": "method: dynamo (dynamo.modulation: false for the allocation alone)",
-    "algo.modulation=dynamo": "method: dynamo with dynamo.modulation: true",
-}
-
-
-# Keys whose feature was removed -> what the error says instead.
-_DROPPED = {
-    "update.reuse_sampling_forward": "the update no longer takes projection outputs from sampling; leave it out",
-    "update.sampling_forward_max_mb": "it capped the sampling-forward reuse, which was removed; leave it out",
-}
-
-
-def _reject_removed_keys(tree: dict) -> None:
-    """A ConfigError naming the replacement of any key of the pre-methods layout (select.*, rollout.allocation,
-    algo.modulation) or the removal of a dropped feature's key."""
-    for dotted, why in _DROPPED.items():
-        section, key = dotted.split(".")
-        if isinstance(tree.get(section), dict) and key in tree[section]:
-            raise ConfigError(f"{dotted}: removed ({why})")
-    for section, keys in (("select", None), ("rollout", ("allocation",)), ("algo", ("modulation",))):
-        values = tree.get(section)
-        if not isinstance(values, dict):
-            if section == "select" and values is not None:
-                raise ConfigError("select: removed; choose `method: <name>` and set its own section")
-            continue
-        for key, value in values.items():
-            if keys is not None and key not in keys:
-                continue
-            dotted = f"{section}.{key}"
-            new = (_MOVED.get(dotted) or _MOVED.get(f"{dotted}={value}")
-                   or ("method: <name>" if dotted == "select.rule" else "nothing (leave it out: the default)"))
-            raise ConfigError(f"{dotted}: removed by the methods redesign; use {new}")
-
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Defaults <- YAML file <- `key=value` overrides, then validated."""
@@ -506,7 +368,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     # Shorthand: `model: tiny` / `model=path`.
     if isinstance(tree.get("model"), str):
         tree["model"] = {"name_or_path": tree["model"]}
-    _reject_removed_keys(tree)
+    reject_removed_keys(tree)
     cfg = _build(Config, translate_trl_names(tree))
     if not cfg.name and path is not None:
         cfg.name = Path(path).stem
@@ -523,8 +385,6 @@ def validate(cfg: Config) -> None:
 
     need(cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")
     need(cfg.rollout.n >= 1, "rollout.n", "must be >= 1")
-    need(cfg.rollout.n >= 2 or cfg.method == "aero", "rollout.n",
-         "1 rollout per prompt makes every group advantage zero, so nothing is learned; use >= 2")
     need(cfg.rollout.temperature > 0, "rollout.temperature", "must be > 0")
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     need(cfg.rollout.top_k >= 0, "rollout.top_k", "must be >= 0")
@@ -582,18 +442,7 @@ def validate(cfg: Config) -> None:
     need(cfg.reward_max_faulty_calls >= 1, "reward_max_faulty_calls", "must be >= 1")
     need(cfg.log.log_every >= 1, "log.log_every", "must be >= 1")
     need(cfg.log.log_every_seconds > 0, "log.log_every_seconds", "must be > 0")
-    from podsrl.tracking import normalize_report_to
-
-    cfg.log.report_to = normalize_report_to(cfg.log.report_to, cfg.log.tensorboard)
-    # The registries import torch: only once the plain fields are known good.
-    from podsrl.engines import check_engine_options
-    from podsrl.methods import METHODS
-
-    check_engine_options(cfg.rollout.engine, cfg.rollout.engine_options)
-
-    need(cfg.method in METHODS, "method", f"unknown method {cfg.method!r}; choose one of {', '.join(METHODS)}")
-    METHODS[cfg.method].validate(cfg)
-
+    check_choices(cfg)
 
 def config_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)

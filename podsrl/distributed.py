@@ -12,8 +12,8 @@ stay identical on every rank without being sent anywhere, and a checkpoint writt
   sequence counts) are global by construction, with no collective. Each mini-batch (same permutation on every rank) is
   split into equal row shares, each rank running the same number of micro-batches on its share; gradients are summed
   (not averaged: the weights already normalise over the whole mini-batch) by one flat all-reduce per optimiser step,
-  so they equal the one-process gradient. No collective runs per micro-batch, so uneven shares (PODS down-sampling,
-  AERO's uneven groups, odd row counts) cannot hang a rank; the loss and metrics are summed for logging.
+  so they equal the one-process gradient. No collective runs per micro-batch, so uneven shares (down-sampling,
+  uneven groups, odd row counts) cannot hang a rank; the loss and metrics are summed for logging.
 - Decisions that depend on time or signals (time budget, SIGTERM) are rank 0's, broadcast.
 - Rank 0 alone writes metrics, config, checkpoints and the summary; every rank evaluates (sharded as above).
 """
@@ -88,21 +88,6 @@ class DistContext:
 
     def wrap_engine(self, engine: RolloutEngine) -> RolloutEngine:
         return ShardedEngine(engine, self) if self.enabled else engine
-
-    def data_parallel(self, model: torch.nn.Module, ref_model: torch.nn.Module | None = None, train_cfg=None,
-                      generation_device: torch.device | None = None) -> DataParallel | None:
-        """The update's data-parallel object: DataParallel, or FSDP2 with `train.strategy: fsdp` (podsrl/fsdp.py,
-        which shards `model` and `ref_model` in place); None in one process."""
-        fsdp = train_cfg is not None and train_cfg.strategy == "fsdp"
-        if not self.enabled:
-            if fsdp:
-                log.info("train.strategy=fsdp: one process, nothing to shard; training the whole model here")
-            return None
-        if fsdp:
-            from podsrl.fsdp import FullyShardedDataParallel
-
-            return FullyShardedDataParallel(self, train_cfg, model, ref_model, generation_device)
-        return DataParallel(self, model)
 
     def agree_batch(self, batch: RolloutBatch, generator: torch.Generator) -> RolloutBatch:
         """The batch to update on: the ranks' own when all are identical (the normal case), else rank 0's."""

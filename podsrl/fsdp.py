@@ -12,7 +12,7 @@ update's data-parallel object changes, behind the same interface as `DataParalle
   pre-multiplied sum), so the sharded gradient equals the one-process gradient.
 - Lockstep: FSDP2 all-gathers parameters in every forward and reduce-scatters in every backward, so every rank must
   run the same number of forward and backward passes. `micro_batches` gives every rank the same number of
-  micro-batches, empty ones included (PODS keeping few rows, uneven groups, one row for two ranks); the model runs
+  micro-batches, empty ones included (down-sampling keeping few rows, uneven groups, one row for two ranks); the model runs
   an empty micro-batch on one dummy row and returns zero rows still attached to the graph, so that rank joins the
   collectives with zero loss and zero gradient. Nothing else in the update is collective per micro-batch.
 - Clipping: `clip_grad_norm_` over the sharded (DTensor) gradients returns the global norm.
@@ -31,7 +31,22 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from podsrl.distributed import DataParallel, DistContext
+from podsrl.distributed import DataParallel, DistContext, log
+
+
+def build_data_parallel(ctx: DistContext, model: torch.nn.Module, ref_model: torch.nn.Module | None = None,
+                        train_cfg=None, generation_device: torch.device | None = None) -> DataParallel | None:
+    """The update's data-parallel object: DataParallel, or FSDP2 with `train.strategy: fsdp` (which shards `model`
+    and `ref_model` in place); None in one process. Lives here, not in podsrl/distributed.py, so that this module
+    builds on that one and not the other way round."""
+    fsdp = train_cfg is not None and train_cfg.strategy == "fsdp"
+    if not ctx.enabled:
+        if fsdp:
+            log.info("train.strategy=fsdp: one process, nothing to shard; training the whole model here")
+        return None
+    if fsdp:
+        return FullyShardedDataParallel(ctx, train_cfg, model, ref_model, generation_device)
+    return DataParallel(ctx, model)
 
 
 def compute_dtype(name: str, device: torch.device) -> torch.dtype:

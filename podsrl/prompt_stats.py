@@ -1,5 +1,5 @@
-"""Per-prompt success history over the whole run: shared infrastructure every method may read (AERO's Beta posterior,
-DynaMO's Bernoulli variance, GRESO's streaks of all-correct / all-wrong visits, Knapsack-RL's newest outcomes).
+"""Per-prompt success history over the whole run: shared infrastructure every method may read (success and attempt
+counts for posteriors and variances, streaks of all-correct / all-wrong visits, the newest outcomes).
 The loop records each collected batch once (one "visit" per prompt per collect).
 
 Keyed by `Problem.uid`. Saved in checkpoints as plain JSON-able lists (no pickle) and restored on resume; keys added
@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import torch
 
-RING = 16  # newest correctness bits kept per prompt (Knapsack-RL's reward buffer)
+RING = 16  # newest correctness bits kept per prompt (the size of the reference buffer that reads them)
 
 
 class PromptStats:

@@ -260,7 +260,7 @@ class RewardManager:
         self._warned: set[str] = set()
         self.has_correct = "correct" in names
         if not self.has_correct:
-            logger.warning("no reward named 'correct': every rollout counts as incorrect for AERO/DynaMO "
+            logger.warning("no reward named 'correct': every rollout counts as incorrect for per-prompt "
                            "statistics and accuracy metrics")
 
     def _columns(self, problems: list[Problem], rows: list[int]) -> dict[str, list[Any]]:

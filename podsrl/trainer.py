@@ -38,6 +38,7 @@ from podsrl.engines import SamplingParams
 from podsrl.errors import UnhealthyRun, UserError
 from podsrl.evaluation import evaluate
 from podsrl.fileio import write_text_atomic
+from podsrl.fsdp import build_data_parallel
 from podsrl.health import HealthMonitor
 from podsrl.methods import METHODS, StepContext
 from podsrl.models.loading import count_parameters, load_policy, resolve_device
@@ -112,8 +113,8 @@ class Trainer:
             self.ref_model.to(self.device).eval().requires_grad_(False)
         # torchrun: DDP-style, or FSDP2 which shards policy and reference in place (so before the optimiser) and
         # keeps an unsharded copy for the engines; in one process the engines use the policy itself.
-        self.data_parallel = self.dist.data_parallel(
-            self.model, self.ref_model, cfg.train, torch.device("cpu") if cfg.rollout.engine == "ray" else None)
+        self.data_parallel = build_data_parallel(
+            self.dist, self.model, self.ref_model, cfg.train, torch.device("cpu") if cfg.rollout.engine == "ray" else None)
         self.generation_model = self.data_parallel.generation_model if self.data_parallel else self.model
         self.task, self.eval_problems = load_task(cfg, self.tokenizer, self.model)
         if not self.eval_problems:
@@ -205,22 +206,24 @@ class Trainer:
         kept, metrics = self._collect_and_select_once(problems, ctx, record)
         if not cfg.filter.zero_variance:
             return kept, metrics
-        parts, live_groups, seen_groups, rounds = [], 0, 0, 0
+        parts, live_groups, rounds = [], 0, 0
         while True:
             dead = zero_variance_groups(kept.rewards, kept.group_index, kept.num_groups)
-            live = ~dead & (kept.group_sizes() > 0)
+            present = kept.group_sizes() > 0
+            live = ~dead & present
+            # the zero-variance fraction of the round just sampled (DAPO's and the refill estimates' input)
+            zero_variance_fraction = 1.0 - int(live.sum()) / max(int(present.sum()), 1)
             surplus = live_groups + int(live.sum()) - cfg.rollout.prompts_per_step
-            if surplus > 0:  # a refill that drew more than missing (GRESO): train the first groups, as DAPO does
+            if surplus > 0:  # a refill that drew more than missing: train the first groups, as DAPO does
                 live[live.nonzero().flatten()[-surplus:]] = False
             kept = kept.select_rows(live[kept.group_index])
             live_groups += int(live.sum())
-            seen_groups += kept.num_groups
             parts.append(kept)
             missing = cfg.rollout.prompts_per_step - live_groups
             if missing <= 0 or rounds >= cfg.filter.max_refill_rounds:
                 break
             rounds += 1
-            count = self.method.refill_count(missing, 1.0 - live_groups / max(seen_groups, 1))
+            count = self.method.refill_count(missing, zero_variance_fraction)
             kept, _ = self._collect_and_select_once(ctx.draw(count), ctx, record)
         metrics["select/refill_rounds"] = float(rounds)
         metrics["select/groups_trained"] = float(live_groups)

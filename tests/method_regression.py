@@ -8,7 +8,8 @@ warm-up run here: 150 supervised steps amplify the CPU's float summation order i
 CPU's warm-up diverged by a sampled token within three RL steps), while three RL steps from equal weights do not.
 Re-recording keeps the stored weights; delete the file to record new ones from this machine's warm-up.
 the preset's own method keys and rollout.n stay as they are, plus a few cases with extra keys (the generic filter
-and refill, DynaMO's allocation alone with the gradient-noise probe, several update passes). Timings (time/*) are
+and refill, DynaMO's allocation alone with the gradient-noise probe, several update passes, AERO's dead zone, PODS
+ties, DynaMO's mastered rule). Timings (time/*) are
 not recorded.
 """
 
@@ -37,6 +38,16 @@ CASES: dict[str, tuple[str, dict]] = {
                                     "rewards": "[correct]", "rollout.n": 4}),
     "dynamo_allocation_grad_noise": ("dynamo_pool", {"dynamo.modulation": False, "log.grad_noise": True}),
     "grpo_two_passes_two_mini_batches": ("grpo", {"optim.epochs": 2, "optim.mini_batches": 2}),
+    # 2 rollouts a prompt and no rescue: groups stay all-fail or all-success, so the posterior advantage trains
+    "aero_dead_zone": ("aero", {"aero.n_explore": 2, "aero.n_max": 2, "aero.keep_dead": 2}),
+    # binary rewards: many 4-subsets of 8 share the largest variance, so the tie rule picks the kept rows
+    "pods_ties": ("pods", {"rewards": "[correct]", "rollout.n": 8, "pods.m": 4}),
+    # revisited prompts at or above a success rate of 0.2 count as mastered and get the floor priority
+    "dynamo_mastered": ("dynamo_pool", {"dynamo.mastered_rate": 0.2}),
+    # the later methods on the pool of 4 (GRESO: correctness alone, so streaks form and the filter refills)
+    "greso": ("greso", {"rewards": "[correct]", "rollout.n": 4}),
+    "knapsack": ("knapsack", {}),
+    "reinforce_ada": ("reinforce_ada", {}),
 }
 STEPS = 3
 # Correctness plus a graded reward, so that groups have reward variance and every selection rule has work to do.
@@ -47,8 +58,9 @@ TIED = "lm_head.weight"  # the built-in model ties it to the embedding: stored o
 
 
 def overrides(run_dir: str, warmup_cache: str, preset: str, extra: dict | None = None) -> list[str]:
-    # dynamo_pool: a pool of 4 problems at 2 a step, so step 3 revisits prompts and allocates from their history.
-    task_args = "{operands: 2, digits: 1, train_size: 4}" if preset == "dynamo_pool" else "{operands: 2, digits: 1}"
+    # A pool of 4 problems at 2 a step, so step 3 revisits prompts and decides from their history.
+    pooled = preset in ("dynamo_pool", "greso", "knapsack")
+    task_args = "{operands: 2, digits: 1, train_size: 4}" if pooled else "{operands: 2, digits: 1}"
     values = {
         "output_dir": run_dir, "seed": 3, "warmup.cache_dir": warmup_cache, "warmup.steps": 150,
         "warmup.target_accuracy": 0.3, "warmup.check_every": 25, "warmup.validation_size": 64,

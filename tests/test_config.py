@@ -1,5 +1,6 @@
 """Config loading: YAML + dotted overrides, typed coercion, errors naming the key; the generated reference is current."""
 
+import json
 import re
 from pathlib import Path
 
@@ -7,6 +8,8 @@ import pytest
 
 from podsrl.config import config_reference_markdown, load_config
 from podsrl.errors import ConfigError
+from tests.preset_configs import FIXTURE as PRESET_FIXTURE
+from tests.preset_configs import resolved_presets
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,3 +53,11 @@ def test_keys_of_the_removed_sampling_forward_reuse_name_the_removal(key, tmp_pa
     (tmp_path / "c.yaml").write_text(f"{section}:\n  {name}: 1\n")
     with pytest.raises(ConfigError, match=r"removed \("):
         load_config(tmp_path / "c.yaml")
+def test_every_preset_resolves_to_its_recorded_config():
+    """Moving config code (e.g. a method's section into its module) must leave every preset's resolved keys and
+    values as recorded in tests/fixtures/preset_configs.json (re-record only for a deliberate change)."""
+    recorded = json.loads(PRESET_FIXTURE.read_text())
+    resolved = resolved_presets()
+    assert sorted(resolved) == sorted(recorded)
+    for name, values in recorded.items():
+        assert resolved[name] == values, name

@@ -104,7 +104,10 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     ctx = init_distributed(torch.device("cpu"))  # joins the existing group
-    out: dict = {"updates": {name: run_scenario(name, ctx.data_parallel) for name in SCENARIOS}}
+    from podsrl.fsdp import build_data_parallel
+
+    out: dict = {"updates": {name: run_scenario(name, lambda model: build_data_parallel(ctx, model))
+                             for name in SCENARIOS}}
     engine = ctx.wrap_engine(FastEngine(make_model(3), Tok()))
     out["generated"] = engine.generate(*generation_request()[:2], SamplingParams(max_new_tokens=8),
                                        generation_request()[2])

@@ -65,7 +65,9 @@ def run_scenario(name: str, ctx=None, shared: bool = True) -> dict:
             for n, p in model.named_parameters():
                 if "lora_B" in n:
                     p.normal_(0, 0.1)
-    dp = ctx.data_parallel(model, ref, cfg.train) if ctx is not None else None
+    from podsrl.fsdp import build_data_parallel
+
+    dp = build_data_parallel(ctx, model, ref, cfg.train) if ctx is not None else None
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     updater = PolicyUpdater(model, optimizer, scheduler, cfg, torch.device("cpu"), ref,
@@ -99,12 +101,13 @@ def _full_params(model) -> torch.Tensor:
 def _checkpoint_roundtrip(ctx, tmp: Path) -> dict:
     """Two AdamW steps; the sharded state is saved after the first, loaded into fresh ranks' shards, stepped again."""
     from podsrl.checkpoint import load_sharded_tensors, save_sharded_tensors
+    from podsrl.fsdp import build_data_parallel
 
     cfg = load_config(None, STRATEGY)
 
     def build():
         model = make_model().train()
-        dp = ctx.data_parallel(model, None, cfg.train)
+        dp = build_data_parallel(ctx, model, None, cfg.train)
         return model, dp, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     def step(model, optimizer):

@@ -236,3 +236,84 @@ def test_skip_switch_limits_which_streaks_skip(skip, skipped):
     # with both, all eight are skipped and the first (p0, easy) is rolled out anyway, counted as kept
     assert (out["examples/skipped_easy"], out["examples/skipped_hard"]) == skipped
     assert out["examples/kept"] == 8 - sum(skipped) == batch.num_groups
+
+
+# ------------------------------------------------------------------------------ rules a mutation would change
+
+
+def test_adaptation_at_exactly_the_target_skips_more():
+    assert adapt_exploration(0.5, 0.25, 0.25) == 0.49  # ratio >= target: p falls
+    assert adapt_exploration(0.5, 0.25 - 1e-9, 0.25) == 0.51
+
+
+def test_easy_target_is_a_third_and_hard_two_thirds_of_the_zero_variance_target():
+    """1 all-correct and 1 all-wrong group of 8: a share of 0.125 sits above T/3 = 0.083 and below 2T/3 = 0.167
+    (T = 0.25), so p_easy falls and p_hard rises; swapped targets would do the opposite."""
+    from podsrl.methods.greso import Greso
+    from tests.method_helpers import ScriptedContext, problems, scored_batch
+
+    cfg = greso_config(**{"rollout.n": 2})
+    bits = [True, True, False, False] + [True, False] * 6  # group 0 all correct, group 1 all wrong, 6 mixed
+    batch = scored_batch(problems(8), list(range(8)), [2] * 8, bits)
+    out = Greso(cfg).end_step([batch], ScriptedContext(cfg, lambda u, k: True, epoch=1))
+    assert (out["examples/too_easy_ratio"], out["examples/too_hard_ratio"]) == (0.125, 0.125)
+    assert (out["examples/p_easy"], out["examples/p_hard"]) == (0.49, 0.51)
+
+
+def test_a_visit_with_one_success_ends_the_hard_streak():
+    from podsrl.prompt_stats import PromptStats
+
+    stats = PromptStats()
+    visit(stats, "a", [False] * 8)
+    visit(stats, "a", [False] * 8)
+    assert stats.streaks(["a"])[1].tolist() == [2]
+    visit(stats, "a", [True] + [False] * 7)
+    assert [s.tolist() for s in stats.streaks(["a"])] == [[0], [0]]
+    visit(stats, "a", [False] * 8)
+    assert stats.streaks(["a"])[1].tolist() == [1]
+
+
+def test_refill_min_zero_with_a_small_scale_still_draws_a_prompt():
+    from podsrl.methods.greso import Greso
+
+    method = Greso(greso_config(**{"rollout.prompts_per_step": 32, "greso.refill_min": 0, "greso.refill_scale": 0.5}))
+    assert method.refill_count(1, 0.0) == 1  # int(1 * 0.5) = 0 would draw nothing (and collect([]) fails)
+
+
+class _RefillLoop:
+    """The parts of the Trainer that its zero-variance refill loop uses, with scripted rounds: round r rolls out
+    its prompts with `live[r]` groups carrying variance (mixed) and the rest all wrong."""
+
+    def __init__(self, cfg, live: list[int]):
+        from podsrl.methods.greso import Greso
+
+        self.cfg, self.method, self.live, self.sizes = cfg, Greso(cfg), list(live), []
+        self.tokenizer = type("Tokenizer", (), {"pad_token_id": 0})()
+
+    def _collect_and_select_once(self, batch_problems, ctx, record):
+        from tests.method_helpers import scored_batch
+
+        live, n = self.live.pop(0), self.cfg.rollout.n
+        self.sizes.append(len(batch_problems))
+        bits = [[True] + [False] * (n - 1) if g < live else [False] * n for g in range(len(batch_problems))]
+        batch = scored_batch(batch_problems, list(range(len(batch_problems))), [n] * len(batch_problems),
+                             [b for group in bits for b in group])
+        batch.advantages = torch.zeros(batch.num_rollouts)
+        return batch, {}
+
+
+def test_trainer_refill_uses_the_zero_variance_fraction_of_the_round_just_sampled():
+    """The worked example: 32 prompts a step; round 1 has 24 groups with variance, the refill of 13
+    (int(8 / 0.75 * 1.25)) has 1, so 7 are missing at a zero-variance fraction of 12/13: the reference draws
+    int(7 * 13 * 1.25) = 113, clamped to 48. Over all rounds the fraction would be 20/45 and the draw 15."""
+    from podsrl.trainer import Trainer
+    from tests.method_helpers import problems
+
+    cfg = greso_config(**{"rollout.prompts_per_step": 32, "filter.zero_variance": True,
+                          "filter.max_refill_rounds": 2})
+    loop = _RefillLoop(cfg, live=[24, 1, 48])
+    drawn = iter(range(32, 10_000))
+    ctx = type("Context", (), {"draw": staticmethod(lambda count: problems(count, start=next(drawn)))})()
+    kept, metrics = Trainer.collect_and_select(loop, problems(32), ctx, record=None)
+    assert loop.sizes == [32, 13, 48]
+    assert metrics["select/groups_trained"] == 32 and kept.num_groups == 32 + 13 + 48

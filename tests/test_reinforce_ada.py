@@ -92,7 +92,8 @@ def test_std_variant_and_single_rollout_pool():
     adv = pool_advantages(rewards, groups, rewards, groups, 2, std=True)
     std = torch.tensor([1.0, 0, 0, 0]).std().item()
     assert adv[:4].tolist() == pytest.approx([0.75 / (std + 1e-6)] + [-0.25 / (std + 1e-6)] * 3, rel=1e-6)
-    assert adv[4].item() == 0.0
+    assert adv[4].item() == 1.0  # a pool of one: mean 0, std 1 (the reference), so A = r
+    assert pool_advantages(rewards, groups, rewards, groups, 2)[4].item() == 1.0
     # a constant pool gets exactly zero with or without std
     const = t([1.0, 1.0, 1.0], torch.float32)
     assert pool_advantages(const, t([0, 0, 0]), const, t([0, 0, 0]), 1, std=True).tolist() == [0.0] * 3
@@ -201,3 +202,50 @@ def test_trains_end_to_end(tmp_path, warmup_cache):
         assert 16 <= r["rollouts/generated"] <= 48 and r["rollouts/generated"] % 4 == 0
         assert r["rollouts/trained"] == r["sampling/kept_samples"] == 16
         assert r["sampling/prompts_active_only_1st_round"] + r["sampling/prompts_unfinished"] <= 4
+
+
+# ------------------------------------------------------------------------------ rules a mutation would change
+
+
+def _pool(rewards: list[float], n: int, **overrides):
+    from podsrl.methods import offline_context
+    from podsrl.methods.reinforce_ada import ReinforceAda
+    from tests.method_helpers import problems, scored_batch
+
+    cfg = ada_config(**{"rollout.n": n, **overrides})
+    batch = scored_batch(problems(1), [0], [len(rewards)], [r > 0.5 for r in rewards])
+    batch.rewards = torch.tensor(rewards)
+    return ReinforceAda(cfg).select(batch, offline_context(cfg, torch.Generator().manual_seed(0)))
+
+
+def test_a_reward_equal_to_the_threshold_is_negative():
+    """τ = 0.7: positive iff reward > τ. Pool [1, .7, .7, 0, 0, 1]: 2 positives, so the kept 4 are the two 1s and
+    the first two negatives (the 0.7s); counting 0.7 as positive would keep [1, .7] and the two 0s."""
+    kept, _ = _pool([1.0, 0.7, 0.7, 0.0, 0.0, 1.0], 4)
+    assert sorted(kept.rewards.tolist()) == pytest.approx([0.7, 0.7, 1.0, 1.0])
+
+
+def test_a_resolved_positive_focused_pool_keeps_the_balanced_split():
+    """positive_focused, n = 4, 5 positives of 8: resolved, so 2 positives + 2 negatives (an unresolved pool would
+    keep ceil(5/8 * 4) = 3 positives and 1 negative)."""
+    kept, _ = _pool([1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0], 4, **{"reinforce_ada.exit_rule": "positive_focused"})
+    assert sorted(kept.rewards.tolist()) == [0.0, 0.0, 1.0, 1.0]
+
+
+def test_rollouts_at_the_threshold_do_not_end_sampling():
+    """Every reward is 0.7 (= τ) or 0: no rollout is positive, so the prompt never passes the exit test and all
+    max_rounds rounds run; counting 0.7 as positive would stop after round 1."""
+    from podsrl.methods.reinforce_ada import ReinforceAda
+    from tests.method_helpers import ScriptedContext, problems
+
+    ctx = ScriptedContext(ada_config(), lambda uid, k: k % 2 == 0)
+    scripted = ctx.generate
+
+    def generate(batch_problems, indices, counts):
+        batch = scripted(batch_problems, indices, counts)
+        batch.rewards = batch.correct.float() * 0.7
+        return batch
+
+    ctx.generate = generate
+    _, metrics = ReinforceAda(ctx.cfg).collect(problems(1), ctx)
+    assert metrics["sampling/rounds"] == 4 and metrics["sampling/prompts_unfinished"] == 1

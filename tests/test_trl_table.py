@@ -9,7 +9,8 @@ import pytest
 
 from podsrl.config import config_help, load_config
 from podsrl.errors import ConfigError
-from podsrl.trl_names import ACCEPTED, ROWS, trl_table_markdown
+from podsrl.trl_names import ACCEPTED, ROWS
+from podsrl.trl_table import trl_table_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -76,8 +76,10 @@ def pool_advantages(kept_rewards: torch.Tensor, kept_group: torch.Tensor, pool_r
                     pool_group: torch.Tensor, num_groups: int, std: bool = False,
                     epsilon: float = 1e-6) -> torch.Tensor:
     """[R_kept] A = r − mean(pool), or (r − mean) / (std + ε) with `std`; the pool is everything generated for the
-    prompt this step. This is GRPO's advantage with group statistics over the pool; a constant pool (or a pool of
-    one rollout) gives exactly 0. The reference also floors the std at ε, which only matters for pools GRPO already
-    zeroes."""
-    return grpo_advantages(kept_rewards, kept_group, num_groups, "group" if std else "none", epsilon, pool_rewards,
-                           pool_group)
+    prompt this step. This is GRPO's advantage with group statistics over the pool; a constant pool gives exactly 0.
+    A pool of one rollout has mean 0 and std 1, as in the reference, so its advantage is r. The reference also
+    floors the std at ε, which only matters for pools GRPO already zeroes."""
+    advantages = grpo_advantages(kept_rewards, kept_group, num_groups, "group" if std else "none", epsilon,
+                                 pool_rewards, pool_group)
+    single = torch.bincount(pool_group.long(), minlength=num_groups)[kept_group.long()] == 1
+    return torch.where(single, kept_rewards.to(advantages.dtype), advantages)

@@ -19,23 +19,47 @@ false keeps every rollout of a rescued group.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from podsrl.algo.advantages import aero_advantages, grpo_advantages
 from podsrl.algo.selection import aero_select, selection_metrics
 from podsrl.batch import RolloutBatch, concat_batches
-from podsrl.config import Config
 from podsrl.errors import ConfigError
 from podsrl.methods.base import Method, StepContext
+from podsrl.options import option
+
+if TYPE_CHECKING:
+    from podsrl.config import Config
 
 GenerateAndScore = Callable[[list[int], list[int]], RolloutBatch]
 
 _ZERO_TOL = 1e-6  # |advantage| at or below this counts as "zero" in the metrics
 
 
+@dataclass
+class AeroConfig:
+    n_explore: int = option(8, "Rollouts per prompt in the exploration round.")
+    n_extra: int = option(2, "Rollouts added per rescue round to prompts with no success yet.")
+    n_max: int = option(16, "Per-prompt cap on rollouts (rescue stops there).")
+    k: float = option(1.0, "Selective rejection keeps all c successes and k*c failures when 0 < u < 0.5.")
+    symmetric: bool = option(False, "Also trim u > 0.5 groups to all failures plus k times as many successes.")
+    keep_dead: int = option(4, "Rollouts kept from an all-fail/all-success group (they get the posterior advantage).")
+    dead_zone_advantage: Literal["baseline", "constant"] = option(
+        "baseline", "(r - u~)/sqrt(u~(1-u~)) with u~ the posterior mean, or the constant 2u~ - 1."
+    )
+    alpha0: float = option(1.0, "Beta prior alpha of each prompt's success rate.")
+    beta0: float = option(1.0, "Beta prior beta of each prompt's success rate.")
+    reject_rescued: bool = option(True, "Also apply selective rejection to groups that the rescue rounds turned from "
+                                  "all-fail into minority-success (their u is recomputed after rescue).")
+
+
 class AERO(Method):
     name = "aero"
+    section = AeroConfig
+    uses_rollout_n = False  # n_explore / n_max size the groups
 
     @classmethod
     def validate(cls, cfg: Config) -> None:

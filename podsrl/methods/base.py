@@ -13,15 +13,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from podsrl.algo.advantages import grpo_advantages
 from podsrl.algo.selection import selection_metrics
 from podsrl.batch import Problem, RolloutBatch
-from podsrl.config import Config
 from podsrl.prompt_stats import PromptStats
+
+if TYPE_CHECKING:  # podsrl.config composes its sections from the methods, so the methods import it for types only
+    from podsrl.config import Config
 
 # (problems, indices, counts) -> counts[j] scored rollouts of problems[indices[j]]; group_index refers to `problems`
 Generate = Callable[[list[Problem], list[int], list[int]], RolloutBatch]
@@ -48,6 +50,10 @@ class Method:
     """Plain GRPO, and the defaults every method inherits."""
 
     name: ClassVar[str] = ""
+    # The dataclass of the method's own config section (`cfg.<name>`, YAML key `<name>:`), or None for no options.
+    section: ClassVar[type | None] = None
+    # False for a method that sizes its own groups and ignores rollout.n (so rollout.n = 1 is no error).
+    uses_rollout_n: ClassVar[bool] = True
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg

@@ -8,17 +8,49 @@ first prompt began, and the snapshot travels in the checkpoint.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
 from podsrl.algo.allocation import allocate_by_variance, allocation_metrics
 from podsrl.algo.modulation import dynamo_modulation
 from podsrl.batch import RolloutBatch
-from podsrl.config import Config
 from podsrl.errors import ConfigError, UserError
 from podsrl.methods.base import Method, StepContext, TokenModulation
+from podsrl.options import option
+
+if TYPE_CHECKING:
+    from podsrl.config import Config
 from podsrl.prompt_stats import PromptStats
+
+
+@dataclass
+class DynamoConfig:
+    n_min: int = option(8, "Fewest rollouts a prompt gets under variance allocation.")
+    n_max: int = option(24, "Most rollouts a prompt gets under variance allocation.")
+    unknown_rule: Literal["reference", "rollout_n"] = option(
+        "reference", "Base count of prompts with too little history: max(n_min, min_history) - attempts, at least "
+        "n_min, with the rest of the budget going to known prompts by priority (the reference code); or "
+        "`explore` rollouts each (rollout_n).")
+    explore: int = option(0, "Rollouts for prompts with too little history under unknown_rule=rollout_n (0 = rollout.n).")
+    weight: Literal["variance", "std"] = option("variance", "Priority by Bernoulli variance (reference) or its root.")
+    min_history: int = option(4, "Rollouts seen before a prompt's variance is trusted.")
+    mastered_rate: float = option(0.85, "Success rate at which a prompt counts as mastered (priority = floor).")
+    floor: float = option(0.01, "Smallest priority.")
+    refresh: Literal["step", "epoch"] = option(
+        "step", "Recompute priorities every step, or once per dataset epoch (the epoch of the step's first prompt).")
+    modulation: bool = option(True, "Token-level advantage modulation by entropy (the factors below); false leaves "
+                              "the allocation alone. Refuses log.grad_noise (the probe's micro-batches would change it).")
+    lambda_min: float = option(0.6, "Stabilisation floor of the modulation factor.")
+    gamma: float = option(50.0, "Stabilisation sharpness.")
+    tau: float = option(0.99, "Stabilisation threshold on the normalised entropy change.")
+    mu_max: float = option(1.2, "Largest compensation factor for low-entropy positive-advantage tokens.")
+    stabilize: bool = option(True, "Apply the stabilisation factor.")
+    compensate: bool = option(True, "Apply the compensation factor.")
 
 
 class DynaMO(Method):
     name = "dynamo"
+    section = DynamoConfig
 
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)

@@ -12,6 +12,8 @@ p_hard are this method's checkpointed state.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -24,13 +26,38 @@ from podsrl.algo.greso import (
     skip_decisions,
 )
 from podsrl.batch import Problem, RolloutBatch
-from podsrl.config import Config
 from podsrl.errors import ConfigError
 from podsrl.methods.base import Method, StepContext
+from podsrl.options import option
+
+if TYPE_CHECKING:
+    from podsrl.config import Config
+
+
+@dataclass
+class GresoConfig:
+    p_init: float = option(0.5, "Starting p_easy and p_hard: a prompt all-correct on its last z visits is skipped with "
+                           "probability 1 - max(p_easy^z, min_keep); likewise all-wrong with p_hard.")
+    min_keep: float = option(0.01, "Smallest probability of keeping a prompt however long its streak.")
+    skip: Literal["both", "easy", "hard"] = option(
+        "both", "Which predictions may skip a prompt: both (the method), easy (all-correct streaks only: prompts the "
+        "model fails are always rolled out) or hard (all-wrong streaks only). For ablations.")
+    target_zero_variance: float = option(0.25, "Target share T of zero-variance groups: p_easy adapts towards T/3 "
+                                         "all-correct groups per step, p_hard towards 2T/3 all-wrong ones.")
+    p_step: float = option(0.01, "Change of p_easy / p_hard after each step (from the second epoch on).")
+    p_min: float = option(0.05, "Lower clamp of p_easy and p_hard.")
+    p_max: float = option(0.95, "Upper clamp of p_easy and p_hard.")
+    max_scan: float = option(4.0, "Most replacement prompts drawn for skipped ones per collect, as a multiple of the "
+                             "prompts asked for; when spent, the prompts that passed are rolled out.")
+    refill_scale: float = option(1.25, "Refill draws int(missing / (1 - zero-variance fraction) * refill_scale) prompts "
+                                 "(DAPO/GRESO estimate) ...")
+    refill_min: float = option(0.25, "... at least this fraction of rollout.prompts_per_step ...")
+    refill_max: float = option(1.5, "... and at most this fraction of rollout.prompts_per_step.")
 
 
 class Greso(Method):
     name = "greso"
+    section = GresoConfig
 
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
@@ -85,7 +112,9 @@ class Greso(Method):
 
     def refill_count(self, missing: int, zero_variance_fraction: float) -> int:
         g, prompts = self.cfg.greso, self.cfg.rollout.prompts_per_step
-        return refill_estimate(missing, zero_variance_fraction, g.refill_scale, lowest=math.ceil(g.refill_min * prompts),
+        # at least one prompt: refill_min 0 with refill_scale < 1 would otherwise round a small estimate down to 0
+        return refill_estimate(missing, zero_variance_fraction, g.refill_scale,
+                               lowest=max(1, math.ceil(g.refill_min * prompts)),
                                highest=max(1, math.ceil(g.refill_max * prompts)))
 
     def end_step(self, generated: list[RolloutBatch], ctx: StepContext) -> dict:

@@ -9,19 +9,41 @@ advantages to ±5 in both arms: `algo.advantage_clip: 5` in the preset and its G
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
 from podsrl.algo.group_stats import zero_variance_groups
 from podsrl.algo.knapsack import knapsack_allocation, success_rate
 from podsrl.batch import Problem, RolloutBatch
-from podsrl.config import Config
 from podsrl.errors import ConfigError
 from podsrl.methods.base import Method, StepContext
+from podsrl.options import option
+
+if TYPE_CHECKING:
+    from podsrl.config import Config
 from podsrl.prompt_stats import RING
+
+
+@dataclass
+class KnapsackConfig:
+    min_n: int = option(2, "Rollouts of a prompt with 0 < p < 1 before the solver adds more.")
+    max_n: int = option(128, "Most rollouts one prompt gets.")
+    negative_n: int = option(2, "Rollouts of a prompt that has never been solved lately (p = 0).")
+    positive_n: int = option(2, "Rollouts of a prompt that is always solved lately (p = 1).")
+    alpha: float = option(0.9, "Fallback: an effective prompt needs ln(1-alpha)/ln(max(p, 1-p)) rollouts; if all of "
+                          "them need less than the budget, the surplus goes to p = 0 prompts.")
+    min_history: int = option(8, "Rollouts seen before a prompt's rate is trusted; until then it gets rollout.n.")
+    window: int = option(16, "p is the last visit's success rate if it had >= window rollouts, else the mean of the "
+                         "newest window outcomes (at most 16, the per-prompt ring).")
+    ref_quirks: bool = option(False, "Reproduce the reference: prompts without history count as p = 0 in the fallback, "
+                              "and budget beyond max_n stays on the effective prompts.")
 
 
 class Knapsack(Method):
     name = "knapsack"
+    section = KnapsackConfig
 
     @classmethod
     def validate(cls, cfg: Config) -> None:

@@ -3,15 +3,32 @@ default), with GRPO advantages over the kept subset or the whole group."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
 from podsrl.algo.selection import select_rollouts, selection_metrics
 from podsrl.batch import RolloutBatch
-from podsrl.config import Config
 from podsrl.errors import ConfigError
 from podsrl.methods.base import Method, StepContext
+from podsrl.options import option
+
+if TYPE_CHECKING:
+    from podsrl.config import Config
+
+
+@dataclass
+class PodsConfig:
+    m: int = option(0, "Rollouts trained per prompt, chosen from the rollout.n generated; 0 means m = n (no "
+                    "down-sampling).")
+    rule: Literal["max_variance", "max_reward", "random"] = option(
+        "max_variance", "Down-sampling rule when m < n: the m-subset of largest reward variance (the paper's), the "
+        "m largest rewards, or a uniform m-subset.")
+    normalize_over: Literal["subset", "group"] = option("subset", "Advantage statistics over the kept subset or group.")
 
 
 class PODS(Method):
     name = "pods"
+    section = PodsConfig
 
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)

@@ -13,18 +13,37 @@ test, so it exited iff its final pool passes it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
 import torch
 
 from podsrl.algo.reinforce_ada import balanced_keep, exit_test, pool_advantages
 from podsrl.algo.selection import selection_metrics
 from podsrl.batch import Problem, RolloutBatch, concat_batches
-from podsrl.config import Config
 from podsrl.errors import ConfigError
 from podsrl.methods.base import Method, StepContext
+from podsrl.options import option
+
+if TYPE_CHECKING:
+    from podsrl.config import Config
+
+
+@dataclass
+class ReinforceAdaConfig:
+    round_repeat: int = option(8, "Rollouts drawn per active prompt in each round (M).")
+    max_rounds: int = option(4, "Most sampling rounds per step (R).")
+    positive_threshold: float = option(0.7, "A rollout is positive iff its reward exceeds this.")
+    exit_rule: Literal["balanced", "positive_focused"] = option(
+        "balanced", "A prompt stops sampling once its pool has floor(n/2) positives and n - floor(n/2) negatives "
+        "(balanced), or one positive (positive_focused).")
+    std: bool = option(False, "Divide the advantage r - mean(pool) by the pool's std (off in the reference script).")
+    epsilon: float = option(1e-6, "Floor of the pool std and its additive epsilon when std is on.")
 
 
 class ReinforceAda(Method):
     name = "reinforce_ada"
+    section = ReinforceAdaConfig
 
     @classmethod
     def validate(cls, cfg: Config) -> None:

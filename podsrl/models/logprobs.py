@@ -1,6 +1,6 @@
 """Sampled-token log-probs and full-vocabulary entropy from logits, chunked over tokens.
 
-The one implementation of both statistics (the update's hot path and DynaMO's entropy use it). Memory: the
+The one implementation of both statistics (the update's hot path and the token-entropy modulation use it). Memory: the
 float32 softmax of at most `chunk` tokens exists at a time, in the forward and in the backward; the backward
 recomputes each chunk's logits instead of keeping a [tokens, vocab] float32 tensor alive for autograd (with a 150k
 vocabulary that tensor is the update's memory peak). Two entry points:

@@ -2,7 +2,7 @@
 
 With `solution: worked` the completion is a short worked solution, the running sums left to right, then ';' and
 the answer: "47+8+93=" -> "47+8=55,55+93=148;148". Completions are several times longer, and one wrong running
-sum makes the answer wrong: the regime of reasoning chains that PODS is designed for. The working makes a problem
+sum makes the answer wrong: the regime of reasoning chains that rollout-efficiency methods target. The working makes a problem
 easier to learn than its bare answer (the default model's warm-up on 2-4 operands: 33% after 400 steps worked, 7.5%
 after 600 bare), so a harder task comes from more operands or digits.
 
@@ -52,7 +52,7 @@ class ArithmeticTask(Task):
         if isinstance(train_size, bool) or not isinstance(train_size, int) or train_size < 0:
             raise ConfigError(f"task.args.train_size: must be a whole number >= 0 (0 = an unbounded stream of "
                               f"problems), got {train_size!r}")
-        # A finite pool: problem(i) is problem(i % train_size), so prompts recur (per-prompt history for DynaMO).
+        # A finite pool: problem(i) is problem(i % train_size), so prompts recur (per-prompt history for the methods that read it).
         self.train_size = train_size
         if operands < 2:
             raise ConfigError("task.args.operands: must be >= 2")

@@ -5,7 +5,7 @@ The answer given to `score_answer` is taken from the completion as follows: the 
 for <answer> tags (`SYSTEM_PROMPT` below is reasoning-gym's default instruction).
 
 Some datasets give partial credit (a score strictly between 0 and 1). The `correct` reward carries the score
-as is, while the correctness bit used by AERO/DynaMO statistics and accuracy is `score >= 0.5`; the first
+as is, while the correctness bit used by per-prompt statistics and accuracy is `score >= 0.5`; the first
 partial score seen is reported with a warning so the thresholding is not a surprise.
 """
 

@@ -1,6 +1,6 @@
 """The policy update: mu passes over the selected rollouts, split into mini-batches (one optimiser step each) and
 micro-batches (gradient accumulation). Only the rollouts handed in are forwarded, so memory and time scale with the
-number kept (PODS's m), not the number generated. Log-probs come from the shared-prompt path when the model allows
+number kept by selection, not the number generated. Log-probs come from the shared-prompt path when the model allows
 it (`update.shared_prompt`), else from the plain path; micro-batches are the same either way."""
 
 from __future__ import annotations
