@@ -71,8 +71,8 @@ torch.cuda.is_available() and print(torch.cuda.get_device_name(0), torch.cuda.ge
 
 # The modules where the device matters most run first, so their full report exists even if the rest runs out of
 # time; -v prints each result as it comes (a run killed by its limit still says which tests passed and failed).
-core_tests=(tests/test_engines.py tests/test_update_shared_prompt.py tests/test_update_logprobs.py
-            tests/test_grad_noise.py tests/test_default_run.py tests/test_trainer.py)
+core_tests=(tests/engines/test_engines.py tests/update/test_shared_prompt.py tests/models/test_logprobs.py
+            tests/algo/test_grad_noise.py tests/test_default_run.py tests/test_trainer.py)
 
 tests() {
     local f=$out/tests.txt args=(-v -rfEs -p no:cacheprovider --device "$device" --maxfail=30) rest=()
@@ -82,8 +82,8 @@ tests() {
     fi
     has pytest_timeout && args+=(--timeout=240)
     if [ "$smoke" = 1 ]; then
-        part tests 150 "$f" "$py" -m pytest "${args[@]}" tests/test_engines.py::test_logprobs_equal_fresh_forward \
-            tests/test_selection.py
+        part tests 150 "$f" "$py" -m pytest "${args[@]}" tests/engines/test_engines.py::test_logprobs_equal_fresh_forward \
+            tests/algo/test_selection.py
         return
     fi
     has xdist && args+=(-n 6 --dist loadfile)  # module fixtures stay in one worker; 6 CUDA contexts fit easily

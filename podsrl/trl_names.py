@@ -1,7 +1,7 @@
 """TRL's `GRPOConfig` names next to podsrl's: the migration table of docs/trl.md (generated from `ROWS`, with both
 sides' defaults), and the TRL names a podsrl config accepts where the meaning is the same.
 
-TRL defaults are stated as TRL declares them; tests/test_trl_table.py checks every row against the installed
+TRL defaults are stated as TRL declares them; tests/integrations/test_trl_table.py checks every row against the installed
 `GRPOConfig`, and podsrl's defaults are read from podsrl/config.py, so neither side can go stale silently.
 """
 

@@ -69,7 +69,7 @@ def overrides(run_dir: str, warmup_cache: str, preset: str, extra: dict | None =
         "task.args": task_args, "eval.samples": 0, "rollout.prompts_per_step": 2, "rollout.max_new_tokens": 4,
         "train.max_steps": STEPS, "log.progress": False, "log.tensorboard": False, "log.plot": False,
         # The plain update path recorded the fixture; the shared-prompt path equals it only to float rounding
-        # (tests/test_update_shared_prompt.py), which a 1e-6 comparison over three steps would flag.
+        # (tests/update/test_shared_prompt.py), which a 1e-6 comparison over three steps would flag.
         "update.shared_prompt": False,
     }
     if preset == "dynamo_pool":  # the split-half probe changes a modulated update, so DynaMO refuses it

@@ -6,7 +6,7 @@ the SwiGLU gating as the autograd functions of kernels.py: fewer passes over the
 decomposition, which on CPU is most of the non-matmul time) and attention over the packed blocks. Only positions
 that predict a completion token reach the output layer, through chunked log-probs/entropy (never a [tokens, vocab]
 float32 tensor). Log-probs, entropies and gradients equal the plain path's up to float rounding
-(tests/test_update_shared_prompt.py; sharded, tests/test_fsdp.py). Llama, Mistral, Qwen2 and Qwen3 models, LoRA-wrapped
+(tests/update/test_shared_prompt.py; sharded, tests/distributed/test_fsdp.py). Llama, Mistral, Qwen2 and Qwen3 models, LoRA-wrapped
 ones included; `packed_forward_problem` says why another model takes the plain path.
 
 Module hooks (FSDP2): the computation still enters through the model's and each decoder layer's own `__call__`, with

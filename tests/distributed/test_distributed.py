@@ -26,7 +26,7 @@ from tests.tiny_lm import TokStub as Tok
 from tests.tiny_lm import tiny_causal_lm
 
 VOCAB = 48
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.cpu_only("two gloo ranks on CPU (and torchrun)")]
 
 # name -> (config overrides, generated group sizes, fixed advantages or None = from the selection stage)

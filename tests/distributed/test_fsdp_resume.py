@@ -15,7 +15,7 @@ import torch
 from podsrl.checkpoint import latest_checkpoint, list_checkpoints
 from tests.faults.common import assert_same_run, tiny
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
 pytestmark = pytest.mark.cpu_only("two gloo ranks under torchrun")
 

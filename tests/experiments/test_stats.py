@@ -22,7 +22,7 @@ from podsrl.experiments.stats import (
     seeds_text,
     t_quantile,
 )
-from tests.test_experiments import write_run
+from tests.experiments.test_experiments import write_run
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 
 # Run in a fresh interpreter: Config is composed from the registry when podsrl.config is first imported, so the
 # example registers before that, as a module of podsrl.methods would.

@@ -13,7 +13,7 @@ from podsrl.models.loading import build_char_tokenizer, build_tiny_model
 from podsrl.tracking import read_metrics
 from podsrl.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture()

@@ -16,7 +16,7 @@ from podsrl.math_verify_pool import MathVerifyPool
 from podsrl.rewards import build_reward_manager
 from podsrl.tasks import build_task
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

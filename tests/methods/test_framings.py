@@ -4,7 +4,7 @@ from pathlib import Path
 
 from podsrl.config import load_config
 
-CONFIGS = Path(__file__).resolve().parents[1] / "podsrl" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "podsrl" / "configs"
 
 
 def _per_step(name: str) -> tuple[str, int, int, int]:

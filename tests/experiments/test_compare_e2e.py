@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tests.conftest import tiny_overrides
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_two_configs_two_seeds_compare_and_report(tmp_path, warmup_cache):

@@ -12,7 +12,7 @@ from podsrl.errors import ConfigError
 from podsrl.trl_names import ACCEPTED, ROWS
 from podsrl.trl_table import trl_table_markdown
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_row_matches_the_installed_grpo_config():

@@ -9,7 +9,7 @@ import torch
 from benchmarks.run_summary import summary
 from tests.conftest import device_under_test
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_run_summary_reports_steps_clock_and_first_and_last_eval(tmp_path):

@@ -18,7 +18,7 @@ from podsrl.tracking import read_metrics
 from podsrl.trainer import Trainer
 from podsrl.update import PolicyUpdater
 from tests.conftest import device_under_test, tiny_overrides
-from tests.test_distributed import make_batch, make_model
+from tests.distributed.test_distributed import make_batch, make_model
 
 SIZES = [5, 1, 3, 2, 4]  # odd K = 5 and groups of unequal size
 
@@ -145,7 +145,7 @@ def test_enabling_it_leaves_the_update_and_the_generator_unchanged(extra):
 
 
 def test_a_trainer_run_logs_the_grad_metrics(tmp_path, warmup_cache):
-    ones = Path(__file__).parent / "fixtures" / "rewards_ones.py"  # graded, spread rewards: nonzero gradients
+    ones = Path(__file__).parents[1] / "fixtures" / "rewards_ones.py"  # graded, spread rewards: nonzero gradients
     extra = {"log.grad_noise": "true", "rewards": f"[{{name: even, function: '{ones}:even_digit_share'}}]"}
     cfg = load_config("podsrl/configs/grpo.yaml", tiny_overrides(tmp_path / "run", warmup_cache, **extra))
     Trainer(cfg).train()

@@ -19,7 +19,7 @@ from podsrl.prompt_stats import PromptStats
 from podsrl.trainer import Trainer
 from tests.conftest import tiny_overrides
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # correctness plus a graded reward: most groups have reward variance, the odd one does not
 GRADED = f"[correct, {{name: digits, function: '{ROOT / 'tests/fixtures/rewards_ones.py'}:even_digit_share'}}]"
 pytestmark = pytest.mark.usefixtures("one_thread")

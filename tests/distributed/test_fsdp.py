@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from podsrl.config import load_config
 from podsrl.methods import METHODS, offline_context
 from podsrl.update import PolicyUpdater
-from tests.test_distributed import generation_request, make_batch, make_model
+from tests.distributed.test_distributed import generation_request, make_batch, make_model
 from tests.tiny_lm import TokStub
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.cpu_only("two gloo ranks on CPU")]

@@ -11,7 +11,7 @@ import pytest
 from tests.checkout import pythonpath
 
 pytest.importorskip("trl")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("fraction", ["0.05", "0"])

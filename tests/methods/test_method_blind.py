@@ -20,7 +20,7 @@ from pathlib import Path
 
 from podsrl.methods import METHODS
 
-PACKAGE = Path(__file__).parents[1] / "podsrl"
+PACKAGE = Path(__file__).parents[2] / "podsrl"
 CORE = {"grpo"}
 EXEMPT_DIRS = ("methods", "algo", "integrations")
 EXEMPT_FILES = {"experiments/plan.py", "removed_keys.py", "trl_names.py"}
