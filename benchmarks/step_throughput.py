@@ -8,20 +8,25 @@ The tiny model is untrained here, so completions run to the full length in both 
 defaults, among them GRPOConfig's gradient_checkpointing=True (a recomputed forward in its backward, which podsrl
 does not do; measured ~1.1x of TRL's step here), printed beside its times.
 
-`--model 10m` runs part 1 on a ~10M-parameter model of the same family instead of the built-in one. Part 1 also
-prints the ratio of the two frameworks' matmul work (`work_ratios`): what the full-step ratio would be if both ran at
-the same FLOP rate with no other cost.
+`--model 10m` runs part 1 on a ~10M-parameter model of the same family instead of the built-in one. `--workload
+gsm8k` runs it on the GSM8K-shaped workload instead (benchmarks/gsm8k_shape.py: a random-init ~13M-parameter Qwen2
+with a 32k vocabulary, saved as a local model directory with a jsonl of 200-token prompts and a reward file, as a
+user brings them; one prompt x n = 16, up to 400 new tokens: the untrained model reaches the cap in every row, so
+podsrl's finished-row compaction gains nothing here). Part 1 also prints the ratio of the two frameworks' matmul
+work (`work_ratios`): what the full-step ratio would be if both ran at the same FLOP rate with no other cost.
 
 Part 2 (the built-in task with the warmed-up model, as `podsrl train` runs it): PODS 64->16 vs GRPO 16-16 steps,
 alternating, with their split into generate/score/select/update (target: ratio <= 1.3).
 
     python benchmarks/step_throughput.py [--repeats 5] [--threads 1] [--skip-trl] [--skip-task]
-                                         [--trl-no-checkpointing] [--model tiny|10m]
+                                         [--trl-no-checkpointing] [--model tiny|10m] [--workload gsm8k]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import os
 import platform
 import statistics
@@ -130,7 +135,6 @@ def alternating_callback(base: type, ours: Trainer):
 
 def part1(opts) -> None:
     from datasets import Dataset
-    from transformers import TrainerCallback
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from trl_step import build_trainer
@@ -151,30 +155,74 @@ def part1(opts) -> None:
         trl_opts = argparse.Namespace(prompts=prompts, max_new_tokens=16, warmup=1, steps=opts.repeats,
                                       trl_no_checkpointing=opts.trl_no_checkpointing, model_config=model)
         trl, gen_times = build_trainer(f"trl{rollouts}", 16, None, trl_opts, dataset)
-        batches = recorded_batches(ours)
-        alternate = alternating_callback(TrainerCallback, ours)
-        trl.add_callback(alternate)
-        trl.train()
-        close(ours)
-        records, trl_steps, gen_times = alternate.records[1:], alternate.trl_steps[1:], gen_times[1:]
-        p = {k: [r[k] for r in records] for k in STEP_KEYS}
-        ratios = [t / s for t, s in zip(trl_steps, p["time/step"])]
-        trl_update = [t - g for t, g in zip(trl_steps, gen_times)]
-        print(f"{rollouts} rollouts/step")
-        print(f"  podsrl step {med(p['time/step'])}  generate {med(p['time/generate'])}  "
-              f"update {med(p['time/update'])}")
-        print(f"  TRL    step {med(trl_steps)}  generate {med(gen_times)}  rest {med(trl_update)}  "
-              f"(TRL's GRPOConfig, gradient_checkpointing={trl.args.gradient_checkpointing})")
-        print(f"  TRL/podsrl full step: median {statistics.median(ratios):.2f}x (per step {min(ratios):.2f}-"
-              f"{max(ratios):.2f}x); generation {statistics.median(gen_times) / statistics.median(p['time/generate']):.2f}x; "
-              f"update {statistics.median(trl_update) / statistics.median(p['time/update']):.2f}x "
-              f"(TRL's 'rest' = step minus generation: scoring, advantages, loss, backward, optimiser)")
         prompt_len = max(len(trl.processing_class(p).input_ids) for p in dataset["prompt"])
-        works = [work_ratios(b, prompt_len, 16, trl.args.gradient_checkpointing) for b in batches[1:]]
-        gen, upd, step = (statistics.median(w[i] for w in works) for i in range(3))
-        print(f"  matmul work TRL/podsrl (tokens x FLOPs per parameter, see work_ratios), median: generation "
-              f"{gen:.2f}x, update {upd:.2f}x, full step {step:.2f}x (the step ratio if both ran their matmuls at "
-              f"the same rate and had no other cost)")
+        against_trl(f"{rollouts} rollouts/step", ours, trl, gen_times, prompt_len, 16)
+
+
+def part1_gsm8k(opts) -> None:
+    """Part 1 on the GSM8K-shaped workload, both frameworks loading the same saved model, data and reward."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gsm8k_shape import PROMPT_TOKENS, write_workload
+    from trl_step import build_trainer
+
+    new_tokens = 400
+    paths = write_workload(Path(tempfile.mkdtemp(prefix="gsm8k_shape_")))
+    spec = importlib.util.spec_from_file_location("gsm8k_reward", paths["reward"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = AutoModelForCausalLM.from_pretrained(paths["model"])
+    print(f"== podsrl vs TRL GRPOTrainer: GSM8K-shaped workload, untrained Qwen2 ({model.num_parameters() / 1e6:.1f}M "
+          f"parameters, 32k vocabulary), one {PROMPT_TOKENS}-token prompt x n = 16, {new_tokens} new tokens max, "
+          f"beta = 0, lr 1e-4; {opts.repeats} alternating steps each after one untimed; median (min-max) seconds")
+    task = (f"{{path: {paths['data']}, prompt_column: prompt, answer_column: answer, answer_format: raw, "
+            f"prompt_mode: plain}}")
+    ours = podsrl_trainer([f"model.name_or_path={paths['model']}", "task.name=dataset", f"task.args={task}",
+                           "task.eval_size=0", "task.max_prompt_length=256", "eval.samples=0",
+                           f"rewards=[{{name: words, function: '{paths['reward']}:word_reward'}}]",
+                           "rollout.prompts_per_step=1", "rollout.n=16", f"rollout.max_new_tokens={new_tokens}",
+                           "method=grpo", "optim.lr=1e-4", "optim.micro_batch_size=16"])
+    rows = [json.loads(line) for line in paths["data"].read_text().splitlines()]
+    trl_opts = argparse.Namespace(prompts=1, max_new_tokens=new_tokens, warmup=1, steps=opts.repeats,
+                                  trl_no_checkpointing=opts.trl_no_checkpointing)
+    trl, gen_times = build_trainer("trl_gsm8k", 16, None, trl_opts, Dataset.from_list(rows), model=model,
+                                   tokenizer=AutoTokenizer.from_pretrained(paths["model"]),
+                                   reward_funcs=module.word_reward)
+    prompt_len = max(len(trl.processing_class(row["prompt"]).input_ids) for row in rows)
+    against_trl(f"1 prompt x 16 rollouts/step (prompts of up to {prompt_len} tokens)", ours, trl, gen_times,
+                prompt_len, new_tokens)
+
+
+def against_trl(label: str, ours: Trainer, trl, gen_times: list[float], prompt_len: int, new_tokens: int) -> None:
+    """Runs TRL's steps with one podsrl step after each (the first of each untimed) and prints both and their
+    ratios; closes podsrl's trainer."""
+    from transformers import TrainerCallback
+
+    batches = recorded_batches(ours)
+    alternate = alternating_callback(TrainerCallback, ours)
+    trl.add_callback(alternate)
+    trl.train()
+    close(ours)
+    records, trl_steps, gen_times = alternate.records[1:], alternate.trl_steps[1:], gen_times[1:]
+    p = {k: [r[k] for r in records] for k in STEP_KEYS}
+    ratios = [t / s for t, s in zip(trl_steps, p["time/step"])]
+    trl_update = [t - g for t, g in zip(trl_steps, gen_times)]
+    print(label)
+    print(f"  podsrl step {med(p['time/step'])}  generate {med(p['time/generate'])}  "
+          f"update {med(p['time/update'])}  (tokens generated per step: {med(p['tokens/generated'])})")
+    print(f"  TRL    step {med(trl_steps)}  generate {med(gen_times)}  rest {med(trl_update)}  "
+          f"(TRL's GRPOConfig, gradient_checkpointing={trl.args.gradient_checkpointing})")
+    print(f"  TRL/podsrl full step: median {statistics.median(ratios):.2f}x (per step {min(ratios):.2f}-"
+          f"{max(ratios):.2f}x); generation {statistics.median(gen_times) / statistics.median(p['time/generate']):.2f}x; "
+          f"update {statistics.median(trl_update) / statistics.median(p['time/update']):.2f}x "
+          f"(TRL's 'rest' = step minus generation: scoring, advantages, loss, backward, optimiser)")
+    works = [work_ratios(b, prompt_len, new_tokens, trl.args.gradient_checkpointing) for b in batches[1:]]
+    gen, upd, step = (statistics.median(w[i] for w in works) for i in range(3))
+    print(f"  matmul work TRL/podsrl (tokens x FLOPs per parameter, see work_ratios), median: generation "
+          f"{gen:.2f}x, update {upd:.2f}x, full step {step:.2f}x (the step ratio if both ran their matmuls at "
+          f"the same rate and had no other cost)")
 
 
 def part2(opts) -> None:
@@ -207,6 +255,8 @@ def main() -> None:
     parser.add_argument("--skip-task", action="store_true")
     parser.add_argument("--model", choices=list(MODELS), default="tiny",
                         help="model of the TRL comparison: the built-in one or a ~10M-parameter one")
+    parser.add_argument("--workload", choices=["tiny", "gsm8k"], default="tiny",
+                        help="gsm8k: part 1 on the GSM8K-shaped workload (benchmarks/gsm8k_shape.py) instead")
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -216,7 +266,7 @@ def main() -> None:
           f"load average {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}")
     t0 = time.perf_counter()
     if not opts.skip_trl:
-        part1(opts)
+        part1_gsm8k(opts) if opts.workload == "gsm8k" else part1(opts)
     if not opts.skip_task:
         part2(opts)
     print(f"(benchmark took {time.perf_counter() - t0:.0f}s; end load average {os.getloadavg()[0]:.2f})")

@@ -55,11 +55,13 @@ def reward(prompts, completions, answer, **kwargs) -> list[float]:
             for c, t in zip(completions, answer)]
 
 
-def build_trainer(name: str, n: int, m: int | None, opts, dataset: Dataset):
+def build_trainer(name: str, n: int, m: int | None, opts, dataset: Dataset, model=None, tokenizer=None,
+                  reward_funcs=reward):
     """A TRL trainer for one setup (GRPOTrainer, or PODSGRPOTrainer when m is given) and the list its generation
-    times are appended to."""
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_model(getattr(opts, "model_config", None) or TinyModelConfig(), tokenizer, seed=0)
+    times are appended to; by default on the built-in tiny model (`opts.model_config`) and this file's reward."""
+    if model is None:
+        tokenizer = build_char_tokenizer()
+        model = build_tiny_model(getattr(opts, "model_config", None) or TinyModelConfig(), tokenizer, seed=0)
     common = {
         "output_dir": tempfile.mkdtemp(prefix=f"trl_step_{name}_"), "per_device_train_batch_size": opts.prompts * n,
         "num_generations": n, "max_completion_length": opts.max_new_tokens, "max_steps": opts.warmup + opts.steps,
@@ -72,7 +74,7 @@ def build_trainer(name: str, n: int, m: int | None, opts, dataset: Dataset):
         trainer_cls, config = GRPOTrainer, GRPOConfig(**common)
     else:
         trainer_cls, config = PODSGRPOTrainer, PODSGRPOConfig(**common, pods_m=m, pods_rule="max_variance")
-    trainer = trainer_cls(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
+    trainer = trainer_cls(model=model, reward_funcs=reward_funcs, args=config, train_dataset=dataset,
                           processing_class=tokenizer)
     gen_times: list[float] = []
     generate = trainer._generate

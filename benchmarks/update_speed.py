@@ -73,17 +73,13 @@ def default_workload(seed: int = 0):
 
 
 def gsm8k_workload(seed: int = 0, groups: int = 1, hidden: int = 256, layers: int = 6, heads: int = 4):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from benchmarks.gsm8k_shape import PROMPT_TOKENS, VOCAB, gsm8k_model
 
-    vocab, n = 32000, 16
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=1024,
-        tie_word_embeddings=True))
+    n = 16
+    model = gsm8k_model(seed, hidden, layers, heads)
     gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, vocab, (200,), generator=gen).tolist() for _ in range(groups)]
-    completions = [torch.randint(3, vocab, (int(torch.randint(50, 401, (1,), generator=gen)),),
+    prompts = [torch.randint(3, VOCAB, (PROMPT_TOKENS,), generator=gen).tolist() for _ in range(groups)]
+    completions = [torch.randint(3, VOCAB, (int(torch.randint(50, 401, (1,), generator=gen)),),
                                  generator=gen).tolist() for _ in range(groups * n)]
     overrides = [f"rollout.n={n}", "optim.micro_batch_size=16", "rollout.max_new_tokens=400"]
     return model, None, overrides, make_batch(prompts, n, completions, 0, gen)
