@@ -76,6 +76,11 @@ class PromptLimit:
         lengths = self._length([p.prompt for p in problems]) if problems else []
         kept, kept_labels, filtered, truncated = [], [], 0, 0
         for problem, label, n in zip(problems, labels, lengths):
+            if n == 0 and problem.prompt.strip():
+                raise DataError(f"{label}: the prompt encodes to no tokens with the model's tokenizer "
+                                f"({type(self.tokenizer).__name__}): transformers loaded a tokenizer class that does "
+                                "not read the tokenizer files in model.name_or_path (it picks the class from the "
+                                "model type)")
             if n <= self.max_tokens:
                 kept.append(problem)
                 kept_labels.append(label)
