@@ -6,6 +6,8 @@ With LoRA only the adapter matrices train, so the optimiser should be built from
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,24 +67,31 @@ def load_adapter(base_model: torch.nn.Module, path: str | Path, trainable: bool 
     return PeftModel.from_pretrained(base_model, str(path), is_trainable=trainable)
 
 
-def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
-    """The base model's state dict with each adapted weight replaced by W + delta (on CPU), computed without
-    merging in place: merge/unmerge would round the base weights in low precision on every export."""
+@torch.no_grad()
+def merged_weights(model: Any, device: str | torch.device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for each entry of the base model's state dict under its plain name (as the model has without
+    peft: no adapter matrices, no `.base_layer`, a module to save under its own name), each adapted weight W + delta
+    made one at a time (on `device`; None: beside W) without merging in place: merge/unmerge would round the base
+    weights in low precision on every call."""
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
-    deltas: dict[str, torch.Tensor] = {}
-    for name, module in base.named_modules():
-        if isinstance(module, LoraLayer):
-            weight = module.get_base_layer().weight
-            delta = sum(module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A)
-            deltas[f"{name}.base_layer.weight"] = (weight.detach().float() + delta.float()).to(weight.dtype).cpu()
-    out: dict[str, torch.Tensor] = {}
+    adapted = {f"{name}.base_layer.weight": module for name, module in base.named_modules()
+               if isinstance(module, LoraLayer)}
     for key, value in base.state_dict().items():
-        if ".lora_" in key:
+        if ".lora_" in key or ".original_module." in key:
             continue
-        out[key.replace(".base_layer.", ".")] = deltas.get(key, value)
-    return out
+        module = adapted.get(key)
+        if module is not None:
+            delta = sum(module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A)
+            value = (value.detach().float() + delta.float()).to(value.dtype)
+            value = value if device is None else value.to(device)
+        yield re.sub(r"\.modules_to_save\.[^.]+\.", ".", key.replace(".base_layer.", ".")), value
+
+
+def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """The base model's state dict with each adapted weight replaced by W + delta (those on CPU)."""
+    return dict(merged_weights(model, device="cpu"))
 
 
 @torch.no_grad()

@@ -1,32 +1,62 @@
 """`rollout.engine: vllm`: generation with vLLM on a GPU, colocated with the trainer (same process, same GPU).
-Not yet run on a GPU (docs/results.md, "GPU paths not yet run").
+Written against vLLM 0.33's source and checked by a contract test with a fake `vllm` module
+(tests/engines/test_vllm_contract.py); not yet run on a GPU (docs/results.md, "GPU paths not yet run").
 
 vLLM is imported only when this engine is built; without it (or without CUDA) the error says what to install.
 
-Design (docs/scale.md has the multi-node picture):
-- Start-up: vLLM loads a model directory. The trainer's policy is saved once to a temporary directory (weights and
-  tokenizer), so the built-in tiny model and checkpoints work the same way as a hub id; `model_path` overrides it.
+What vLLM does that shapes the calls below:
+- Start-up: vLLM loads a model directory. The trainer's policy is saved once to a temporary directory (with LoRA
+  the merged weights under plain names: a peft adapter alone has no config.json and names vLLM cannot load), so the
+  built-in tiny model and checkpoints work like a hub id; `model_path` overrides it and the policy is then synced
+  once. Prompts go in as token ids and nothing is detokenized, so vLLM needs no tokenizer
+  (`skip_tokenizer_init`). `generation_config="vllm"`: the model's generation_config.json would otherwise add its
+  EOS ids as stops and cap the output length at its `max_new_tokens`.
+- torchrun: each rank runs its own vLLM over its shard of the prompts. `distributed_executor_backend=
+  "external_launcher"` puts it on this rank's GPU (LOCAL_RANK; the default executor takes GPU 0 from the device
+  string "cuda") inside torchrun's process group; each rank gets its own engine seed. Tensor parallelism is refused:
+  ranks of one tensor-parallel group must generate from the same prompts (TRL gathers them within the group), and
+  one process's vLLM with several GPUs would run its workers in other processes, where weights cannot be passed by
+  reference.
+- V1 multiprocessing off (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the engine core and its one worker run in this
+  process, so the weight sync hands over GPU tensors by reference.
 - Requests: one request per row with n=1 and `seed=seeds[r]`, so a row's sample depends only on its own seed (the
-  same contract as the fast engine, although vLLM's kernels draw different samples than the fast engine's).
-- Log-probs: not returned (`logprobs=None`). vLLM's sampled-token log-probs come from different kernels than the
-  trainer's forward pass, and the PPO ratio needs the trainer's numbers; with several passes the updater recomputes
-  them in one forward pass (PolicyUpdater._precompute), with one pass the ratio is exactly 1 anyway.
-- Weight sync: `sync_weights` hands (name, tensor) pairs of the trainer's parameters to vLLM's own
-  `model.load_weights` on every vLLM worker through `LLM.collective_rpc`. Colocated, the worker runs in this
-  process (V1 multiprocessing off), so the tensors are passed by reference on the same GPU: no copy through host
-  memory. For vLLM on other GPUs/nodes the same call site would instead broadcast each tensor over an NCCL group
-  shared by trainer rank 0 and the vLLM workers (see docs/scale.md); that mode is not implemented here.
+  same contract as the fast engine, although vLLM's kernels draw different samples). `ignore_eos=True` with
+  podsrl's stop ids: only podsrl's stops end a row.
+- Log-probs: `logprobs=0` returns the sampled token's log-prob. vLLM's default `logprobs_mode="raw_logprobs"` is
+  log_softmax of the logits before temperature; "processed_logprobs" (used here, as TRL does) is after temperature
+  and after top-k/top-p, renormalised over the kept tokens. podsrl's contract (base.py) is after temperature and
+  before top-k/top-p, so the two agree exactly when top-k/top-p are off; with them on, returning log-probs is
+  refused rather than giving the PPO ratio log-probs that are too high by log(kept mass).
+- vLLM 0.33 refuses temperatures above 2; the error names rollout.temperature.
+- Weight sync: `collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`, the worker method vLLM 0.33
+  provides for this (it wraps the model's `load_weights` in vLLM's layer-wise reload, which also re-processes
+  quantised layers), then the prefix cache is dropped (its K/V came from the old weights).
+- Memory: `gpu_memory_utilization` is the share of the GPU's whole memory vLLM may take for everything it holds
+  (weights, activations, CUDA graphs and KV cache); the trainer's weights, gradients and optimiser state must fit in
+  the rest. `max_num_batched_tokens` caps the tokens of one forward pass (TRL's 4096: vLLM's start-up memory
+  profile with its larger default leaves too little for the KV cache); `max_model_len` caps prompt + completion.
+  `enable_sleep_mode`: after each generate vLLM sleeps (level 1: weights to CPU, KV cache freed), so the update
+  has that memory; the next weight sync or generate wakes it.
+- Reproducibility: vLLM's start-up seeds Python's, NumPy's and torch's process-wide generators; their states are
+  put back after construction, so nothing that uses them in the trainer (dropout, a reward's `random`) depends on
+  vLLM. Its sampler draws from the process-wide CUDA generator only for requests without a seed; every request here
+  has one.
 
-Options: model_path, gpu_memory_utilization (0.4), tensor_parallel_size (1), dtype ("auto"), enforce_eager (False),
-llm_options (extra `vllm.LLM` keywords), eos_token_id, pad_token_id.
+Options: model_path, gpu_memory_utilization (0.4), tensor_parallel_size (1 only), dtype ("auto"), enforce_eager
+(False), max_model_len (None: the model's), max_num_batched_tokens (4096), enable_sleep_mode (False), llm_options
+(extra `vllm.LLM` keywords, overriding these), eos_token_id, pad_token_id.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from podsrl.engines.base import GenerationOutput, RolloutEngine, SamplingParams
@@ -39,11 +69,44 @@ from podsrl.engines.rows import (
     stop_ids,
 )
 from podsrl.errors import ConfigError
+from podsrl.models.transformers_api import base_model
+
+MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses higher temperatures
 
 
-def _load_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Runs on each vLLM worker (collective_rpc passes the worker first)."""
-    worker.model_runner.model.load_weights(weights=weights)
+@contextlib.contextmanager
+def preserved_global_rng() -> Iterator[None]:
+    """Puts Python's, NumPy's and torch's (CPU and CUDA) process-wide generator states back after the block."""
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) under the names of the plain transformers model, which vLLM's weight loader knows: with LoRA
+    the merged weights, one at a time on the GPU."""
+    if base_model(model) is not model:
+        from podsrl.lora import merged_weights
+
+        return merged_weights(model)
+    return iter(model.state_dict().items())
+
+
+def save_policy(model: torch.nn.Module, path: str) -> None:
+    """The policy as a model directory vLLM can load (with LoRA, the merged weights)."""
+    if base_model(model) is not model:
+        from podsrl.lora import export_merged
+
+        export_merged(model, path)
+    else:
+        model.save_pretrained(path, safe_serialization=True)
 
 
 class VLLMEngine(RolloutEngine):
@@ -53,61 +116,105 @@ class VLLMEngine(RolloutEngine):
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, model_path: str | None = None,
                  gpu_memory_utilization: float = 0.4, tensor_parallel_size: int = 1, dtype: str = "auto",
-                 enforce_eager: bool = False, llm_options: dict | None = None, **options: Any) -> None:
+                 enforce_eager: bool = False, max_model_len: int | None = None,
+                 max_num_batched_tokens: int = 4096, enable_sleep_mode: bool = False,
+                 llm_options: dict | None = None, **options: Any) -> None:
         try:
             import vllm
         except ImportError as e:
-            raise ConfigError("rollout.engine: 'vllm' needs vLLM and a CUDA GPU (pip install vllm); it is not "
-                              "installed here. Use rollout.engine=fast (one process) or ray (actor pool)") from e
+            raise ConfigError("rollout.engine: 'vllm' needs vLLM and a CUDA GPU (pip install 'podsrl[vllm]'); it is "
+                              "not installed here. Use rollout.engine=fast (one process) or ray (actor pool)") from e
         if not torch.cuda.is_available():
             raise ConfigError("rollout.engine: 'vllm' needs a CUDA GPU; none is visible")
+        if tensor_parallel_size != 1:
+            raise ConfigError(
+                f"rollout.engine_options.tensor_parallel_size: {tensor_parallel_size} is not supported; the vllm "
+                "engine runs one vLLM per trainer process on that process's GPU (under torchrun each rank samples "
+                "its own prompts, which tensor parallelism would need gathered per group). Use 1")
         self._vllm = vllm
         self.eos_ids, self.pad_token_id = special_ids(model, tokenizer, options)
+        self.sleep_between_steps, self._asleep = enable_sleep_mode, False
         self._tmp = None
-        if model_path is None:  # vLLM loads from a directory: write the current policy once
+        given_path = model_path is not None
+        if not given_path:  # vLLM loads from a directory: write the current policy once
             self._tmp = tempfile.TemporaryDirectory(prefix="podsrl-vllm-")
-            model.save_pretrained(self._tmp.name, safe_serialization=True)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(self._tmp.name)
+            save_policy(model, self._tmp.name)
             model_path = self._tmp.name
-        # Colocated: keep vLLM's worker in this process so weight sync passes GPU tensors by reference.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        self.llm = vllm.LLM(model=model_path, gpu_memory_utilization=gpu_memory_utilization,
-                            tensor_parallel_size=tensor_parallel_size, dtype=dtype, enforce_eager=enforce_eager,
-                            **(llm_options or {}))
+        world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # worker in this process: weights pass by reference
+        llm_kwargs = dict(
+            model=model_path, skip_tokenizer_init=True, generation_config="vllm", dtype=dtype, seed=rank,
+            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=1, enforce_eager=enforce_eager,
+            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+            enable_sleep_mode=enable_sleep_mode, logprobs_mode="processed_logprobs")
+        if world > 1:
+            llm_kwargs["distributed_executor_backend"] = "external_launcher"
+        with preserved_global_rng():
+            self.llm = vllm.LLM(**{**llm_kwargs, **(llm_options or {})})
+        if given_path:  # vLLM holds the weights at model_path; the policy may differ (a checkpoint, an adapter)
+            self.sync_weights(model)
 
     def generate(self, prompts: list[list[int]], counts: list[int], params: SamplingParams,
                  seeds: torch.Tensor) -> GenerationOutput:
         rows = check_request(prompts, counts, seeds)
         if rows == 0 or params.max_new_tokens <= 0:
-            return no_token_output(prompts, counts, rows, self.pad_token_id, False)
+            return no_token_output(prompts, counts, rows, self.pad_token_id, params.return_logprobs)
+        self._check_params(params)
+        self._wake()
         stops = stop_ids(self.eos_ids, params)
         requests, sampling = [], []
         row_seeds = seeds.long().tolist()
         r = 0
         for prompt, count in zip(prompts, counts):
             for _ in range(count):
-                requests.append({"prompt_token_ids": prompt})
+                requests.append({"prompt_token_ids": list(prompt)})
                 sampling.append(self._vllm.SamplingParams(
                     n=1, seed=row_seeds[r] & (2**63 - 1), max_tokens=params.max_new_tokens,
                     temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
-                    top_k=params.top_k if params.top_k > 0 else -1, stop_token_ids=stops, detokenize=False))
+                    top_k=params.top_k, stop_token_ids=stops, ignore_eos=True,
+                    logprobs=0 if params.return_logprobs else None, detokenize=False))
                 r += 1
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
-        tokens = [list(o.outputs[0].token_ids) for o in outputs]
-        width = max((len(t) for t in tokens), default=0)
+        if self.sleep_between_steps:
+            self.llm.sleep(level=1)
+            self._asleep = True
+        completions = [o.outputs[0] for o in outputs]
+        lengths = torch.tensor([len(c.token_ids) for c in completions])
+        width = int(lengths.max())
         ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
-        for i, t in enumerate(tokens):
-            ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-        lengths = torch.tensor([len(t) for t in tokens])
+        logprobs = torch.zeros((rows, width), dtype=torch.float32)
+        for i, c in enumerate(completions):
+            ids[i, : len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
+            if params.return_logprobs:  # one {token id: Logprob} per position; logprobs=0 holds the sampled token
+                logprobs[i, : len(c.token_ids)] = torch.tensor(
+                    [position[token].logprob for position, token in zip(c.logprobs, c.token_ids)])
         mask, truncated = completion_mask(ids, stops, lengths)
         group_index, prompt_ids, prompt_mask = row_prompts(prompts, counts, self.pad_token_id)
         return GenerationOutput(group_index=group_index, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
-                                completion_ids=ids, completion_mask=mask, truncated=truncated, logprobs=None)
+                                completion_ids=ids, completion_mask=mask, truncated=truncated,
+                                logprobs=logprobs * mask if params.return_logprobs else None)
+
+    @staticmethod
+    def _check_params(params: SamplingParams) -> None:
+        if params.greedy:
+            return
+        if params.temperature > MAX_TEMPERATURE:
+            raise ConfigError(f"rollout.temperature: {params.temperature} is above {MAX_TEMPERATURE}, the highest "
+                              "temperature vLLM samples at")
+        if params.return_logprobs and (params.top_p < 1.0 or params.top_k > 0):
+            raise ConfigError(
+                "rollout.top_p/top_k: the vllm engine returns log-probs (the trainer asks for them, e.g. with several "
+                "passes over a batch) only with top_p=1 and top_k=0: vLLM gives them after top-p/top-k truncation, "
+                "not of the temperature-scaled policy. Set rollout.top_p=1 and rollout.top_k=0, or use another engine")
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
 
     def sync_weights(self, model: torch.nn.Module) -> None:
-        weights = [(name, p.detach()) for name, p in model.named_parameters()]
-        self.llm.collective_rpc(_load_weights, args=(weights,))
+        self._wake()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(model)})
         self.llm.reset_prefix_cache()  # cached prompt K/V were computed with the old weights
 
     def close(self) -> None:
