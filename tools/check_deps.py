@@ -25,15 +25,18 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH_DEFAULT = "torch==2.13.0"  # the README's CPU build
+GPU_ONLY_EXTRAS = ("vllm",)  # no CPU wheel (tests/engines/test_vllm_contract.py checks the calls with a fake module)
 REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9_.\-]+)(\[[^\]]*\])?\s*(.*)$")
 
 
 def requirements(pyproject: dict) -> list[str]:
-    """The core dependencies and those of every extra, each once (podsrl[...] self-references expanded)."""
+    """The core dependencies and those of every extra but the GPU-only ones, each once (podsrl[...] self-references
+    expanded)."""
     project = pyproject["project"]
     found = list(project["dependencies"])
-    for extra in project.get("optional-dependencies", {}).values():
-        found += [r for r in extra if not r.startswith("podsrl[")]
+    for name, extra in project.get("optional-dependencies", {}).items():
+        if name not in GPU_ONLY_EXTRAS:
+            found += [r for r in extra if not r.startswith("podsrl[")]
     seen, unique = set(), []
     for r in found:
         name = REQUIREMENT.match(r).group(1).lower()
