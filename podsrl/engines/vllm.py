@@ -33,8 +33,9 @@ What vLLM does that shapes the calls below:
   quantised layers), then the prefix cache is dropped (its K/V came from the old weights).
 - Memory: `gpu_memory_utilization` is the share of the GPU's whole memory vLLM may take for everything it holds
   (weights, activations, CUDA graphs and KV cache); the trainer's weights, gradients and optimiser state must fit in
-  the rest. `max_num_batched_tokens` caps the tokens of one forward pass (TRL's 4096: vLLM's start-up memory
-  profile with its larger default leaves too little for the KV cache); `max_model_len` caps prompt + completion.
+  the rest. `max_num_batched_tokens` caps the tokens of one forward pass (TRL's 4096; vLLM's own default, 16384 on
+  large GPUs, makes its start-up profile reserve activations for that many tokens, out of the KV cache's share);
+  `max_model_len` caps prompt + completion.
   `enable_sleep_mode`: after each generate vLLM sleeps (level 1: weights to CPU, KV cache freed), so the update
   has that memory; the next weight sync or generate wakes it.
 - Reproducibility: vLLM's start-up seeds Python's, NumPy's and torch's process-wide generators; their states are
