@@ -70,8 +70,8 @@ class FastEngine(RolloutEngine):
       (True: inductor; a string: that backend); with cuda_graphs the compiled step is what is captured;
     - cache_block (64): with cuda_graphs or compile, a step attends over the filled cache rounded up to a multiple of
       this, its rows rounded up to a power of two (eager decoding runs the live shapes);
-    - weights_dtype (None): sample from the engine's own copy of the model in this dtype when it differs from the
-      model's parameters' (e.g. torch.bfloat16 for an fp32-master policy), made once and refreshed in place by
+    - weights_dtype (None): sample from the engine's own copy of the model in this dtype (a torch.dtype or its name)
+      when it differs from the model's parameters' (e.g. bfloat16 for an fp32-master policy), made once and refreshed in place by
       sync_weights; log-probs stay float32;
     - eos_token_id, pad_token_id.
     Outputs are CPU tensors.
@@ -92,7 +92,7 @@ class FastEngine(RolloutEngine):
         cuda_graphs: bool | None = None,
         compile: bool | str = False,
         cache_block: int = 64,
-        weights_dtype: torch.dtype | None = None,
+        weights_dtype: torch.dtype | str | None = None,
         **options: Any,
     ) -> None:
         if cache not in ("static", "dynamic"):
@@ -287,10 +287,17 @@ class FastEngine(RolloutEngine):
         return self.state
 
 
-def compute_copy(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module | None:
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def compute_copy(model: torch.nn.Module, dtype: torch.dtype | str | None) -> torch.nn.Module | None:
     """A copy of `model` whose parameters are in `dtype`, for sampling (None when they already are, or no dtype).
     Each parameter is cast straight into the copy (the model is never duplicated in its own dtype); buffers (the
     rotary frequencies) are copied as they are, as from_pretrained keeps them in float32 in any dtype."""
+    if isinstance(dtype, str):  # as written in a config file
+        dtype = getattr(torch, dtype, None) if dtype in DTYPE_NAMES else None
+        if dtype is None:
+            raise ConfigError(f"rollout.engine_options.weights_dtype: one of {', '.join(DTYPE_NAMES)}")
     if dtype is None or all(p.dtype == dtype for p in model.parameters()):
         return None
     memo: dict[int, Any] = {}
