@@ -83,6 +83,10 @@ class StepState:
               stops: list[int], sampler: Sampler) -> None:
         """Sets up rows [:rows] after the prefill of `prefill_mask` [P, width] (`expand`: prefill row of each row)."""
         device, width = self.tokens.device, prefill_mask.shape[1]
+        # rows past `rows` are a bucket's padding: an earlier call's values there (a left padding wider than this
+        # call's columns: a negative position) must not index out of range
+        self.left_pad[rows:] = 0
+        self.finished[rows:] = True
         mask = prefill_mask.to(device).bool()
         if expand is not None:
             mask = mask[expand]

@@ -157,3 +157,15 @@ def test_graph_options_name_what_they_need():
         FastEngine(model, Tok(), cuda_graphs=True, cache="dynamic")
     with pytest.raises(ConfigError, match="cache_block"):
         FastEngine(model, Tok(), cache_block=0)
+
+
+def test_bucket_padding_rows_left_by_a_wider_call_stay_in_range():
+    """A bucket's padding rows hold an earlier call's rows: one whose left padding (18) exceeds this call's columns
+    would look up a negative position (an index error on the CPU, a device assert on CUDA) unless reset."""
+    model = make_model("qwen", peak=3.0, eos_bias=2.0)
+    engine, eager = graph_engine(model), FastEngine(model, Tok())
+    wide = random_prompts([20, 2])
+    engine.generate(wide, [4, 4], SAMPLED, torch.arange(8))
+    narrow, counts, seeds = random_prompts([3, 4], seed=2), [3, 2], torch.arange(5)
+    assert_same(engine.generate(narrow, counts, SAMPLED, seeds), eager.generate(narrow, counts, SAMPLED, seeds))
+    assert engine.state.rows == 8
