@@ -71,8 +71,8 @@ class FastEngine(RolloutEngine):
     - cache_block (64): with cuda_graphs or compile, a step attends over the filled cache rounded up to a multiple of
       this, its rows rounded up to a power of two (eager decoding runs the live shapes);
     - weights_dtype (None): sample from the engine's own copy of the model in this dtype (a torch.dtype or its name)
-      when it differs from the model's parameters' (e.g. bfloat16 for an fp32-master policy), made once and refreshed in place by
-      sync_weights; log-probs stay float32;
+      when it differs from the model's parameters' (e.g. bfloat16 for an fp32-master policy), made once and
+      refreshed in place by sync_weights; log-probs stay float32;
     - eos_token_id, pad_token_id.
     Outputs are CPU tensors.
     """
