@@ -108,3 +108,23 @@ def sample_with_uniforms(
         target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
         tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def sample_next(
+    logits: torch.Tensor,
+    uniforms: torch.Tensor | None,
+    finished: torch.Tensor,
+    is_stop: torch.Tensor,
+    pad_token_id: int,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decode position of a batch: (tokens, log-probs, finished) [B] from `sample_with_uniforms`, rows that
+    had finished emitting padding with log-prob 0, a row finished once it emits a stop token (`is_stop` [V] bool,
+    a lookup: the same ops for any number of stop tokens). No host synchronisation: a decode step runs it inside
+    a CUDA graph."""
+    tokens, logprobs = sample_with_uniforms(logits, uniforms, temperature, top_k, top_p)
+    tokens = tokens.masked_fill(finished, pad_token_id)
+    logprobs = logprobs.masked_fill(finished, 0.0)
+    return tokens, logprobs, finished | is_stop[tokens]

@@ -3,14 +3,17 @@
 On Llama/Mistral/Qwen2/Qwen3 models the decoder stack runs as `DecodeStack`: the one layer of podsrl/models/llama.py
 with attention as grouped matmuls over the cache (on CPU, SDPA's flash kernel and the per-layer forward's dispatch
 cost more than a decode step's matmuls at RL batch sizes); at those sizes a CPU decode step's other cost is per-op
-dispatch, so the stack binds its layers' plans once per generate call, looks rotary cos/sin up in a per-call table,
-and spends as few ops per layer as give the same bits. Other models run their own forward (`ModelForward`) with
+dispatch, so the stack binds its layers' plans and a rotary cos/sin table once (kept across generate calls while the
+parameters keep their addresses, the fused weights refreshed in place), and spends as few ops per layer as give the
+same bits. The same forward serves the engine's static-shape decode step (podsrl/engines/decode_step.py), whose
+cache writes at a column given as a tensor. Other models run their own forward (`ModelForward`) with
 masks and position ids built as `generate` builds them. `cached_forward_problem` says why a model can take neither.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +21,7 @@ from torch import Tensor
 
 from podsrl.models.attention import decode_attention, decode_bias, grouped_attention
 from podsrl.models.kernels import signed_sin
-from podsrl.models.llama import LayerPlan, decoder_layer, layer_plan, norm_function
+from podsrl.models.llama import LayerPlan, decoder_layer, layer_plan, norm_function, refresh_fused
 from podsrl.models.transformers_api import (
     DynamicCache,
     cache_argument,
@@ -96,20 +99,33 @@ class DecodeStack:
         self.model, self.body = model, body
         self.layers = list(body.layers[: model.config.num_hidden_layers])
         self.kv_heads = model.config.num_key_value_heads
+        self.head_dim = self.layers[0].self_attn.head_dim
         self.plans: list[LayerPlan] = []
+        self.rotary: Tensor | None = None
+        self.bound: tuple[int, ...] | None = None  # the parameters' addresses the plans were bound to
+        self.binding = 0  # counts bindings: a captured step graph reads one binding's tensors
 
     def begin(self, length: int) -> None:
-        """Binds the layers' plans and the rotary table for one generate call of at most `length` positions (per
-        call: the optimiser changes the weights in place)."""
+        """Binds the layers' plans and the rotary table for a generate call of at most `length` positions. A
+        binding is kept while the parameters keep their addresses (the optimiser updates them in place) and the
+        table is long enough: then only the fused q/k/v and gate/up weights are refreshed, in place, so that a
+        captured step graph reads today's weights at the addresses it captured."""
+        addresses = tuple(p.data_ptr() for p in self.model.parameters())
+        if addresses == self.bound and self.rotary is not None and self.rotary.shape[0] >= length:
+            for plan, layer in zip(self.plans, self.layers):
+                refresh_fused(plan, layer)
+            return
         config = self.model.config
         self.plans = [layer_plan(layer, i, config, autograd=False, heads_first=True)
                       for i, layer in enumerate(self.layers)]
         self.final_norm = norm_function(self.body.norm)
         self.rotary = self.rotary_table(length)
+        self.bound = addresses
+        self.binding += 1
 
     def rotary_table(self, length: int) -> Tensor:
         """[length, 2 d]: per position, the model's rotary cos and signed sin (as `rotate` takes them), computed once
-        per generate call and looked up per step (the values are per position)."""
+        per binding and looked up per step (the values are per position)."""
         weight = self.body.embed_tokens.weight
         cos, sin = self.body.rotary_emb(weight[:1], torch.arange(length, device=weight.device)[None])
         return torch.cat((cos[0], signed_sin(sin[0])), dim=-1)
@@ -121,22 +137,32 @@ class DecodeStack:
 
     def logits(self, ids: Tensor, mask: Tensor, positions: Tensor, cache) -> Tensor:
         """`mask` is the bool [B, 1, Q, K] 'may attend' tensor over the cache after this call's keys."""
+        return self.forward(ids, mask, positions, lambda index, k, v: cache.layers[index].update(k, v))
+
+    def forward(self, ids: Tensor, mask: Tensor, positions: Tensor, update: KVUpdate) -> Tensor:
+        """Last-position logits of `ids` [B, Q] at `positions` [B, Q]; `update(layer index, k, v)` stores a layer's
+        new keys and values and returns the keys and values its queries attend over ([B, Hkv, K, d], K the last
+        dimension of the bool 'may attend' `mask` [B, 1, Q, K])."""
         hidden = self.body.embed_tokens(ids)
         cos, sin = self.cos_sin(positions)
-        attend = CacheAttention(cache, mask, self.kv_heads, hidden)
+        attend = CacheAttention(update, mask, self.kv_heads, hidden)
         for plan in self.plans:
             hidden = decoder_layer(plan, hidden, cos, sin, attend)
         # the norm is per position, so normalising only the last one gives the same logits
         return self.model.lm_head(self.final_norm(hidden[:, -1:]))[:, -1]
 
 
+# stores one layer's new keys and values and returns what its queries attend over: (layer index, k, v) -> (keys, values)
+KVUpdate = Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
 class CacheAttention:
-    """Attention of one forward call's queries over the KV cache, after appending its keys and values: grouped
+    """Attention of one forward call's queries over the KV cache, after storing its keys and values: grouped
     matmuls (no per-call attention dispatch, no key/value head repeat), through decode_attention for the one-query
     decode steps on CPU, its additive mask built once for all layers."""
 
-    def __init__(self, cache, mask: Tensor, kv_heads: int, hidden: Tensor) -> None:
-        self.cache = cache
+    def __init__(self, update: KVUpdate, mask: Tensor, kv_heads: int, hidden: Tensor) -> None:
+        self.update = update
         if hidden.shape[1] == 1 and hidden.device.type == "cpu":
             self.attend, self.blocked = decode_attention, decode_bias(mask, kv_heads, hidden.dtype)
         else:
@@ -144,6 +170,6 @@ class CacheAttention:
 
     def __call__(self, plan: LayerPlan, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [B, H, Q, d], k/v [B, Hkv, Q, d] -> [B, Q, H * d]."""
-        keys, values = self.cache.layers[plan.index].update(k, v)
+        keys, values = self.update(plan.index, k, v)
         out = self.attend(q, keys, values, self.blocked, plan.scaling)
         return out.transpose(1, 2).flatten(2)

@@ -77,6 +77,7 @@ class LayerPlan(NamedTuple):
     o_proj: torch.nn.Module
     post_norm: Callable[[Tensor], Tensor]
     mlp: Callable[[Tensor], Tensor]
+    gate_up: Tensor | None = None  # the fused gate/up weight `mlp` reads (None: the MLP runs as its module)
 
 
 def layer_plan(layer: torch.nn.Module, index: int, config, autograd: bool, heads_first: bool = False) -> LayerPlan:
@@ -84,7 +85,7 @@ def layer_plan(layer: torch.nn.Module, index: int, config, autograd: bool, heads
     (not LoRA-wrapped) and the MLP is the gated down(act(gate(x)) * up(x)). Bind it where the weights are what the
     forward must use (under FSDP2, inside the layer's own call, while its parameters are gathered)."""
     attn = layer.self_attn
-    qk_norms = None
+    qk_norms, gate_up = None, fused_gate_up(layer.mlp)
     if hasattr(attn, "q_norm"):
         qk_norms = (norm_function(attn.q_norm, autograd), norm_function(attn.k_norm, autograd))
     return LayerPlan(
@@ -101,14 +102,27 @@ def layer_plan(layer: torch.nn.Module, index: int, config, autograd: bool, heads
         qk_norms=qk_norms,
         o_proj=attn.o_proj,
         post_norm=norm_function(layer.post_attention_layernorm, autograd),
-        mlp=_mlp_function(layer.mlp, autograd),
+        mlp=_mlp_function(layer.mlp, gate_up, autograd),
+        gate_up=gate_up,
     )
 
 
-def _mlp_function(mlp: torch.nn.Module, autograd: bool) -> Callable[[Tensor], Tensor]:
-    """down(act(gate(x)) * up(x)) with gate/up as one matmul, and with autograd a SiLU gating as kernels.swiglu;
-    the MLP module itself when its weights cannot be fused."""
-    gate_up = fused_gate_up(mlp)
+def refresh_fused(plan: LayerPlan, layer: torch.nn.Module) -> None:
+    """Copies the layer's current q/k/v and gate/up weights into the plan's fused ones in place: a plan kept across
+    optimiser steps (the decode step's, which a CUDA graph reads at fixed addresses) computes with today's weights."""
+    attn = layer.self_attn
+    if plan.qkv is not None:
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        torch.cat([m.weight for m in projections], out=plan.qkv[0])
+        if plan.qkv[1] is not None:
+            torch.cat([m.bias for m in projections], out=plan.qkv[1])
+    if plan.gate_up is not None:
+        torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight], out=plan.gate_up)
+
+
+def _mlp_function(mlp: torch.nn.Module, gate_up: Tensor | None, autograd: bool) -> Callable[[Tensor], Tensor]:
+    """down(act(gate(x)) * up(x)) with gate/up as one matmul (`gate_up`, from fused_gate_up), and with autograd a
+    SiLU gating as kernels.swiglu; the MLP module itself when its weights cannot be fused."""
     if gate_up is None:
         return mlp
     down, act = mlp.down_proj, mlp.act_fn

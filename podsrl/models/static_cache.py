@@ -1,5 +1,10 @@
-"""The fast engine's static KV cache: per layer, buffers of fixed capacity written in place (`SlotLayer`), and
-finished-row compaction that moves as few rows as finished (`compact`)."""
+"""The fast engine's static KV caches and finished-row compaction that moves as few rows as finished.
+
+- `SlotLayer`: one layer's K/V in buffers of fixed capacity written in place at a Python length, behind transformers'
+  cache interface (prefill, and models run through their own forward);
+- `StepCache`: every layer's K/V at fixed addresses for the engine's life, written at a column given as a tensor, for
+  the static-shape decode step (a CUDA graph replays reading and writing the addresses it captured).
+"""
 
 from __future__ import annotations
 
@@ -69,21 +74,63 @@ def _select_prefix(buffer: torch.Tensor, indices: torch.Tensor, length: int) -> 
     return out
 
 
-def compact(cache, finished: torch.Tensor, n_finished: int) -> torch.Tensor:
-    """Drops the finished rows from the cache; returns the kept batch rows in their new order.
-
-    The live rows past the new batch end move into the finished rows' places before it, so a static cache copies
-    only as many rows as finished (other caches index-select the same order).
-    """
+def compaction_moves(finished: torch.Tensor, n_finished: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(holes, sources, order) that drop the finished rows of a batch: the live rows past the new batch end
+    (`sources`) move into the finished rows' places before it (`holes`), so only as many rows as finished move;
+    `order` [rows left] is the old batch row of each new one."""
     rows = finished.numel() - n_finished
     holes = finished[:rows].nonzero().squeeze(1)
     sources = (~finished[rows:]).nonzero().squeeze(1) + rows
     order = torch.arange(rows, device=finished.device)
     order[holes] = sources
+    return holes, sources, order
+
+
+def compact(cache, holes: torch.Tensor, sources: torch.Tensor, order: torch.Tensor) -> None:
+    """Drops the finished rows from a transformers cache by compaction_moves' moves: a static cache copies only as
+    many rows as finished, other caches index-select the same order."""
     layers = getattr(cache, "layers", None) or []
     if layers and all(isinstance(layer, SlotLayer) for layer in layers):
         for layer in layers:
-            layer.fill_holes(holes, sources, rows)
+            layer.fill_holes(holes, sources, order.numel())
     else:
         cache.batch_select_indices(order)
-    return order
+
+
+class StepCache:
+    """Every layer's keys and values [rows, kv_heads, positions, d] for the static-shape decode step, allocated once
+    and zero-filled (a bucket's padding rows then compute on finite values); a step writes one column, given as a
+    tensor, in place and reads the leading rows and columns of its bucket."""
+
+    def __init__(self, layers: int, rows: int, positions: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        shape = (rows, kv_heads, positions, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+
+    def load(self, prefill, expand: torch.Tensor | None, rows: int) -> None:
+        """Copies a prefill cache's layers (`SlotLayer`s) into the leading `rows` rows, prefill row `expand[r]` into
+        row r (None: row r)."""
+        for layer, keys, values in zip(prefill.layers, self.keys, self.values):
+            width = layer.length
+            for source, target in ((layer.keys, keys), (layer.values, values)):
+                if expand is None:
+                    target[:rows, :, :width].copy_(source)
+                else:
+                    torch.index_select(source, 0, expand, out=target[:rows, :, :width])
+
+    def write(self, index: int, k: torch.Tensor, v: torch.Tensor, column: torch.Tensor,
+              length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes layer `index`'s k/v [B, kv_heads, 1, d] at `column` ([1] long) of rows [:B]; returns its keys and
+        values over rows [:B] and columns [:length]."""
+        rows = k.shape[0]
+        keys, values = self.keys[index][:rows], self.values[index][:rows]
+        keys.index_copy_(2, column, k)
+        values.index_copy_(2, column, v)
+        return keys[:, :, :length], values[:, :, :length]
+
+    def fill_holes(self, holes: torch.Tensor, sources: torch.Tensor, filled: int) -> None:
+        """Rows `sources` into rows `holes` (compaction_moves), their first `filled` columns only."""
+        if holes.numel():
+            for buffer in (*self.keys, *self.values):
+                buffer[holes, :, :filled] = buffer[sources, :, :filled]

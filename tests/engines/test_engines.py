@@ -453,3 +453,46 @@ def test_known_engine_options_pass():
     check_engine_options("fast", {"shared_prefill": False, "cache": "dynamic", "pad_token_id": 0})
     check_engine_options("ray", {"num_workers": 1, "engine": "hf", "engine_options": {"eos_token_id": 2}})
     check_engine_options("vllm", {"gpu_memory_utilization": 0.3, "llm_options": {}})
+
+
+# ---------------------------------------------------------------- the engine's weights copy (weights_dtype)
+
+
+def test_weights_dtype_samples_from_a_copy_that_sync_weights_refreshes():
+    """weights_dtype=bfloat16 on an fp32 policy: the engine samples from its own bf16 copy (made once: the same
+    tensors after every sync), its log-probs float32 and not the fp32 model's; until sync_weights the copy keeps the
+    old weights, after it the new ones (the outputs of a copy made from the updated model, to the bit)."""
+    model = make_model("qwen", peak=3.0, eos_bias=2.0)
+    prompts, counts, seeds = random_prompts([3, 8, 5]), [3, 2, 4], torch.arange(9) * 31
+    params = SamplingParams(max_new_tokens=9, temperature=0.8, top_p=0.9)
+    half = FastEngine(model, Tok(), weights_dtype=torch.bfloat16)
+    assert half.copy is not None and half.model is half.copy
+    assert {p.dtype for p in half.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert half.model.model.rotary_emb.inv_freq.dtype == torch.float32  # buffers as from_pretrained keeps them
+    addresses = [p.data_ptr() for p in half.model.parameters()]
+    full = FastEngine(model, Tok()).generate(prompts, counts, params, seeds)
+    old = half.generate(prompts, counts, params, seeds)
+    assert old.logprobs.dtype == torch.float32
+    both = (old.completion_mask > 0) & (full.completion_mask > 0)
+    # bf16 weights move log-probs by ~1e-2 here (8 bits of mantissa), far past fp32 rounding (~1e-6)
+    assert (old.logprobs - full.logprobs)[both].abs().max() > 1e-3
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.5)
+    assert torch.equal(half.generate(prompts, counts, params, seeds).logprobs, old.logprobs)  # a copy: unchanged
+    half.sync_weights(model)
+    new = half.generate(prompts, counts, params, seeds)
+    fresh = FastEngine(model, Tok(), weights_dtype=torch.bfloat16).generate(prompts, counts, params, seeds)
+    assert torch.equal(new.completion_ids, fresh.completion_ids) and torch.equal(new.logprobs, fresh.logprobs)
+    assert not torch.equal(new.logprobs, old.logprobs)
+    assert [p.data_ptr() for p in half.model.parameters()] == addresses
+
+
+def test_weights_dtype_equal_to_the_model_keeps_no_copy():
+    model = make_model("qwen")
+    for dtype in (None, torch.float32, "float32"):
+        engine = FastEngine(model, Tok(), weights_dtype=dtype)
+        assert engine.copy is None and engine.model is model
+    assert FastEngine(model, Tok(), weights_dtype="bfloat16").model.lm_head.weight.dtype == torch.bfloat16
+    with pytest.raises(ConfigError, match="weights_dtype: one of float32, bfloat16"):
+        FastEngine(model, Tok(), weights_dtype="bf16")
