@@ -18,16 +18,12 @@ import torch
 
 from podsrl.errors import ConfigError
 
-COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-
 
 def check_precision(model_cfg, train_cfg=None) -> None:
     """ConfigError naming the key for a compute dtype that cannot go with the parameter dtype. Under FSDP2 the
     compute dtype is its MixedPrecisionPolicy's param_dtype (`train.fsdp_param_dtype`): the two keys are one
     setting, so an explicit value of either fills the other's `auto` (in place) and two different ones are refused."""
-    compute, params = model_cfg.compute_dtype, model_cfg.dtype
-    if compute not in COMPUTE_DTYPES:
-        raise ConfigError(f"model.compute_dtype: {compute!r} is not one of {', '.join(COMPUTE_DTYPES)}")
+    compute, params = model_cfg.compute_dtype, model_cfg.dtype  # each one of its Literal's names (config.py)
     if compute == "float16":
         raise ConfigError("model.compute_dtype: float16 is refused: podsrl has no loss scaling, so small float16 "
                           "gradients would underflow to zero; use bfloat16")
