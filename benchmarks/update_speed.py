@@ -273,9 +273,9 @@ CHECKPOINTING_ARMS = {"shared-prompt": (True, False), "shared-prompt + checkpoin
                       "plain": (False, False), "plain + checkpointing": (False, True)}
 
 
-def checkpointing_arms(name: str, repeats: int, device: str, threads: int) -> None:
+def checkpointing_arms(name: str, repeats: int, device: str, threads: int, memory: bool = True) -> None:
     """Each path with and without activation checkpointing: interleaved times (round r runs the arms rotated by r,
-    the first round untimed) and each arm's peak memory in a fresh process."""
+    the first round untimed) and, with `memory`, each arm's peak memory in a fresh process."""
     model, config, overrides, batch = WORKLOADS[name]()
     names = list(CHECKPOINTING_ARMS)
     arms = {k: make_updater(copy.deepcopy(model), config, overrides, CHECKPOINTING_ARMS[k][0], device,
@@ -290,8 +290,8 @@ def checkpointing_arms(name: str, repeats: int, device: str, threads: int) -> No
             if r > 0:
                 times[k].append(time.perf_counter() - t0)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(threads or "")}
-    peaks = {}
-    for k in names:
+    peaks = dict.fromkeys(names, float("nan"))
+    for k in names if memory else []:
         shared, checkpointing = CHECKPOINTING_ARMS[k]
         out = subprocess.run([sys.executable, __file__, "--memory-child", f"{name},{int(shared)},{int(checkpointing)}",
                               "--threads", str(threads), "--device", device], capture_output=True, text=True,
@@ -350,7 +350,7 @@ def main() -> None:
         return
     if opts.activation_checkpointing:
         for name in opts.workload:
-            checkpointing_arms(name, opts.repeats, opts.device, opts.threads)
+            checkpointing_arms(name, opts.repeats, opts.device, opts.threads, not opts.skip_memory)
         print(f"\nend load average: {os.getloadavg()[0]:.2f}")
         return
     for name in opts.workload:

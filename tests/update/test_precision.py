@@ -145,3 +145,16 @@ def test_bfloat16_compute_run_learns_and_checkpoints_float32_masters(tmp_path, w
     state = torch.load(checkpoint / "optimizer.pt", weights_only=True)
     moments = [t for s in state["optimizer"]["state"].values() for k, t in s.items() if k.startswith("exp_avg")]
     assert moments and all(t.dtype == torch.float32 for t in moments)
+
+
+def test_pure_bfloat16_is_named_and_runs_without_autocast(caplog):
+    """model.dtype=bfloat16: the weights themselves train in bfloat16 (no autocast, nothing to cast), and the log
+    says so."""
+    model = tiny_model().to(torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="podsrl"):
+        updater = make_updater(model, True, "model.dtype=bfloat16", "optim.micro_batch_size=4")
+    assert updater.compute_dtype == updater.param_dtype == torch.bfloat16
+    assert any("pure bfloat16: weights and optimiser state in bfloat16" in r.message for r in caplog.records)
+    metrics = updater.update(make_batch([4, 1, 3, 2], 128, seed=1), torch.Generator().manual_seed(5))
+    assert torch.isfinite(torch.tensor(metrics["loss"])) and grads(model).abs().sum() > 0
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
