@@ -12,6 +12,7 @@ from podsrl.batch import Problem
 from podsrl.config import Config
 from podsrl.engines import RolloutEngine, build_engine
 from podsrl.models.loading import load_policy
+from podsrl.models.precision import resolve_compute_dtype
 from podsrl.rewards import RewardManager, build_reward_manager
 from podsrl.tasks import build_task
 from podsrl.tasks.base import Task
@@ -53,7 +54,15 @@ def load_task(cfg: Config, tokenizer, model: torch.nn.Module | None = None) -> t
 
 
 def rollout_engine(cfg: Config, model: torch.nn.Module, tokenizer) -> RolloutEngine:
-    return build_engine(cfg.rollout.engine, model, tokenizer, **cfg.rollout.engine_options)
+    """The configured engine over `model`. The fast engine samples in model.compute_dtype: a copy of the weights in
+    that dtype when it is narrower than the parameters (bfloat16 sampling of float32 masters), refreshed after each
+    update, unless rollout.engine_options names its own weights_dtype."""
+    options = dict(cfg.rollout.engine_options)
+    if cfg.rollout.engine == "fast" and "weights_dtype" not in options:
+        param = next(model.parameters())
+        compute = resolve_compute_dtype(cfg.model, param.device)
+        options["weights_dtype"] = compute if compute != param.dtype else None
+    return build_engine(cfg.rollout.engine, model, tokenizer, **options)
 
 
 def reward_manager(cfg: Config, task: Task) -> RewardManager:
