@@ -268,16 +268,18 @@ def layer_activations(shape: ModelShape, mb: MicroBatch, work: Workload, last: b
 
 
 def activations(shape: ModelShape, mb: MicroBatch, work: Workload, checkpointing: bool) -> dict[str, int]:
-    """Saved activations of a micro-batch's forward: per layer, or with checkpointing each layer's input [N, D]
-    plus one layer's saved tensors while it is recomputed in the backward; the stream's shared tensors (rotary cos
+    """Saved activations of a micro-batch's forward: per layer, or with checkpointing (torch.utils.checkpoint per
+    decoder layer, podsrl/models/packed.py) each layer's input, the [N, D] residual stream in the master dtype
+    (the recomputed layer's own tensors are in `update_peak`'s transient); the stream's shared tensors (rotary cos
     and sin [N, d] twice, index tensors); the final norm and the head's saved hidden states [T, D], log-sum-exp and
     entropy."""
     e, L = work.e, shape.layers
-    inner = layer_activations(shape, mb, work)
-    last = layer_activations(shape, mb, work, last=True)
     shared = 2 * mb.tokens * shape.head_dim * e + 8 * (3 * mb.tokens + 2 * mb.predicted)
     head = mb.predicted * (2 * shape.hidden * e + e + 8)
-    layers = (L - 1) * inner + last if not checkpointing else L * mb.tokens * shape.hidden * e + inner
+    if checkpointing:
+        layers = L * mb.tokens * shape.hidden * work.p
+    else:
+        layers = (L - 1) * layer_activations(shape, mb, work) + layer_activations(shape, mb, work, last=True)
     return {"layers": layers, "shared": shared, "head": head}
 
 
@@ -319,6 +321,9 @@ def update_peak(shape: ModelShape, work: Workload, rows: int, checkpointing: boo
     mb = MicroBatch.of(min(rows, work.trained_rows), work.m, work)
     act = activations(shape, mb, work, checkpointing)
     transient = backward_transient(shape, mb, work)
+    if checkpointing:  # a layer's backward runs on its recomputed activations
+        layer = layer_activations(shape, mb, work)
+        transient = {"head": transient["head"], "layer": layer + max(transient["attention"], transient["mlp"])}
     terms = {**{k: v for k, v in state.items() if k != "gradients"}, "activations": sum(act.values()),
              "transient": max(transient.values()), "runtime": RUNTIME_BYTES[work.device]["update"]}
     if work.training_run:  # DecodeStack keeps the last generate call's fused weights
