@@ -1,27 +1,29 @@
 """`podsrl plan --memory`: the predicted peak memory of a step's generation and of its update, from the model's
 config alone (built on the meta device, no weights), and the largest micro-batch that fits a device.
 
-Every term is bytes = count x element size, the count read off the code that allocates it (each term's docstring
-names that code); all rows are taken at the full prompt and completion lengths (the worst case a step can meet).
-Notation: L layers, D hidden, I MLP width, H query heads, Hkv key/value heads, d head dim, V vocabulary; e the
-compute dtype's bytes, p the master (model.dtype) bytes; G prompts and b rows in a micro-batch, Lp prompt and Lc
-completion tokens.
+Every term is bytes = count x element size, the count read off the code that allocates it (each function's
+docstring names that code); all rows are taken at the full prompt and completion lengths (the worst case a step can
+meet). Notation: L layers, D hidden, I MLP width, H query heads, Hkv key/value heads, d head dim, V vocabulary; e
+the compute dtype's bytes, p the master (model.dtype) bytes; G prompts and b rows in a micro-batch, Lp prompt and Lc
+completion tokens, N = G Lp + b (Lc - 1) packed tokens, T = b Lc predicting positions.
 
 Generation (the fast engine; all P x n rows in flight at once):
-    resident state (master weights; between updates also their gradients and AdamW state; a reference model)
-  + the engine's compute-dtype weights copy (when it differs from the master dtype)
+    resident state (master weights; in a training run also their gradients and AdamW state; a reference model)
   + fused q/k/v and gate/up weights (DecodeStack binds them per generate call and keeps them)
-  + KV cache  L x 2 x Hkv x d x (Lp + Lc) x rows x e  (static buffers of full capacity)
-  + the larger of the prefill's and a decode step's workspace (logits and sampling over [rows, V] in float32).
+  + KV cache  L x 2 x Hkv x d x (Lp + Lc) x (rows + P) x bytes  (static buffers of full capacity)
+  + the larger of the prefill's and a decode step's workspace (logits and sampling over [rows, V] in float32)
+  + the runtime's own growth (calibrated per device).
 Update (the shared-prompt path of podsrl/models/packed.py, one micro-batch of b rows):
-    master weights + gradients + AdamW state (2 x float32 per trained parameter) + a reference model
-  + the activations autograd saves (`layer_activations` per decoder layer, from the layer's code), or with
-    activation checkpointing each layer's input plus one layer's activations while it is recomputed
+    master weights + gradients + AdamW state (2 per trained parameter, master dtype) + a reference model
+  + the activations autograd saves (`layer_activations` per decoder layer, read off the layer's code and checked
+    against what it saves in tests/experiments/test_memory_plan.py), or with activation checkpointing each layer's
+    input, then one layer's recomputed activations under its backward
   + the largest transient on top of them: the log-prob head's backward (a [V, D] weight gradient and one
-    update.logits_chunk x V float32 chunk twice) or a layer's attention backward.
+    update.logits_chunk x V float32 chunk twice) or a layer's attention or MLP backward
+  + in a training run the fast engine's fused weights, kept from the last generate call; the runtime's growth.
 
-What a device adds on top (CUDA context, allocator fragmentation, kernel workspaces) is not predicted: the CPU
-validation (benchmarks/memory_plan_check.py) has none of them, a GPU run measures them (benchmarks/gpu_suite.sh) and
+What a CUDA device adds (context, allocator fragmentation, cuBLAS and attention workspaces) is not calibrated: the
+CPU's counterpart is (benchmarks/memory_plan_check.py), a GPU run measures it (benchmarks/gpu_suite.sh) and
 `--reserve` keeps that share of the device free meanwhile.
 """
 
@@ -175,6 +177,9 @@ class Workload:
     # a training run: the update's gradients and AdamW state stay allocated through generation, and the fast engine's
     # fused weights through the update (False: each phase alone, as benchmarks/memory_plan_check.py measures them)
     training_run: bool = True
+    # the fast engine generates with a compute-dtype copy of the weights (issue 31 names one; today it runs the
+    # master weights, so its weights, KV cache and logits are in model.dtype)
+    engine_copy: bool = False
 
     @property
     def e(self) -> int:
@@ -183,6 +188,11 @@ class Workload:
     @property
     def p(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def engine_e(self) -> int:
+        """Bytes of the engine's weights, KV cache and logits."""
+        return self.e if self.engine_copy else self.p
 
     @property
     def trained_rows(self) -> int:
@@ -249,22 +259,28 @@ def attention_saved(shape: ModelShape, mb: MicroBatch, work: Workload) -> int:
 def layer_activations(shape: ModelShape, mb: MicroBatch, work: Workload, last: bool = False) -> int:
     """Bytes one decoder layer saves for its backward (podsrl/models/llama.py decoder_layer with the autograd
     functions of kernels.py), N packed tokens in, the last layer's MLP over the T predicting positions only:
-    - each RMSNorm (kernels._RMSNorm): its normalised input, its output (the next matmul's input) and 1/rms;
+    - each RMSNorm (kernels._RMSNorm, in the residual stream's dtype, the master dtype): its normalised input and
+      1/rms, and the output the next matmul reads (under autocast, a compute dtype narrower than the master, that
+      matmul's compute-dtype copy of it);
     - the fused q/k/v and gate/up weights (llama.fused_qkv / fused_gate_up: fresh concatenations, saved by the
-      matmuls that read them);
+      matmuls that read them); under autocast every projection's compute-dtype copy (o and down too);
     - attention (`attention_saved`), its output (o_proj's input);
     - SwiGLU (kernels._SwiGLU): the gate/up projection [2I] and silu(gate) [I]; its output [I] (down's input);
     - LoRA (not fused): each adapter's [N, r] down-projection, and the unfused rotation's queries and keys with their
       rolled copies (kernels.rotate)."""
-    e, n = work.e, mb.tokens
+    e, r, n = work.e, work.p, mb.tokens
+    autocast = e < r
     mlp_tokens = mb.predicted if last else n
-    norm = 2 * shape.hidden * e + e
+    norm = shape.hidden * r + r + shape.hidden * (e if autocast else r)
     attention = n * norm + attention_saved(shape, mb, work) + n * shape.heads * shape.head_dim * e
     if shape.lora:
         attention += n * shape.lora_rank * shape.lora_modules * e
         attention += 2 * n * (shape.heads + shape.kv_heads) * shape.head_dim * e if shape.lora_qkv else 0
     mlp = mlp_tokens * (norm + 4 * shape.intermediate * e)
-    return attention + mlp + shape.fused_weights * e
+    weights = shape.fused_weights
+    if autocast:  # o_proj and down_proj cast too
+        weights += shape.heads * shape.head_dim * shape.hidden + shape.intermediate * shape.hidden
+    return attention + mlp + weights * e
 
 
 def activations(shape: ModelShape, mb: MicroBatch, work: Workload, checkpointing: bool) -> dict[str, int]:
@@ -273,9 +289,9 @@ def activations(shape: ModelShape, mb: MicroBatch, work: Workload, checkpointing
     (the recomputed layer's own tensors are in `update_peak`'s transient); the stream's shared tensors (rotary cos
     and sin [N, d] twice, index tensors); the final norm and the head's saved hidden states [T, D], log-sum-exp and
     entropy."""
-    e, L = work.e, shape.layers
-    shared = 2 * mb.tokens * shape.head_dim * e + 8 * (3 * mb.tokens + 2 * mb.predicted)
-    head = mb.predicted * (2 * shape.hidden * e + e + 8)
+    r, L = work.p, shape.layers  # the residual stream, the final norm and the head run in the master dtype
+    shared = 2 * mb.tokens * shape.head_dim * r + 8 * (3 * mb.tokens + 2 * mb.predicted)
+    head = mb.predicted * (2 * shape.hidden * r + r + 8)
     if checkpointing:
         layers = L * mb.tokens * shape.hidden * work.p
     else:
@@ -285,15 +301,15 @@ def activations(shape: ModelShape, mb: MicroBatch, work: Workload, checkpointing
 
 def backward_transient(shape: ModelShape, mb: MicroBatch, work: Workload) -> dict[str, int]:
     """The largest buffer set live on top of the saved activations during the backward:
-    - the head (logprobs._FromHidden.backward): the [V, D] weight gradient, the [T, D] hidden gradient and one chunk
-      of update.logits_chunk x V float32 logits and probabilities (plus their compute-dtype cast);
+    - the head (logprobs._FromHidden.backward, float32 outside autocast): the [V, D] weight gradient, the [T, D]
+      hidden gradient and one chunk of update.logits_chunk x V float32 logits and probabilities;
     - a layer's attention (CPU): the gradient of the scores through the softmax, masking and scaling, two
       float32 tensors of the largest block's scores at a time;
     - a layer's MLP: the [N, 2I] gate/up gradient, the [N, I] product, the fused [2I, D] weight's gradient and
       the [N, D] input gradient."""
     e, chunk = work.e, min(work.logits_chunk, mb.predicted)
     head_weight_grad = 0 if shape.lora else shape.vocab * shape.hidden * work.p
-    head = head_weight_grad + mb.predicted * shape.hidden * e + chunk * shape.vocab * (8 + e * (e < 4))
+    head = head_weight_grad + mb.predicted * shape.hidden * work.p + chunk * shape.vocab * 8
     scores = max(mb.groups * mb.prompt_length**2, mb.rows * mb.width * (mb.prompt_length + mb.width)) * shape.heads
     attention = 2 * scores * 4 if work.device == "cpu" else 0
     mlp = mb.tokens * (3 * shape.intermediate + shape.hidden) * e + 2 * shape.intermediate * shape.hidden * e
@@ -354,16 +370,16 @@ def generation_peak(shape: ModelShape, work: Workload) -> dict[str, int]:
     if not work.training_run:
         state["gradients"] = state["optimizer"] = 0
     rows, length = work.prompts * work.n, work.prompt_length + work.completion_length
-    e, v = work.e, shape.vocab
+    e, v = work.engine_e, shape.vocab
     kv_row = shape.layers * 2 * shape.kv_heads * shape.head_dim * length * e
-    sampling = rows * v * ((e if e < 4 else 0) + e + 4 * 3 + (4 * 2 + 8 if work.top_p < 1 else 0))
+    sampling = rows * v * (e + (4 if e < 4 else 0) + 4 * 3 + (4 * 2 + 8 if work.top_p < 1 else 0))
     decode_attention = 2 * rows * shape.heads * length * 4
     prefill_tokens = work.prompts * work.prompt_length
     prefill = (2 * work.prompts * shape.heads * work.prompt_length**2 * 4
                + prefill_tokens * (3 * shape.intermediate + shape.qkv_width + 2 * shape.hidden) * e)
     return {
         **state,
-        "engine_weights": shape.params * e if work.compute_dtype != work.dtype else 0,
+        "engine_weights": shape.params * e if work.engine_copy and work.compute_dtype != work.dtype else 0,
         "fused_weights": shape.layers * shape.fused_weights * e,
         "kv_cache": kv_row * (rows + work.prompts),
         "workspace": max(sampling + decode_attention, prefill),
