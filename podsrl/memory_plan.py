@@ -300,20 +300,24 @@ def activations(shape: ModelShape, mb: MicroBatch, work: Workload, checkpointing
 
 
 def backward_transient(shape: ModelShape, mb: MicroBatch, work: Workload) -> dict[str, int]:
-    """The largest buffer set live on top of the saved activations during the backward:
-    - the head (logprobs._FromHidden.backward, float32 outside autocast): the [V, D] weight gradient, the [T, D]
-      hidden gradient and one chunk of update.logits_chunk x V float32 logits and probabilities;
+    """The largest buffer set live on top of the saved activations, at the end of the forward or in the backward:
+    - the head's forward (logprobs._FromHidden, float32 outside autocast): one chunk of update.logits_chunk x V
+      float32 logits and torch.logsumexp's two temporaries of its size;
+    - the head's backward: that chunk's recomputed logits and probabilities (and under autocast their
+      compute-dtype cast), the [V, D] weight gradient (and the compute-dtype product added to it), the [T, D]
+      hidden gradient;
     - a layer's attention (CPU): the gradient of the scores through the softmax, masking and scaling, two
       float32 tensors of the largest block's scores at a time;
     - a layer's MLP: the [N, 2I] gate/up gradient, the [N, I] product, the fused [2I, D] weight's gradient and
       the [N, D] input gradient."""
-    e, chunk = work.e, min(work.logits_chunk, mb.predicted)
-    head_weight_grad = 0 if shape.lora else shape.vocab * shape.hidden * work.p
-    head = head_weight_grad + mb.predicted * shape.hidden * work.p + chunk * shape.vocab * 8
+    e, p, chunk, v = work.e, work.p, min(work.logits_chunk, mb.predicted), shape.vocab
+    narrow = e < p  # autocast
+    head_weight_grad = 0 if shape.lora else v * shape.hidden * (p + (e if narrow else 0))
+    head_backward = head_weight_grad + mb.predicted * shape.hidden * p + chunk * v * (8 + (e if narrow else 0))
     scores = max(mb.groups * mb.prompt_length**2, mb.rows * mb.width * (mb.prompt_length + mb.width)) * shape.heads
     attention = 2 * scores * 4 if work.device == "cpu" else 0
     mlp = mb.tokens * (3 * shape.intermediate + shape.hidden) * e + 2 * shape.intermediate * shape.hidden * e
-    return {"head": head, "attention": attention, "mlp": mlp}
+    return {"head_forward": 3 * chunk * v * 4, "head": head_backward, "attention": attention, "mlp": mlp}
 
 
 def model_state(shape: ModelShape, work: Workload) -> dict[str, int]:
@@ -339,7 +343,8 @@ def update_peak(shape: ModelShape, work: Workload, rows: int, checkpointing: boo
     transient = backward_transient(shape, mb, work)
     if checkpointing:  # a layer's backward runs on its recomputed activations
         layer = layer_activations(shape, mb, work)
-        transient = {"head": transient["head"], "layer": layer + max(transient["attention"], transient["mlp"])}
+        transient = {"head": max(transient["head"], transient["head_forward"]),
+                     "layer": layer + max(transient["attention"], transient["mlp"])}
     terms = {**{k: v for k, v in state.items() if k != "gradients"}, "activations": sum(act.values()),
              "transient": max(transient.values()), "runtime": RUNTIME_BYTES[work.device]["update"]}
     if work.training_run:  # DecodeStack keeps the last generate call's fused weights
