@@ -1,4 +1,5 @@
-"""Peak memory of the update phase: GRPO 16-16 vs PODS 64->16 vs GRPO 64-64 on the same model.
+"""Peak memory of the update phase: GRPO 16-16 vs PODS 64->16 vs GRPO 64-64 on the same model, and PODS 64->16 with
+`update.activation_checkpointing` (each decoder layer keeps only its input and is recomputed in the backward).
 
 Each setting runs in a fresh process, `--repeats` (>= 5) times in interleaved rounds (median and range reported), on a
 synthetic batch with the real selection and update code. The update is done without gradient accumulation
@@ -21,10 +22,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.timing import MIN_REPEATS, Spread, load_average, machine_line, peak_memory_during, ratio
 
-SETTINGS = {"grpo 16-16": (16, 16), "pods 64->16": (64, 16), "grpo 64-64": (64, 64)}
+# (n, m, activation checkpointing)
+SETTINGS = {"grpo 16-16": (16, 16, False), "pods 64->16": (64, 16, False), "grpo 64-64": (64, 64, False),
+            "pods 64->16 ckpt": (64, 16, True)}
 
 
-def measure(n: int, m: int, prompts: int, length: int, layers: int, width: int, device: str) -> dict:
+def measure(n: int, m: int, checkpointing: bool, prompts: int, length: int, layers: int, width: int,
+            device: str) -> dict:
     import torch
 
     from podsrl.batch import Problem, RolloutBatch
@@ -38,7 +42,8 @@ def measure(n: int, m: int, prompts: int, length: int, layers: int, width: int, 
     cfg = load_config(None, [f"rollout.n={n}", "method=pods", f"pods.m={m}", f"rollout.max_new_tokens={length}",
                              f"optim.micro_batch_size={rows}", f"model.tiny.num_layers={layers}",
                              f"model.tiny.hidden_size={width}", f"model.tiny.intermediate_size={3 * width}",
-                             f"model.tiny.max_position_embeddings={length + 16}"])
+                             f"model.tiny.max_position_embeddings={length + 16}",
+                             f"update.activation_checkpointing={str(checkpointing).lower()}"])
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(cfg.model.tiny, tokenizer).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -71,13 +76,14 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        n, m = map(int, args.child.split(","))
-        print(json.dumps(measure(n, m, args.prompts, args.length, args.layers, args.width, args.device)))
+        n, m, checkpointing = map(int, args.child.split(","))
+        print(json.dumps(measure(n, m, bool(checkpointing), args.prompts, args.length, args.layers, args.width,
+                                 args.device)))
         return
-    def child(n: int, m: int) -> dict:
-        out = subprocess.run([sys.executable, __file__, "--child", f"{n},{m}", "--prompts", str(args.prompts),
-                              "--length", str(args.length), "--layers", str(args.layers), "--width",
-                              str(args.width), "--device", args.device], capture_output=True, text=True, check=True,
+    def child(n: int, m: int, checkpointing: bool) -> dict:
+        out = subprocess.run([sys.executable, __file__, "--child", f"{n},{m},{int(checkpointing)}", "--prompts",
+                              str(args.prompts), "--length", str(args.length), "--layers", str(args.layers),
+                              "--width", str(args.width), "--device", args.device], capture_output=True, text=True, check=True,
                              env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})  # freed tensors leave the RSS
         return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -93,14 +99,16 @@ def main() -> None:
     params = runs[names[0]][0]["params"]
     print(f"update-phase peak memory, {params / 1e6:.1f}M-param model, {args.prompts} prompts, "
           f"{args.length} completion tokens, device {args.device}, {args.repeats} interleaved rounds")
-    print(f"{'setting':<14}{'trained rows':>14}{'peak MiB, median [min-max]':>32}{'vs grpo 16-16':>24}")
+    print(f"{'setting':<18}{'trained rows':>14}{'peak MiB, median [min-max]':>32}{'vs grpo 16-16':>24}")
     base = peaks["grpo 16-16"]
     for name in names:
         mib = Spread.of(peaks[name]).text(1 / 2**20, 1)
-        print(f"{name:<14}{runs[name][0]['trained_rows']:>14}{mib:>32}{ratio(peaks[name], base).text(unit='x'):>24}")
+        print(f"{name:<18}{runs[name][0]['trained_rows']:>14}{mib:>32}{ratio(peaks[name], base).text(unit='x'):>24}")
     pods, big = ratio(peaks["pods 64->16"], base), ratio(peaks["pods 64->16"], peaks["grpo 64-64"])
+    ckpt = ratio(peaks["pods 64->16 ckpt"], peaks["pods 64->16"])
     print(f"PODS / GRPO 16-16 = {pods.text()} (target <= 1.15); PODS / GRPO 64-64 = {big.text()} (target <= 0.5); "
-          f"per-round ratios, median [min-max]; load average after: {load_average()}")
+          f"PODS with / without activation checkpointing = {ckpt.text()}; per-round ratios, median [min-max]; "
+          f"load average after: {load_average()}")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,10 @@ length-bucketed completion rows (what podsrl/models/packed_layout.py does).
     python benchmarks/update_speed.py [--workload default gsm8k] [--repeats 5] [--threads 1] [--device cpu]
     python benchmarks/update_speed.py --attention
     python benchmarks/update_speed.py --ops      # ATen operations per update and arm (the GPU's launch count)
+    python benchmarks/update_speed.py --activation-checkpointing [--workload gsm8k]
+
+`--activation-checkpointing` times each path with and without `update.activation_checkpointing` instead (four arms,
+each round in a rotated order) and measures each arm's peak memory in a fresh process as above.
 """
 
 from __future__ import annotations
@@ -114,8 +118,10 @@ def make_batch(prompts: list[list[int]], n: int, completions: list[list[int]], p
         truncated=torch.zeros(rows, dtype=torch.bool), advantages=torch.randn(rows, generator=gen))
 
 
-def make_updater(model, config: str | None, overrides: list[str], shared: bool, device: str) -> PolicyUpdater:
-    cfg = load_config(config, [*overrides, f"update.shared_prompt={str(shared).lower()}"])
+def make_updater(model, config: str | None, overrides: list[str], shared: bool, device: str,
+                 checkpointing: bool = False) -> PolicyUpdater:
+    cfg = load_config(config, [*overrides, f"update.shared_prompt={str(shared).lower()}",
+                               f"update.activation_checkpointing={str(checkpointing).lower()}"])
     model = model.to(device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
@@ -263,10 +269,51 @@ def op_counts(names: list[str], device: str) -> None:
         shared_prompt.build_plan = build_plan
 
 
-def peak_memory(name: str, shared: bool, device: str) -> int:
+CHECKPOINTING_ARMS = {"shared-prompt": (True, False), "shared-prompt + checkpointing": (True, True),
+                      "plain": (False, False), "plain + checkpointing": (False, True)}
+
+
+def checkpointing_arms(name: str, repeats: int, device: str, threads: int, memory: bool = True) -> None:
+    """Each path with and without activation checkpointing: interleaved times (round r runs the arms rotated by r,
+    the first round untimed) and, with `memory`, each arm's peak memory in a fresh process."""
+    model, config, overrides, batch = WORKLOADS[name]()
+    names = list(CHECKPOINTING_ARMS)
+    arms = {k: make_updater(copy.deepcopy(model), config, overrides, CHECKPOINTING_ARMS[k][0], device,
+                            CHECKPOINTING_ARMS[k][1]) for k in names}
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(repeats + 1):
+        for k in names[r % 4:] + names[: r % 4]:
+            sync(device)
+            t0 = time.perf_counter()
+            arms[k].update(batch, torch.Generator().manual_seed(r))
+            sync(device)
+            if r > 0:
+                times[k].append(time.perf_counter() - t0)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(threads or "")}
+    peaks = dict.fromkeys(names, float("nan"))
+    for k in names if memory else []:
+        shared, checkpointing = CHECKPOINTING_ARMS[k]
+        out = subprocess.run([sys.executable, __file__, "--memory-child", f"{name},{int(shared)},{int(checkpointing)}",
+                              "--threads", str(threads), "--device", device], capture_output=True, text=True,
+                             check=True, env=env)
+        peaks[k] = json.loads(out.stdout.strip().splitlines()[-1])["peak"]
+    how = "peak RSS delta" if device == "cpu" else "max_memory_allocated delta"
+    print(f"\n== {name}, activation checkpointing: {batch.num_rollouts} rows, "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {repeats} interleaved repeats per arm")
+    print(f"  {'arm':<32}{'update time, median [min-max]':>34}{'peak MiB (' + how + ')':>36}")
+    for k in names:
+        print(f"  {k:<32}{spread(times[k]):>34}{peaks[k] / 2**20:>36.1f}")
+    for path in ("shared-prompt", "plain"):
+        with_ckpt, without = times[f"{path} + checkpointing"], times[path]
+        r = [a / b for a, b in zip(with_ckpt, without)]
+        print(f"  {path}: checkpointing time {statistics.median(r):.2f}x (per-repeat {min(r):.2f}-{max(r):.2f}x), "
+              f"peak memory {peaks[f'{path} + checkpointing'] / max(peaks[path], 1):.2f}x")
+
+
+def peak_memory(name: str, shared: bool, device: str, checkpointing: bool = False) -> int:
     """Bytes above the pre-update level during one update (after one warm-up update), in this process."""
     model, config, overrides, batch = WORKLOADS[name]()
-    updater = make_updater(model, config, overrides, shared, device)
+    updater = make_updater(model, config, overrides, shared, device, checkpointing)
     updater.update(batch, torch.Generator().manual_seed(0))
     return peak_memory_during(lambda: updater.update(batch, torch.Generator().manual_seed(1)), device)
 
@@ -284,13 +331,15 @@ def main() -> None:
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--attention", action="store_true", help="only the attention layout comparison")
     parser.add_argument("--ops", action="store_true", help="only count the ATen operations of one update per arm")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="each path with and without update.activation_checkpointing (time and peak memory)")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)
     if opts.memory_child:
-        name, shared = opts.memory_child.split(",")
-        print(json.dumps({"peak": peak_memory(name, shared == "1", opts.device)}))
+        name, shared, *checkpointing = opts.memory_child.split(",")
+        print(json.dumps({"peak": peak_memory(name, shared == "1", opts.device, checkpointing == ["1"])}))
         return
     print(machine_line(device=opts.device))
     if opts.attention:
@@ -298,6 +347,11 @@ def main() -> None:
         return
     if opts.ops:
         op_counts(opts.workload, opts.device)
+        return
+    if opts.activation_checkpointing:
+        for name in opts.workload:
+            checkpointing_arms(name, opts.repeats, opts.device, opts.threads, not opts.skip_memory)
+        print(f"\nend load average: {os.getloadavg()[0]:.2f}")
         return
     for name in opts.workload:
         t0 = time.perf_counter()

@@ -48,6 +48,11 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = _f(
         "float32", "Parameter dtype of the policy (bfloat16: the weights themselves, no float32 master copy; LoRA "
         "adapters stay float32). float16 is refused: there is no loss scaling.")
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f(
+        "auto", "Dtype of the forward/backward matmuls of the update (autocast); weights and optimiser state stay in "
+        "model.dtype. auto: bfloat16 on CUDA, float32 on CPU (never wider than model.dtype). float32 weights with "
+        "bfloat16 compute is mixed precision (float32 masters); model.dtype=bfloat16 is pure bfloat16. Log-probs, "
+        "entropy and loss are float32 either way. float16 is refused (no loss scaling).")
     device: str = _f("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...")
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     lora_rank: int = _f(0, "LoRA rank through peft; 0 trains all weights.")
@@ -143,6 +148,11 @@ class UpdateConfig:
                              "gradients as false, the plain per-row forward kept as the reference.")
     logits_chunk: int = _f(1024, "Tokens per chunk of the log-prob/entropy computation: the float32 softmax of at "
                            "most this many tokens x vocabulary exists at a time.")
+    activation_checkpointing: bool = _f(
+        False, "Keep only each decoder layer's input in the forward and recompute the layer in the backward (TRL: "
+        "gradient_checkpointing): activation memory per micro-batch falls from every layer's intermediates to one "
+        "hidden state per layer, for about one more forward of time. Turn it on when long completions or a large "
+        "optim.micro_batch_size run out of memory; same gradients either way.")
 
 
 @dataclass

@@ -4,7 +4,7 @@ still trains. The loop, the rank agreement and the sharded generation are those 
 update's data-parallel object changes, behind the same interface as `DataParallel`.
 
 - Sharding: `fully_shard` on every decoder layer (the model's `_no_split_modules`), then on the root. Compute runs in
-  `train.fsdp_param_dtype` (bfloat16 on CUDA, float32 on CPU), gradients are reduce-scattered in
+  `train.fsdp_param_dtype` = `model.compute_dtype` (one setting; bfloat16 on CUDA, float32 on CPU), gradients are reduce-scattered in
   `train.fsdp_reduce_dtype` (float32), the sharded master weights and AdamW state stay in `model.dtype`;
   `train.cpu_offload` keeps the shards in host memory.
 - Gradients: the updater's loss weights already normalise over the whole mini-batch, so gradients must be SUMMED over
@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from podsrl.distributed import DataParallel, DistContext, log
+from podsrl.models.precision import resolve_dtype_name
 
 
 def build_data_parallel(ctx: DistContext, model: torch.nn.Module, ref_model: torch.nn.Module | None = None,
@@ -47,12 +48,6 @@ def build_data_parallel(ctx: DistContext, model: torch.nn.Module, ref_model: tor
     if fsdp:
         return FullyShardedDataParallel(ctx, train_cfg, model, ref_model, generation_device)
     return DataParallel(ctx, model)
-
-
-def compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -105,11 +100,13 @@ class FullyShardedDataParallel(DataParallel):
         with torch.no_grad():  # identical starting weights whatever each rank loaded
             for p in model.parameters():
                 dist.broadcast(p.data, src=0)
-        dtype = compute_dtype(train_cfg.fsdp_param_dtype, ctx.device)
+        # the compute dtype (model.compute_dtype and train.fsdp_param_dtype are one setting: podsrl/models/precision.py)
+        params = next(model.parameters()).dtype
+        dtype = resolve_dtype_name(train_cfg.fsdp_param_dtype, params, ctx.device)
         # One unsharded copy for the engines (see sync_generation_model); on CPU (the Ray pool's) in float32.
         generation_device = generation_device or ctx.device
         self.generation_model = copy.deepcopy(model).to(
-            generation_device, compute_dtype(train_cfg.fsdp_param_dtype, generation_device)).eval()
+            generation_device, resolve_dtype_name(train_cfg.fsdp_param_dtype, params, generation_device)).eval()
         self.mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         options: dict[str, Any] = {
             "mesh": self.mesh,

@@ -31,11 +31,14 @@ ROWS: tuple[Row, ...] = (
         "few characters; the Qwen presets set 512 / 1024", accepted=True),
     Row("num_generations", 8, ("rollout.n",), "**differs**; with `method: pods`, `pods.m` of the n are trained",
         accepted=True),
-    Row("bf16", None, ("model.dtype",), "**differs**: TRL resolves `None` to bf16 mixed precision (float32 master "
-        "weights, bf16 compute) unless `fp16`; podsrl computes in `model.dtype`, and `bfloat16` there is the weights "
-        "themselves, no float32 copy (LoRA adapters stay float32). `float16` is refused (no loss scaling)"),
-    Row("gradient_checkpointing", True, (), "**differs**: podsrl has no gradient checkpointing; lower "
-        "`optim.micro_batch_size` (rollouts per forward/backward) to save memory"),
+    Row("bf16", None, ("model.compute_dtype",), "same on CUDA: TRL resolves `None` to bf16 mixed precision "
+        "(float32 master weights, bf16 compute) unless `fp16`, podsrl's `auto` to bfloat16 compute over float32 "
+        "`model.dtype` (float32 on CPU); `true`/`false` = `bfloat16`/`float32`. `model.dtype: bfloat16` is pure "
+        "bfloat16 (no float32 copy); `fp16` has no counterpart (no loss scaling)", accepted=True,
+        values={None: "auto", True: "bfloat16", False: "float32"}),
+    Row("gradient_checkpointing", True, ("update.activation_checkpointing",), "**differs**: on in TRL, off in "
+        "podsrl (its default models fit without it; it costs about one more forward); the same per-layer "
+        "non-reentrant recomputation", accepted=True),
     Row("vllm_importance_sampling_correction", True, (), "**differs**: with `use_vllm`, TRL corrects for the "
         "sampler/trainer log-prob mismatch; podsrl applies no such correction (the `fast` and `hf` engines sample "
         "with the trained weights themselves)"),

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from podsrl.engines import check_engine_options
 from podsrl.errors import ConfigError
 from podsrl.methods import METHODS
+from podsrl.models.precision import check_precision
 from podsrl.tracking import normalize_report_to
 
 if TYPE_CHECKING:
@@ -16,10 +17,11 @@ if TYPE_CHECKING:
 
 
 def check_choices(cfg: Config) -> None:
-    """Raise ConfigError naming the key of a bad method, method option, engine option or tracker; normalises
-    log.report_to in place."""
+    """Raise ConfigError naming the key of a bad method, method option, engine option, tracker or dtype pair;
+    normalises log.report_to (and under FSDP2 train.fsdp_param_dtype) in place."""
     cfg.log.report_to = normalize_report_to(cfg.log.report_to, cfg.log.tensorboard)
     check_engine_options(cfg.rollout.engine, cfg.rollout.engine_options)
+    check_precision(cfg.model, cfg.train)
     if cfg.method not in METHODS:
         raise ConfigError(f"method: unknown method {cfg.method!r}; choose one of {', '.join(METHODS)}")
     method = METHODS[cfg.method]

@@ -8,6 +8,9 @@ vocabulary that tensor is the update's memory peak). Two entry points:
 - `head_logprobs_and_entropy(hidden, weight, bias, ...)`: from final hidden states and the output layer, so no
   logits tensor ever exists beyond one chunk (the shared-prompt path); the backward redoes one chunk's matmul.
 
+Under autocast (model.compute_dtype, podsrl/models/precision.py) only the output layer's matmul runs in the compute
+dtype; log-softmax, entropy and their gradients are float32 (autocast is turned off around them).
+
 Entropy is NaN-safe where a logit is -inf: such a token has p = 0 and contributes 0 (and 0 gradient).
 """
 
@@ -65,11 +68,12 @@ class _FromLogits(torch.autograd.Function):
     def forward(ctx, logits: Tensor, targets: Tensor, temperature: float, chunk: int):  # type: ignore[override]
         ctx.set_materialize_grads(False)
         logp, ent, lse = [], [], []
-        for z, t in zip(logits.split(chunk), targets.split(chunk)):
-            a, b, c = _stats_(_scaled(z, temperature), t)
-            logp.append(a)
-            ent.append(b)
-            lse.append(c)
+        with _no_autocast(logits):
+            for z, t in zip(logits.split(chunk), targets.split(chunk)):
+                a, b, c = _stats_(_scaled(z, temperature), t)
+                logp.append(a)
+                ent.append(b)
+                lse.append(c)
         logp_t, entropy, lse_t = torch.cat(logp), torch.cat(ent), torch.cat(lse)
         ctx.save_for_backward(logits, targets, lse_t, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
@@ -82,30 +86,35 @@ class _FromLogits(torch.autograd.Function):
             return None, None, None, None
         out = torch.empty_like(logits)
         c, temp = ctx.chunk, ctx.temperature
-        for start in range(0, logits.shape[0], c):
-            s = slice(start, start + c)
-            grad = _grad_z_(_scaled(logits[s], temp), targets[s], lse[s], entropy[s],
-                            None if g_logp is None else g_logp[s], None if g_entropy is None else g_entropy[s])
-            out[s] = grad / temp
+        with _no_autocast(logits):
+            for start in range(0, logits.shape[0], c):
+                s = slice(start, start + c)
+                grad = _grad_z_(_scaled(logits[s], temp), targets[s], lse[s], entropy[s],
+                                None if g_logp is None else g_logp[s], None if g_entropy is None else g_entropy[s])
+                out[s] = grad / temp
         return out, None, None, None
 
 
 class _FromHidden(torch.autograd.Function):
     """The temperature is folded into the [N, D] hidden states and the bias (z = (h / T) W^T + b / T), so no pass
-    over [n, V] divides by it."""
+    over [n, V] divides by it. Under autocast the output layer's matmuls run in its dtype (the forward's and the
+    backward's recomputed logits alike, so both see the same logits) and accumulate gradients in the parameters'."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,  # type: ignore[override]
                 temperature: float, chunk: int):
         ctx.set_materialize_grads(False)
+        ctx.compute = _autocast_dtype(hidden)
         scaled = hidden / temperature if temperature != 1.0 else hidden
         scaled_bias = bias / temperature if bias is not None and temperature != 1.0 else bias
         logp, ent, lse = [], [], []
-        for h, t in zip(scaled.split(chunk), targets.split(chunk)):
-            a, b, c = _stats_(_float(torch.nn.functional.linear(h, weight, scaled_bias)), t)
-            logp.append(a)
-            ent.append(b)
-            lse.append(c)
+        with _no_autocast(hidden):
+            w, b = _cast(weight, ctx.compute), _cast(scaled_bias, ctx.compute)
+            for h, t in zip(scaled.split(chunk), targets.split(chunk)):
+                target, entropy, norm = _stats_(_float(torch.nn.functional.linear(_cast(h, ctx.compute), w, b)), t)
+                logp.append(target)
+                ent.append(entropy)
+                lse.append(norm)
         logp_t, entropy, lse_t = torch.cat(logp), torch.cat(ent), torch.cat(lse)
         ctx.save_for_backward(scaled, weight, scaled_bias, targets, lse_t, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
@@ -120,24 +129,50 @@ class _FromHidden(torch.autograd.Function):
         d_hidden = torch.empty_like(scaled) if need_h else None
         d_weight = torch.zeros_like(weight) if need_w else None
         d_bias = torch.zeros_like(scaled_bias) if need_b and scaled_bias is not None else None
-        c, temp = ctx.chunk, ctx.temperature
-        for start in range(0, scaled.shape[0], c):
-            s = slice(start, start + c)
-            h = scaled[s]
-            z = _float(torch.nn.functional.linear(h, weight, scaled_bias))  # a fresh tensor: overwritten below
-            grad = _grad_z_(z, targets[s], lse[s], entropy[s], None if g_logp is None else g_logp[s],
-                            None if g_entropy is None else g_entropy[s]).to(scaled.dtype)
-            if d_hidden is not None:
-                torch.mm(grad, weight, out=d_hidden[s])
-            if d_weight is not None:
-                d_weight.addmm_(grad.t(), h)
-            if d_bias is not None:
-                d_bias += grad.sum(0)
+        c, temp, compute = ctx.chunk, ctx.temperature, ctx.compute
+        with _no_autocast(scaled):
+            w, b = _cast(weight, compute), _cast(scaled_bias, compute)
+            mixed = compute is not None  # compute-dtype products accumulated into the parameters' dtype
+            for start in range(0, scaled.shape[0], c):
+                s = slice(start, start + c)
+                h = _cast(scaled[s], compute)
+                z = _float(torch.nn.functional.linear(h, w, b))  # a fresh tensor: overwritten below
+                grad_z = _grad_z_(z, targets[s], lse[s], entropy[s], None if g_logp is None else g_logp[s],
+                                  None if g_entropy is None else g_entropy[s])
+                grad = grad_z.to(h.dtype)
+                if d_hidden is not None:
+                    if mixed:
+                        d_hidden[s] = torch.mm(grad, w)
+                    else:
+                        torch.mm(grad, w, out=d_hidden[s])
+                if d_weight is not None:
+                    if mixed:
+                        d_weight += torch.mm(grad.t(), h)
+                    else:
+                        d_weight.addmm_(grad.t(), h)
+                if d_bias is not None:
+                    d_bias += grad_z.sum(0) if mixed else grad.sum(0)
         if temp != 1.0:
             for g in (d_hidden, d_bias):
                 if g is not None:
                     g /= temp
         return d_hidden, d_weight, d_bias, None, None, None
+
+
+def _autocast_dtype(t: Tensor) -> torch.dtype | None:
+    """The dtype autocast casts matmuls on t's device to (None: autocast is off there)."""
+    device = t.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+def _cast(t: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
+    return t if t is None or dtype is None else t.to(dtype)
+
+
+def _no_autocast(t: Tensor):
+    """Autocast off on t's device: the softmax statistics stay in float32 (on the CPU autocast would run the
+    entropy's einsum in bfloat16)."""
+    return torch.autocast(t.device.type, enabled=False)
 
 
 def token_logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: float = 1.0,

@@ -13,9 +13,14 @@ Module hooks (FSDP2): the computation still enters through the model's and each 
 their `forward` swapped for this path's computation for the duration of the call (`_routed`). So whatever is hooked
 on those modules runs as around their own forward: FSDP2's `fully_shard` (podsrl/fsdp.py shards each decoder layer,
 then the root) all-gathers the unit's parameters before, reshards after, re-gathers them in the backward and
-reduce-scatters the gradients after it; the root's hooks queue the end-of-backward callback. Nothing FSDP-specific is
-needed here, and one process or DDP runs the same code. Explicit `unshard()` of each unit would gather the
+reduce-scatters the gradients after it; the root's hooks queue the end-of-backward callback. Nothing FSDP-specific
+is needed here, and one process or DDP runs the same code. Explicit `unshard()` of each unit would gather the
 parameters but skip the forward hooks that register FSDP2's backward work (re-gather, gradient reduce-scatter).
+
+Activation checkpointing (`update.activation_checkpointing`): each layer keeps only its inputs (the [N, D] hidden
+state; the plan and rotary tables are shared by all layers) and reruns in the backward (torch.utils.checkpoint,
+non-reentrant, the forward's autocast state restored). It runs inside the layer's own forward, so module hooks stay
+outside the checkpoint and run once, as transformers places its own (the backward's re-gather precedes the rerun).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from podsrl.models.kernels import rms_norm, signed_sin
 from podsrl.models.llama import LayerPlan, decoder_layer, layer_plan
@@ -74,13 +80,14 @@ def _other_fsdp_unit(model: torch.nn.Module, layers: torch.nn.ModuleList) -> str
 class PackedForward:
     """([B, W] log-probs, [B, W] entropies) of a packed plan's rows under a model `packed_forward_problem` accepts."""
 
-    def __init__(self, model: torch.nn.Module, logits_chunk: int) -> None:
+    def __init__(self, model: torch.nn.Module, logits_chunk: int, activation_checkpointing: bool = False) -> None:
         self.root = model  # called as a whole: its hooks (FSDP2's root unit) run around the computation
         self.base = base_model(model)
         self.body = self.base.model
         self.head = self.base.lm_head
         self.layers = list(self.body.layers[: self.base.config.num_hidden_layers])
         self.chunk = logits_chunk
+        self.checkpointing = activation_checkpointing
 
     def __call__(self, plan: Plan, temperature: float) -> tuple[Tensor, Tensor]:
         """0 outside the plan's completion mask."""
@@ -121,9 +128,14 @@ class PackedForward:
     def _layer_forward(self, index: int, x: Tensor, cos: Tensor, signed: Tensor, plan: Plan, last: bool) -> Tensor:
         """Runs as the layer's own forward, so its plan binds the parameters FSDP2 has just gathered; after the last
         layer only predicting positions are read."""
+        keep = plan.pred_index if last else None
+        if self.checkpointing and torch.is_grad_enabled():
+            return checkpoint(self._layer, index, x, cos, signed, plan, keep, use_reentrant=False)
+        return self._layer(index, x, cos, signed, plan, keep)
+
+    def _layer(self, index: int, x: Tensor, cos: Tensor, signed: Tensor, plan: Plan, keep: Tensor | None) -> Tensor:
         lp = layer_plan(self.layers[index], index, self.base.config, autograd=True)
-        attend = functools.partial(_block_attend, plan)
-        return decoder_layer(lp, x, cos, signed, attend, plan.pred_index if last else None)
+        return decoder_layer(lp, x, cos, signed, functools.partial(_block_attend, plan), keep)
 
 
 def _block_attend(plan: Plan, layer: LayerPlan, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

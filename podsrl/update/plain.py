@@ -9,7 +9,25 @@ import torch
 from torch import Tensor
 
 from podsrl.batch import RolloutBatch
+from podsrl.errors import ConfigError
 from podsrl.models.logprobs import token_logprobs_and_entropy
+from podsrl.models.transformers_api import base_model
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """transformers' own per-layer checkpointing (torch.utils.checkpoint, non-reentrant: no inputs need
+    requires_grad, so a frozen LoRA base works) for this path's forward. It stays on: a layer checkpoints only in
+    training mode with gradients enabled, so generation (no_grad/inference_mode) and the old/reference log-probs
+    (no_grad) run without recomputation and keep their KV cache."""
+    base = base_model(model)
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"update.activation_checkpointing: {type(base).__name__} does not support transformers' "
+                          "activation checkpointing; set update.activation_checkpointing=false")
+    enable = getattr(base, "activation_checkpointing_enable", None)  # transformers >= 5.24; the older name before
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def plain_logprobs(model: torch.nn.Module, batch: RolloutBatch, rows: Tensor, width: int, device: torch.device,

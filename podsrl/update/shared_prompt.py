@@ -15,8 +15,8 @@ from podsrl.models.transformers_api import sliding_window
 class SharedPromptForward:
     """Log-probs and entropies of rows of a batch under a model it can drive (see packed_forward_problem)."""
 
-    def __init__(self, model: torch.nn.Module, logits_chunk: int) -> None:
-        self.forward = PackedForward(model, logits_chunk)
+    def __init__(self, model: torch.nn.Module, logits_chunk: int, activation_checkpointing: bool = False) -> None:
+        self.forward = PackedForward(model, logits_chunk, activation_checkpointing)
         self.window = sliding_window(model)
 
     def fits(self, batch: RolloutBatch, rows: Tensor, width: int) -> bool:

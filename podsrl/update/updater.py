@@ -17,7 +17,8 @@ from podsrl.algo.loss import LOSS_AGGREGATIONS, aggregation_stats, clipped_polic
 from podsrl.batch import RolloutBatch
 from podsrl.config import Config
 from podsrl.models.packed import packed_forward_problem
-from podsrl.update.plain import plain_logprobs
+from podsrl.models.precision import compute_autocast, describe_precision, resolve_compute_dtype
+from podsrl.update.plain import enable_activation_checkpointing, plain_logprobs
 from podsrl.update.shared_prompt import SharedPromptForward
 
 log = logging.getLogger("podsrl")
@@ -34,6 +35,13 @@ class PolicyUpdater:
         # podsrl.distributed.DataParallel (or any implementation of its interface): splits each mini-batch across
         # ranks, sums what they computed; None in one process
         self.dp = data_parallel
+        # matmuls in the compute dtype through autocast (FSDP2 casts the gathered parameters itself)
+        self.param_dtype = getattr(torch, cfg.model.dtype)
+        sharded = data_parallel is not None and getattr(data_parallel, "sharded", False)
+        self.compute_dtype = self.param_dtype if sharded else resolve_compute_dtype(cfg.model, device)
+        log.info("precision: %s", describe_precision(cfg.model, device))
+        if cfg.update.activation_checkpointing:  # the plain path's layers (HF's own checkpointing)
+            enable_activation_checkpointing(model)
         self.shared = {id(m): self._shared_forward(m, role) for m, role in ((model, "policy"), (ref_model, "reference"))
                        if m is not None}
         self.aggregate = LOSS_AGGREGATIONS[cfg.algo.loss_agg]
@@ -57,19 +65,20 @@ class PolicyUpdater:
             log.warning("update: the shared-prompt path cannot drive the %s model (%s); using the plain path",
                         role, reason)
             return None
-        return SharedPromptForward(model, self.cfg.update.logits_chunk)
+        return SharedPromptForward(model, self.cfg.update.logits_chunk, self.cfg.update.activation_checkpointing)
 
     def _forward(self, model, batch: RolloutBatch, rows: torch.Tensor):
         """(([B, W] log-probs, [B, W] entropies), W), W: the longest completion of these rows."""
         # trim right padding of this slice (FSDP runs empty micro-batches too, to keep ranks in lockstep)
         width = max(1, int(batch.completion_mask[rows].sum(dim=1).max())) if rows.numel() else 1
         temperature, shared = self.cfg.rollout.temperature, self.shared.get(id(model))
-        if shared is not None and rows.numel() and shared.fits(batch, rows, width):
-            out = shared(batch, rows, width, self.device, temperature)
-            if out is not None:
-                return out, width
-        return plain_logprobs(model, batch, rows, width, self.device, temperature,
-                              self.cfg.update.logits_chunk), width
+        with compute_autocast(self.device, self.compute_dtype, self.param_dtype):
+            if shared is not None and rows.numel() and shared.fits(batch, rows, width):
+                out = shared(batch, rows, width, self.device, temperature)
+                if out is not None:
+                    return out, width
+            return plain_logprobs(model, batch, rows, width, self.device, temperature,
+                                  self.cfg.update.logits_chunk), width
 
     @torch.no_grad()
     def _precompute(self, model, batch: RolloutBatch) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """FSDP2 (`train.strategy: fsdp`): a 2-rank gloo update on sharded parameters equals the one-process update on the
 same batch (GRPO and PODS with uneven groups, mini-batches, epochs, a KL reference, DynaMO's token modulation, LoRA,
-one row for two ranks, parameters kept gathered after the forward), with the shared-prompt path and with the plain
+one row for two ranks, parameters kept gathered after the forward, activation checkpointing), with the shared-prompt path and with the plain
 path, and the two paths equal each other; the generation copy holds the updated weights, and the sharded state of
 torch.distributed.checkpoint round-trips exactly."""
 
@@ -35,6 +35,8 @@ SCENARIOS = {
     "one_row": (["optim.micro_batch_size=4"], [1], [0.7]),
     "no_reshard": (["train.fsdp_reshard_after_forward=false", "optim.micro_batch_size=2", "algo.beta=0.05"],
                    [3, 2, 2], None),
+    "checkpointing": (["update.activation_checkpointing=true", "optim.micro_batch_size=2", "optim.epochs=2",
+                       "algo.beta=0.05"], [4, 1, 3], None),
 }
 PATHS = {"shared_prompt": True, "plain": False}  # update.shared_prompt
 

@@ -55,7 +55,9 @@ def test_trl_names_configure_what_podsrl_keys_do():
     (["lr_scheduler_type=linear"], r"^lr_scheduler_type: 'linear' has no podsrl counterpart"),
     (["per_device_train_batch_size=8"], r"^per_device_train_batch_size: TRL's name, not taken by podsrl since the "
                                         r"meaning differs; set rollout\.prompts_per_step"),
-    (["gradient_checkpointing=true"], r"^gradient_checkpointing: .*podsrl has no counterpart"),
+    (["bf16=auto"], r"^bf16: 'auto' has no podsrl counterpart; use one of None, True, False"),
+    (["gradient_checkpointing=true", "update.activation_checkpointing=false"],
+     r"^gradient_checkpointing: TRL's name for update\.activation_checkpointing, which is also set"),
 ])
 def test_trl_names_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
