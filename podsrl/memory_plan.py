@@ -348,7 +348,7 @@ def update_peak(shape: ModelShape, work: Workload, rows: int, checkpointing: boo
     terms = {**{k: v for k, v in state.items() if k != "gradients"}, "activations": sum(act.values()),
              "transient": max(transient.values()), "runtime": RUNTIME_BYTES[work.device]["update"]}
     if work.training_run:  # DecodeStack keeps the last generate call's fused weights
-        terms["fused_weights"] = shape.layers * shape.fused_weights * work.e
+        terms["fused_weights"] = shape.layers * shape.fused_weights * work.engine_e
     one_micro_batch = rows >= work.trained_rows
     if one_micro_batch and state["gradients"] > terms["activations"] + terms["transient"]:
         terms["gradients"], terms["activations"], terms["transient"] = state["gradients"], 0, 0
@@ -465,8 +465,9 @@ def render(plan: MemoryPlan, model: str) -> str:
         if rows == 0:
             lines.append(f"{how} activation checkpointing: not even a micro-batch of 1 row fits")
         else:
-            lines.append(f"{how} activation checkpointing: optim.micro_batch_size={rows} "
-                         f"({math.ceil(w.trained_rows / rows)} micro-batches for {w.trained_rows} trained rows)")
+            lines.append(f"{how} activation checkpointing: update.activation_checkpointing={str(c).lower()} "
+                         f"optim.micro_batch_size={rows} ({math.ceil(w.trained_rows / rows)} micro-batches for "
+                         f"{w.trained_rows} trained rows)")
     if sum(gen.values()) > plan.budget:
         lines.append("generation does not fit: the fast engine generates all P x n rows at once; lower "
                      "rollout.prompts_per_step, rollout.n or the lengths")
@@ -524,13 +525,15 @@ def add_memory_arguments(parser) -> None:
 
 def workload_from_config(cfg, prompt_length: int, device: str) -> Workload:
     """P, n, m, lengths and precision of a podsrl config (m: pods.m for PODS, else n)."""
+    import torch
+
+    from podsrl.models.precision import resolve_dtype_name
+
     m = (cfg.pods.m or cfg.rollout.n) if cfg.method == "pods" else cfg.rollout.n
-    compute = getattr(cfg.model, "compute_dtype", None) or cfg.model.dtype
-    if compute == "auto":
-        compute = "bfloat16" if device == "cuda" else "float32"
+    compute = str(resolve_dtype_name(cfg.model.compute_dtype, getattr(torch, cfg.model.dtype), device))
     return Workload(
         prompts=cfg.rollout.prompts_per_step, n=cfg.rollout.n, m=m, prompt_length=prompt_length,
-        completion_length=cfg.rollout.max_new_tokens, dtype=cfg.model.dtype, compute_dtype=compute,
+        completion_length=cfg.rollout.max_new_tokens, dtype=cfg.model.dtype, compute_dtype=compute.split(".")[-1],
         beta=cfg.algo.beta, logits_chunk=cfg.update.logits_chunk, top_p=cfg.rollout.top_p, device=device,
     )
 
