@@ -1,5 +1,6 @@
 """`podsrl plan --memory` against measured peaks on this CPU: random-init Qwen2 models of ~1M, ~13M and ~54M
-parameters, two completion lengths, the update (podsrl's PolicyUpdater, shared-prompt path, two micro-batches) and
+parameters (and "0", a ~2k-parameter model whose peak is the runtime's own growth: the calibration case of
+podsrl/memory_plan.py RUNTIME_BYTES, left out of the largest error), two completion lengths, the update (podsrl's PolicyUpdater, shared-prompt path, two micro-batches) and
 generation (the fast engine, all rows at once).
 
 Each (model, length, phase) runs in a fresh child process (benchmarks/update_memory.py's method): the resident set
@@ -51,7 +52,7 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def measure_update(name: str, length: int, checkpointing: bool) -> int:
+def measure_update(name: str, length: int, checkpointing: bool, compute: str) -> int:
     import torch
     from transformers import Qwen2ForCausalLM
 
@@ -62,7 +63,7 @@ def measure_update(name: str, length: int, checkpointing: bool) -> int:
     prompts, m = UPDATE["prompts"], UPDATE["m"]
     rows = prompts * m
     overrides = [f"rollout.n={m}", "method=grpo", f"rollout.max_new_tokens={length}",
-                 f"optim.micro_batch_size={UPDATE['micro_batch']}"]
+                 f"optim.micro_batch_size={UPDATE['micro_batch']}", f"model.compute_dtype={compute}"]
     if checkpointing:
         overrides.append("update.activation_checkpointing=true")
     cfg = load_config(None, overrides)
@@ -109,13 +110,13 @@ def measure_generation(name: str, length: int) -> int:
     return before - zero + peak_memory_during(lambda: engine.generate(ids, [n] * prompts, params, seeds))
 
 
-def predict(name: str, length: int, phase: str, checkpointing: bool) -> dict[str, int]:
+def predict(name: str, length: int, phase: str, checkpointing: bool, compute: str = "float32") -> dict[str, int]:
     from podsrl.memory_plan import Workload, generation_peak, model_shape, update_peak
 
     shape = model_shape(qwen2_config(name))
     if phase == "update":
-        work = Workload(UPDATE["prompts"], UPDATE["m"], UPDATE["m"], PROMPT, length, device="cpu",
-                        training_run=False)
+        work = Workload(UPDATE["prompts"], UPDATE["m"], UPDATE["m"], PROMPT, length, compute_dtype=compute,
+                        device="cpu", training_run=False)
         return update_peak(shape, work, UPDATE["micro_batch"], checkpointing)
     work = Workload(GENERATION["prompts"], GENERATION["n"], GENERATION["n"], PROMPT, length, device="cpu",
                     training_run=False)
@@ -128,13 +129,15 @@ def main() -> None:
     parser.add_argument("--lengths", nargs="+", type=int, default=list(LENGTHS))
     parser.add_argument("--phases", nargs="+", default=["update", "generation"], choices=["update", "generation"])
     parser.add_argument("--checkpointing", action="store_true", help="the update with activation checkpointing")
+    parser.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the update's model.compute_dtype (float32 masters; generation runs the masters)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per case (median)")
     parser.add_argument("--json", help="also write the rows as JSON")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         name, length, phase = args.child.split(",")
-        peak = (measure_update(name, int(length), args.checkpointing) if phase == "update"
+        peak = (measure_update(name, int(length), args.checkpointing, args.compute_dtype) if phase == "update"
                 else measure_generation(name, int(length)))
         print(json.dumps({"peak": peak}))
         return
@@ -146,30 +149,35 @@ def main() -> None:
         for case in cases[k:] + cases[:k]:
             out = subprocess.run(
                 [sys.executable, __file__, "--child", ",".join(map(str, case))]
-                + (["--checkpointing"] if args.checkpointing else []),
+                + (["--checkpointing"] if args.checkpointing else []) + ["--compute-dtype", args.compute_dtype],
                 capture_output=True, text=True, check=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
             measured[case].append(json.loads(out.stdout.strip().splitlines()[-1])["peak"])
     mib = 2**20
     ckpt = "with" if args.checkpointing else "without"
     print(f"\nupdate: {UPDATE['prompts']} prompts x {UPDATE['m']} rows, micro-batch {UPDATE['micro_batch']}, "
           f"{ckpt} activation checkpointing; generation: {GENERATION['prompts']} prompts x {GENERATION['n']} rows; "
-          f"prompts {PROMPT} tokens; float32; {args.rounds} interleaved rounds, median [min-max]\n")
+          f"prompts {PROMPT} tokens; float32 masters, {args.compute_dtype} compute in the update; {args.rounds} "
+          "interleaved rounds, median [min-max]\n")
     print("| model | completion | phase | predicted MiB | measured MiB | error | largest predicted terms (MiB) |")
     print("|---|---|---|---|---|---|---|")
     rows, worst = [], 0.0
     for case in cases:
         name, length, phase = case
-        terms = predict(name, length, phase, args.checkpointing)
+        terms = predict(name, length, phase, args.checkpointing, args.compute_dtype)
         predicted, values = sum(terms.values()), measured[case]
         med = statistics.median(values)
         error = predicted / med - 1
-        worst = max(worst, abs(error))
+        if name != "0":
+            worst = max(worst, abs(error))
         top = ", ".join(f"{k} {v / mib:.0f}" for k, v in sorted(terms.items(), key=lambda kv: -kv[1])[:3])
-        print(f"| {name} | {length} | {phase} | {predicted / mib:.1f} | {med / mib:.1f} "
+        label = "0 (calibration)" if name == "0" else name
+        print(f"| {label} | {length} | {phase} | {predicted / mib:.1f} | {med / mib:.1f} "
               f"[{min(values) / mib:.1f}-{max(values) / mib:.1f}] | {error:+.1%} | {top} |")
         rows.append({"model": name, "completion": length, "phase": phase, "checkpointing": args.checkpointing,
+                     "compute_dtype": args.compute_dtype,
                      "predicted": predicted, "measured": values, "terms": terms, "error": error})
-    print(f"\nlargest |error| {worst:.1%} (aim {AIM:.0%}); load average after: {load_average()}")
+    print(f"\nlargest |error| {worst:.1%} without the calibration model (aim {AIM:.0%}); load average after: "
+          f"{load_average()}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1), encoding="utf-8")
 
