@@ -144,10 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_arguments(p)
     p.set_defaults(func=report_main)
     from podsrl.experiments.plan import add_plan_arguments, plan_main
+    from podsrl.memory_plan import add_memory_arguments, memory_main
 
-    p = sub.add_parser("plan", help="measure step costs here, predict the step time of (prompts, n, m) settings")
+    p = sub.add_parser("plan", help="measure step costs here, predict the step time of (prompts, n, m) settings; "
+                       "--memory: predict peak memory and the largest micro-batch that fits a device")
     add_plan_arguments(p)
-    p.set_defaults(func=lambda args: plan_main(args, preset_path(args.config)))
+    add_memory_arguments(p)
+    p.set_defaults(func=lambda args: (memory_main if args.memory else plan_main)(args, preset_path(args.config)))
     return parser
 
 

@@ -8,11 +8,11 @@ in the work it does, with its own fixed cost:
     update        = u0 + u1 * trained tokens * epochs      (time/update)
     other         = the rest of time/step, a constant      (batch building, weight sync, bookkeeping)
 
-The coefficients are least-squares fits over the per-setting medians of real steps (the trainer's own
-`train_step`) at four settings that span the candidates: high and low prompts per step, n and m, so that generated and trained work vary apart.
-Tokens per rollout (generated and trained) are the measured means. Each setting runs in its own trainer, one
-after the other (a real model would not fit in memory several times); its first step is discarded (allocator
-and thread-pool warm-up). The prediction is then checked against the candidates' own measured steps: the
+The coefficients are non-negative least-squares fits over the per-setting medians of real steps (the trainer's own
+`train_step`) at four settings that span the candidates: high and low prompts per step, n and m, so that generated
+and trained work vary apart. Tokens per rollout (generated and trained) are the measured means. Each setting runs in
+its own trainer, the settings' steps interleaved round-robin (`--sequential`: one after the other, one model in
+memory); each trainer's first step is discarded (allocator and thread-pool warm-up). The prediction is then checked against the candidates' own measured steps: the
 relative error of the median step time is reported.
 
 At equal wall-clock a method with step time t takes t_base / t as many steps as the baseline (the first
@@ -127,13 +127,45 @@ class StepSample:
         )
 
 
+def nnls(a: np.ndarray, y: np.ndarray, tol: float = 1e-12) -> np.ndarray:
+    """argmin ||a x - y|| subject to x >= 0 (Lawson and Hanson's active-set algorithm; a has a few columns).
+
+    Coefficients enter the passive set one at a time (the one whose gradient most wants to grow); a least-squares
+    solve over the passive set that would make one negative steps back to the boundary and drops it."""
+    a, y = np.asarray(a, dtype=float), np.asarray(y, dtype=float)
+    cols = a.shape[1]
+    x = np.zeros(cols)
+    passive = np.zeros(cols, dtype=bool)
+    scale = tol * max(1.0, float(np.abs(a).max()) * float(np.abs(y).max()))
+    for _ in range(3 * cols + 10):  # terminates in at most a few passes per column
+        gradient = a.T @ (y - a @ x)
+        if passive.all() or gradient[~passive].max() <= scale:
+            break
+        passive[np.flatnonzero(~passive)[np.argmax(gradient[~passive])]] = True
+        while True:
+            z = np.zeros(cols)
+            z[passive] = np.linalg.lstsq(a[:, passive], y, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            # step from x towards z as far as every coefficient stays >= 0, then drop those that reached 0
+            blocked = np.flatnonzero(passive & (z <= 0))
+            ratios = x[blocked] / (x[blocked] - z[blocked])
+            x = x + ratios.min() * (z - x)
+            x[blocked[np.argmin(ratios)]] = 0.0
+            passive &= x > 0
+            x[~passive] = 0.0
+    return x
+
+
 def fit_line(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of y = a + b x; x must take at least two distinct values."""
+    """Least-squares (intercept, slope) of y = a + b x with a, b >= 0 (a phase cannot cost negative time, and an
+    unconstrained fit over a few noisy medians can go below zero: -0.019 s per step was seen); x must take at least
+    two distinct values."""
     xs, ys = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     if len(xs) != len(ys) or len(set(xs.tolist())) < 2:
         raise ValueError(f"a line fit needs >= 2 distinct x values, got {sorted(set(xs.tolist()))}")
-    design_matrix = np.stack([np.ones_like(xs), xs], axis=1)
-    (a, b), *_ = np.linalg.lstsq(design_matrix, ys, rcond=None)
+    a, b = nnls(np.stack([np.ones_like(xs), xs], axis=1), ys)
     return float(a), float(b)
 
 
@@ -161,7 +193,7 @@ class CostModel:
             generate=fit_line([r["generated_tokens"] for r in med], [r["generate"] for r in med]),
             score_select=fit_line([r["generated_rollouts"] for r in med], [r["score_select"] for r in med]),
             update=fit_line([r["trained_tokens"] for r in med], [r["update"] for r in med]),
-            other=float(np.mean([r["other"] for r in med])),
+            other=max(0.0, float(np.mean([r["other"] for r in med]))),
             tokens_per_generated=sum(r["generated_tokens"] for r in med) / sum(r["generated_rollouts"] for r in med),
             tokens_per_trained=sum(r["trained_tokens"] for r in med) / sum(trained_rollouts),
         )
@@ -188,19 +220,26 @@ def _method_overrides(setting: Setting) -> list[str]:
             "filter.zero_variance=false"]
 
 
+def round_order(settings: int, round_index: int) -> list[int]:
+    """The settings' order in one interleaved round: round r starts at setting r mod count (benchmarks/timing.py's
+    rule), so no setting always runs first or right after the same neighbour."""
+    k = round_index % settings
+    return [*range(k, settings), *range(k)]
+
+
 def measure(
     config: Path,
     overrides: Sequence[str],
     settings: Sequence[Setting],
     steps: int,
     warm: int = 1,
-    interleave: bool = False,
+    interleave: bool = True,
 ) -> list[list[StepSample]]:
     """`warm + steps` training steps of each setting in a trainer of its own; the last `steps` of each are kept.
 
-    One setting after the other by default (one model in memory). `interleave`: every trainer is built first and
-    the steps go round-robin, in an order rotated each round, so a change in the machine's load falls on every
-    setting alike (benchmarks/timing.py's rule); it holds one model and optimiser per setting in memory.
+    Interleaved by default: every trainer is built first and the steps go round-robin (`round_order`), so a change
+    in the machine's load falls on every setting alike instead of on whichever ran then; it holds one model and
+    optimiser per setting in memory. `interleave=False` runs one setting after the other (one model in memory).
     """
     from podsrl.config import load_config
     from podsrl.trainer import Trainer
@@ -234,8 +273,7 @@ def measure(
                     trainers.append(build(i, setting))
                 for r in range(warm + steps):
                     log.info("plan: round %d of %d", r + 1, warm + steps)
-                    k = r % len(trainers)
-                    for i in [*range(k, len(trainers)), *range(k)]:
+                    for i in round_order(len(trainers), r):
                         metrics[i].append(trainers[i].train_step().metrics)
             finally:
                 for trainer in trainers:
@@ -295,7 +333,7 @@ def run_plan(
     candidates: Sequence[Setting],
     steps: int = 3,
     validate: bool = True,
-    interleave: bool = False,
+    interleave: bool = True,
 ) -> PlanResult:
     t0 = time.perf_counter()
     fit_settings = design(candidates)
@@ -329,7 +367,7 @@ def render(result: PlanResult, config: str) -> str:
         + ", ".join(dict.fromkeys(s.setting.label for s in result.fit_samples))
         + f" ({result.seconds:.0f} s in all)",
         result.machine,
-        "Fitted costs on this machine (least squares over each fit setting's median step):",
+        "Fitted costs on this machine (non-negative least squares over each fit setting's median step):",
         f"  generation: {m.generate[1] * 1e3:.3f} ms per generated token + {m.generate[0]:.3f} s per step "
         f"({m.tokens_per_generated:.1f} tokens per rollout)",
         f"  update:     {m.update[1] * 1e3:.3f} ms per trained token-pass + {m.update[0]:.3f} s per step "
@@ -400,10 +438,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=3, help="measured steps per setting (default 3, +1 warm-up)")
     parser.add_argument("--no-validate", action="store_true", help="skip measuring the candidates themselves")
     parser.add_argument(
-        "--interleave",
+        "--sequential",
         action="store_true",
-        help="build every setting's trainer first and step them round-robin: steadier on a shared machine, "
-        "one model and optimiser per setting in memory",
+        help="run the settings one after the other (one model in memory) instead of the default: every setting's "
+        "trainer built first and stepped round-robin, steadier on a shared machine",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the fit and the predictions as JSON")
 
@@ -419,7 +457,7 @@ def plan_main(args: argparse.Namespace, config: Path) -> int:
         cfg = load_config(config, args.overrides)
         m = (cfg.pods.m or cfg.rollout.n) if cfg.method == "pods" else cfg.rollout.n
         candidates = default_candidates(cfg.rollout.prompts_per_step, m)
-    result = run_plan(config, args.overrides, candidates, args.steps, not args.no_validate, args.interleave)
+    result = run_plan(config, args.overrides, candidates, args.steps, not args.no_validate, not args.sequential)
     print(render(result, args.config), end="")
     if args.json:
         Path(args.json).write_text(json.dumps(to_json(result), indent=1), encoding="utf-8")

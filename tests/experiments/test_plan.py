@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from podsrl.cli import main
 from podsrl.errors import UserError
+from podsrl.experiments import plan
 from podsrl.experiments.plan import (
     CostModel,
     Setting,
@@ -17,7 +19,10 @@ from podsrl.experiments.plan import (
     design,
     fit_line,
     make_plan,
+    nnls,
+    round_order,
 )
+from podsrl.presets import preset_path
 from tests.conftest import tiny_overrides
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -52,6 +57,80 @@ def test_fit_line_exact_and_degenerate():
         fit_line([4, 4, 4], [1, 2, 3])
 
 
+def test_fit_line_never_returns_a_negative_cost():
+    """Medians whose unconstrained line crosses below zero at no work (intercept -0.2 s): the fit is the best line
+    with both costs >= 0, i.e. through the origin, slope sum(xy) / sum(x^2)."""
+    x, y = [100, 200, 300], [0.5, 1.2, 1.9]
+    assert np.polyfit(x, y, 1)[1] == pytest.approx(-0.2)  # what plain least squares gives
+    a, b = fit_line(x, y)
+    assert a == 0.0 and b == pytest.approx(np.dot(x, y) / np.dot(x, x))
+    # a negative slope (more work, less time: noise) becomes a flat line at the mean
+    assert fit_line([1, 2, 3], [3.0, 2.0, 1.0]) == pytest.approx((2.0, 0.0))
+
+
+def test_nnls_meets_the_optimality_conditions_on_random_problems():
+    """Karush-Kuhn-Tucker: x >= 0; the residual's gradient is 0 on the positive coefficients and <= 0 on the
+    zero ones. Tolerance: 1e-8 relative to the problem's scale (float64 least squares on <= 8 x 3 systems)."""
+    rng = np.random.default_rng(0)
+    negative_seen = 0
+    for _ in range(500):
+        a = rng.normal(size=(int(rng.integers(3, 9)), int(rng.integers(1, 4))))
+        y = rng.normal(size=a.shape[0])
+        x = nnls(a, y)
+        negative_seen += bool((np.linalg.lstsq(a, y, rcond=None)[0] < 0).any())
+        gradient = a.T @ (y - a @ x)
+        scale = 1e-8 * (1 + np.abs(a).max() * (np.abs(y).max() + np.abs(a).max() * np.abs(x).max()))
+        assert (x >= 0).all() and (np.abs(gradient[x > 0]) <= scale).all() and (gradient[x == 0] <= scale).all()
+    assert negative_seen > 100  # the constraint was active on many of them
+
+
+def test_cost_model_fit_is_non_negative_where_least_squares_is_not():
+    """Generation times whose unconstrained fit has a negative fixed cost (as -0.019 s per step was fitted): every
+    fitted coefficient, and every phase predicted for any setting, stays >= 0."""
+    samples = []
+    for setting in design(default_candidates(32, 16)):
+        s = _sample(setting)
+        generate = 2e-4 * s.generated_tokens - 0.05  # below zero at no work
+        samples.append(StepSample(setting, s.generated_rollouts, s.generated_tokens, s.trained_tokens, generate,
+                                  s.score_select, s.update, generate + s.score_select + s.update + 0.05))
+    model = CostModel.fit(samples)
+    assert min(*model.generate, *model.score_select, *model.update, model.other) >= 0 and model.generate[0] == 0
+    for setting in [Setting(1, 2, 2), Setting(64, 64, 16)]:
+        assert min(model.predict(setting).values()) >= 0
+
+
+def test_round_order_rotates_so_every_setting_leads_once_per_cycle():
+    assert [round_order(3, r) for r in range(4)] == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+    for r in range(5):
+        assert sorted(round_order(5, r)) == list(range(5))
+
+
+def test_measure_interleaves_the_settings(monkeypatch):
+    """Steps go round-robin across every setting's trainer (rotated each round), not one setting's steps back to
+    back; --sequential keeps them back to back."""
+    calls = []
+
+    class Recorder:
+        def __init__(self, cfg):
+            self.label = (cfg.rollout.prompts_per_step, cfg.rollout.n)
+            self.logger = self.engine = self.dist = type("Closable", (), {"close": lambda self: None})()
+
+        def train_step(self):
+            calls.append(self.label)
+            metrics = {k: 1.0 for k in ("rollouts/generated", "tokens/generated", "tokens/trained", "time/generate",
+                                        "time/score", "time/select", "time/update", "time/step")}
+            return type("Step", (), {"metrics": metrics})()
+
+    monkeypatch.setattr("podsrl.trainer.Trainer", Recorder)
+    settings = [Setting(4, 4, 4), Setting(2, 4, 4), Setting(1, 2, 2)]
+    labels = [(s.prompts, s.n) for s in settings]
+    plan.measure(preset_path("grpo"), [], settings, steps=2)
+    assert calls == [labels[i] for r in range(3) for i in round_order(3, r)]
+    calls.clear()
+    plan.measure(preset_path("grpo"), [], settings, steps=2, interleave=False)
+    assert calls == [label for label in labels for _ in range(3)]
+
+
 def test_design_spans_the_candidates_and_varies_work_apart():
     candidates = default_candidates(32, 16)
     assert candidates == [Setting(32, 16, 16), Setting(32, 64, 16), Setting(8, 64, 16)]
@@ -76,12 +155,12 @@ def test_cost_model_recovers_known_costs_and_predicts_unseen_settings():
     assert pods.generation_share == pytest.approx(pods.predicted["generate"] / pods.predicted["step"])
 
 
-@pytest.mark.parametrize("interleave", [False, True])
-def test_plan_measures_the_tiny_model(tmp_path, warmup_cache, capsys, interleave):
+@pytest.mark.parametrize("sequential", [False, True])
+def test_plan_measures_the_tiny_model(tmp_path, warmup_cache, capsys, sequential):
     overrides = [o for o in tiny_overrides(tmp_path / "unused", warmup_cache) if not o.startswith("select.")]
     out = tmp_path / "plan.json"
     code = main(["plan", "grpo", *overrides, "--candidates", "8x4", "8x8:2", "--steps", "2", "--json", str(out)]
-                + (["--interleave"] if interleave else []))
+                + (["--sequential"] if sequential else []))
     assert code == 0
     text = capsys.readouterr().out
     assert "ms per generated token" in text and "| 8x8->2 | 64 / 16 |" in text and "1 threads" in text

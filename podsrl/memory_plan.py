@@ -1,0 +1,574 @@
+"""`podsrl plan --memory`: the predicted peak memory of a step's generation and of its update, from the model's
+config alone (built on the meta device, no weights), and the largest micro-batch that fits a device.
+
+Every term is bytes = count x element size, the count read off the code that allocates it (each function's
+docstring names that code); all rows are taken at the full prompt and completion lengths (the worst case a step can
+meet). Notation: L layers, D hidden, I MLP width, H query heads, Hkv key/value heads, d head dim, V vocabulary; e
+the compute dtype's bytes, p the master (model.dtype) bytes; G prompts and b rows in a micro-batch, Lp prompt and Lc
+completion tokens, N = G Lp + b (Lc - 1) packed tokens, T = b Lc predicting positions.
+
+Generation (the fast engine; all P x n rows in flight at once):
+    resident state (master weights; in a training run also their gradients and AdamW state; a reference model)
+  + fused q/k/v and gate/up weights (DecodeStack binds them per generate call and keeps them)
+  + KV cache  L x 2 x Hkv x d x (Lp + Lc) x (rows + P) x bytes  (static buffers of full capacity)
+  + the larger of the prefill's and a decode step's workspace (logits and sampling over [rows, V] in float32)
+  + the runtime's own growth (calibrated per device).
+Update (the shared-prompt path of podsrl/models/packed.py, one micro-batch of b rows):
+    master weights + gradients + AdamW state (2 per trained parameter, master dtype) + a reference model
+  + the activations autograd saves (`layer_activations` per decoder layer, read off the layer's code and checked
+    against what it saves in tests/experiments/test_memory_plan.py), or with activation checkpointing each layer's
+    input, then one layer's recomputed activations under its backward
+  + the largest transient on top of them: the log-prob head's backward (a [V, D] weight gradient and one
+    update.logits_chunk x V float32 chunk twice) or a layer's attention or MLP backward
+  + in a training run the fast engine's fused weights, kept from the last generate call; the runtime's growth.
+
+What a CUDA device adds (context, allocator fragmentation, cuBLAS and attention workspaces) is not calibrated: the
+CPU's counterpart is (benchmarks/memory_plan_check.py), a GPU run measures it (benchmarks/gpu_suite.sh) and
+`--reserve` keeps that share of the device free meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from podsrl.errors import UserError
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ADAM_STATES = 2  # exp_avg and exp_avg_sq, each in the parameter's dtype (torch.optim.AdamW)
+# What a phase costs beyond its tensors, per device: on CPU the process's growth around a phase of a negligible model
+# (malloc arenas, the autograd engine's thread, oneDNN's kernels), calibrated by `python
+# benchmarks/memory_plan_check.py --models 0` (median of its rounds). On CUDA the context, cuBLAS and attention
+# workspaces and the caching allocator's fragmentation are not calibrated yet (benchmarks/gpu_suite.sh will
+# measure them): 0 here, and --reserve keeps a share of the device for them.
+RUNTIME_BYTES = {"cpu": {"update": 17 * 2**20, "generation": 14 * 2**20}, "cuda": {"update": 0, "generation": 0}}
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # the layer podsrl runs itself (podsrl/models/llama.py)
+_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_memory(text: str) -> int:
+    """'80GiB', '80 GB', '81920MiB', '7.5g' -> bytes (G/GiB binary, GB decimal); a bare number is refused (80 what?)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise UserError(f"--gpu-memory: {text!r} is not a memory size (write e.g. 80GiB, 24GB or 81920MiB)")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory of a Llama-family causal LM depends on, read from its config and its meta-device build."""
+
+    model_type: str
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    params: int  # distinct parameters (tied embeddings once)
+    trained_params: int  # all of them, or the LoRA adapters'
+    qkv_bias: bool
+    lora_rank: int  # 0: no adapters
+    lora_qkv: bool  # LoRA wraps a q/k/v projection: they run one by one, not as one fused matmul
+    lora_modules: int  # adapted linear layers per decoder layer
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_rank > 0
+
+    @property
+    def qkv_width(self) -> int:
+        return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+    @property
+    def fused_weights(self) -> int:
+        """Elements of one layer's q/k/v and gate/up weights concatenated (podsrl/models/llama.py fused_qkv and
+        fused_gate_up: rebuilt by every update forward and generate call; LoRA-wrapped projections are not fused;
+        LoRA on gate/up is not predicted, `model_shape` refuses it)."""
+        qkv = 0 if self.lora_qkv else self.qkv_width * (self.hidden + self.qkv_bias)
+        return qkv + 2 * self.intermediate * self.hidden
+
+
+def load_model_config(name_or_path: str):
+    """The transformers config of a local model directory, a config.json file, or a hub id in the local Hugging Face
+    cache (nothing is downloaded)."""
+    from transformers import AutoConfig
+
+    local = Path(name_or_path).expanduser()
+    looks_local = local.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.endswith(".json")
+    if looks_local:
+        file = local if local.is_file() else local / "config.json"
+        if not file.is_file():
+            raise UserError(f"model {name_or_path!r}: no such config.json (give a model directory, its "
+                            "config.json, or a hub id in the local Hugging Face cache)")
+        try:
+            return AutoConfig.from_pretrained(str(file))
+        except (OSError, ValueError, KeyError) as e:
+            raise UserError(f"model {name_or_path!r}: {file} is not a transformers config ({_first_line(e)})") from None
+    try:
+        return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise UserError(f"model {name_or_path!r}: not a local path, and its config is not in the local Hugging Face "
+                        f"cache (download it first, e.g. `hf download {name_or_path} config.json`): "
+                        f"{_first_line(e)}") from None
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def model_shape(config, lora_rank: int = 0, lora_targets: list[str] | tuple[str, ...] = ()) -> ModelShape:
+    """The shape of `config`'s model, its parameters counted on a meta-device build (with LoRA adapters applied as
+    podsrl/lora.py applies them, when lora_rank > 0: model.lora_target_modules, attention projections only)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_type = getattr(config, "model_type", None)
+    if model_type not in LLAMA_FAMILY:
+        raise UserError(f"model type {model_type!r}: the memory plan knows the layer podsrl runs itself "
+                        f"({', '.join(LLAMA_FAMILY)}) only")
+    targets = set(lora_targets) if lora_rank > 0 else set()
+    if targets - {"q_proj", "k_proj", "v_proj", "o_proj"}:
+        raise UserError(f"model.lora_target_modules {sorted(targets)}: the memory plan predicts LoRA on the "
+                        "attention projections (q_proj, k_proj, v_proj, o_proj) only")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+        if lora_rank > 0:
+            from podsrl.lora import apply_lora
+
+            model = apply_lora(model, rank=lora_rank, alpha=2 * lora_rank, dropout=0.0,
+                               target_modules=sorted(targets))
+    params = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return ModelShape(
+        model_type=model_type, layers=config.num_hidden_layers, hidden=config.hidden_size,
+        intermediate=config.intermediate_size, heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
+        vocab=config.vocab_size, params=params, trained_params=trained,
+        qkv_bias=bool(getattr(config, "attention_bias", model_type == "qwen2")), lora_rank=lora_rank,
+        lora_qkv=bool(targets & {"q_proj", "k_proj", "v_proj"}), lora_modules=len(targets),
+    )
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One step's shape and the precision it runs in."""
+
+    prompts: int  # P
+    n: int  # rollouts generated per prompt
+    m: int  # rollouts trained per prompt
+    prompt_length: int  # Lp
+    completion_length: int  # Lc
+    dtype: str = "float32"  # master weights and AdamW state (model.dtype)
+    compute_dtype: str = "float32"  # forward/backward and the engine's weights (model.compute_dtype)
+    beta: float = 0.0  # > 0 keeps a reference model
+    logits_chunk: int = 1024  # update.logits_chunk
+    top_p: float = 1.0
+    device: str = "cuda"  # how attention runs: matmuls + softmax on CPU, scaled_dot_product_attention elsewhere
+    # a training run: the update's gradients and AdamW state stay allocated through generation, and the fast engine's
+    # fused weights through the update (False: each phase alone, as benchmarks/memory_plan_check.py measures them)
+    training_run: bool = True
+    # the fast engine generates with a compute-dtype copy of the weights (issue 31 names one; today it runs the
+    # master weights, so its weights, KV cache and logits are in model.dtype)
+    engine_copy: bool = False
+
+    @property
+    def e(self) -> int:
+        return DTYPE_BYTES[self.compute_dtype]
+
+    @property
+    def p(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def engine_e(self) -> int:
+        """Bytes of the engine's weights, KV cache and logits."""
+        return self.e if self.engine_copy else self.p
+
+    @property
+    def trained_rows(self) -> int:
+        return self.prompts * self.m
+
+
+# ---- the update ----
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Geometry of one micro-batch's packed stream (podsrl/models/packed_layout.py) with every row at full length:
+    G distinct prompts of Lp tokens, then each row's Lc - 1 completion inputs; T positions predict a token."""
+
+    rows: int
+    groups: int
+    prompt_length: int
+    completion_length: int
+
+    @classmethod
+    def of(cls, rows: int, m: int, work: Workload) -> MicroBatch:
+        # rows run in group order, m per prompt: a micro-batch spans rows/m prompts, one more where it straddles
+        groups = math.ceil(rows / m) + (0 if rows % m == 0 or m % rows == 0 else 1)
+        return cls(rows, min(groups, rows), work.prompt_length, work.completion_length)
+
+    @property
+    def width(self) -> int:  # completion inputs per row
+        return self.completion_length - 1
+
+    @property
+    def tokens(self) -> int:  # N
+        return self.groups * self.prompt_length + self.rows * self.width
+
+    @property
+    def predicted(self) -> int:  # T
+        return self.rows * self.completion_length
+
+
+def attention_saved(shape: ModelShape, mb: MicroBatch, work: Workload) -> int:
+    """Bytes one layer's attention saves for its backward (podsrl/models/packed_layout.py block_attention over the
+    prompt block [G, Lp] and the completions' bucket [b, Lc - 1] with keys Lp + Lc - 1).
+
+    CPU (attention.grouped_attention): per block the queries, keys and values as the batched matmuls read them
+    (contiguous copies of the transposed blocks; the completions' keys and values are their concatenation with the
+    prompt's), the float32 softmax (plus its compute-dtype cast when e < 4) and the inverted bool mask. Elsewhere
+    (attention.fused_attention, scaled_dot_product_attention): the gathered key and value streams (the blocks are
+    views of them), per block the masked queries, the output, the float32 log-sum-exp, the bool mask and its
+    additive float form, and the completions' concatenated keys and values."""
+    e, d, h, hkv = work.e, shape.head_dim, shape.heads, shape.kv_heads
+    blocks = [(mb.groups, mb.prompt_length, mb.prompt_length)]  # (rows, queries, keys)
+    if mb.width > 0:
+        blocks.append((mb.rows, mb.width, mb.prompt_length + mb.width))
+    total = 0 if work.device == "cpu" else 2 * mb.tokens * hkv * d * e
+    for rows, queries, keys in blocks:
+        q_elems, qk, kv_elems = rows * queries * h * d, rows * queries * keys, 2 * rows * hkv * keys * d
+        if work.device == "cpu":
+            probs = 4 + (e if e < 4 else 0)
+            total += (q_elems + kv_elems) * e + rows * h * queries * keys * probs + qk
+        else:
+            total += 2 * q_elems * e + rows * h * queries * 4 + qk * (1 + e) + (kv_elems * e if keys > queries else 0)
+    return total
+
+
+def layer_activations(shape: ModelShape, mb: MicroBatch, work: Workload, last: bool = False) -> int:
+    """Bytes one decoder layer saves for its backward (podsrl/models/llama.py decoder_layer with the autograd
+    functions of kernels.py), N packed tokens in, the last layer's MLP over the T predicting positions only:
+    - each RMSNorm (kernels._RMSNorm, in the residual stream's dtype, the master dtype): its normalised input and
+      1/rms, and the output the next matmul reads (under autocast, a compute dtype narrower than the master, that
+      matmul's compute-dtype copy of it);
+    - the fused q/k/v and gate/up weights (llama.fused_qkv / fused_gate_up: fresh concatenations, saved by the
+      matmuls that read them); under autocast every projection's compute-dtype copy (o and down too);
+    - attention (`attention_saved`), its output (o_proj's input);
+    - SwiGLU (kernels._SwiGLU): the gate/up projection [2I] and silu(gate) [I]; its output [I] (down's input);
+    - LoRA (not fused): each adapter's [N, r] down-projection, and the unfused rotation's queries and keys with their
+      rolled copies (kernels.rotate)."""
+    e, r, n = work.e, work.p, mb.tokens
+    autocast = e < r
+    mlp_tokens = mb.predicted if last else n
+    norm = shape.hidden * r + r + shape.hidden * (e if autocast else r)
+    attention = n * norm + attention_saved(shape, mb, work) + n * shape.heads * shape.head_dim * e
+    if shape.lora:
+        attention += n * shape.lora_rank * shape.lora_modules * e
+        attention += 2 * n * (shape.heads + shape.kv_heads) * shape.head_dim * e if shape.lora_qkv else 0
+    mlp = mlp_tokens * (norm + 4 * shape.intermediate * e)
+    weights = shape.fused_weights
+    if autocast:  # o_proj and down_proj cast too
+        weights += shape.heads * shape.head_dim * shape.hidden + shape.intermediate * shape.hidden
+    return attention + mlp + weights * e
+
+
+def activations(shape: ModelShape, mb: MicroBatch, work: Workload, checkpointing: bool) -> dict[str, int]:
+    """Saved activations of a micro-batch's forward: per layer, or with checkpointing (torch.utils.checkpoint per
+    decoder layer, podsrl/models/packed.py) each layer's input, the [N, D] residual stream in the master dtype
+    (the recomputed layer's own tensors are in `update_peak`'s transient); the stream's shared tensors (rotary cos
+    and sin [N, d] twice, index tensors); the final norm and the head's saved hidden states [T, D], log-sum-exp and
+    entropy."""
+    r, L = work.p, shape.layers  # the residual stream, the final norm and the head run in the master dtype
+    shared = 2 * mb.tokens * shape.head_dim * r + 8 * (3 * mb.tokens + 2 * mb.predicted)
+    head = mb.predicted * (2 * shape.hidden * r + r + 8)
+    if checkpointing:
+        layers = L * mb.tokens * shape.hidden * work.p
+    else:
+        layers = (L - 1) * layer_activations(shape, mb, work) + layer_activations(shape, mb, work, last=True)
+    return {"layers": layers, "shared": shared, "head": head}
+
+
+def backward_transient(shape: ModelShape, mb: MicroBatch, work: Workload) -> dict[str, int]:
+    """The largest buffer set live on top of the saved activations, at the end of the forward or in the backward:
+    - the head's forward (logprobs._FromHidden, float32 outside autocast): one chunk of update.logits_chunk x V
+      float32 logits and torch.logsumexp's two temporaries of its size;
+    - the head's backward: that chunk's recomputed logits and probabilities (and under autocast their
+      compute-dtype cast), the [V, D] weight gradient (and the compute-dtype product added to it), the [T, D]
+      hidden gradient;
+    - a layer's attention (CPU): the gradient of the scores through the softmax, masking and scaling, two
+      float32 tensors of the largest block's scores at a time;
+    - a layer's MLP: the [N, 2I] gate/up gradient, the [N, I] product, the fused [2I, D] weight's gradient and
+      the [N, D] input gradient."""
+    e, p, chunk, v = work.e, work.p, min(work.logits_chunk, mb.predicted), shape.vocab
+    narrow = e < p  # autocast
+    head_weight_grad = 0 if shape.lora else v * shape.hidden * (p + (e if narrow else 0))
+    head_backward = head_weight_grad + mb.predicted * shape.hidden * p + chunk * v * (8 + (e if narrow else 0))
+    scores = max(mb.groups * mb.prompt_length**2, mb.rows * mb.width * (mb.prompt_length + mb.width)) * shape.heads
+    attention = 2 * scores * 4 if work.device == "cpu" else 0
+    mlp = mb.tokens * (3 * shape.intermediate + shape.hidden) * e + 2 * shape.intermediate * shape.hidden * e
+    return {"head_forward": 3 * chunk * v * 4, "head": head_backward, "attention": attention, "mlp": mlp}
+
+
+def model_state(shape: ModelShape, work: Workload) -> dict[str, int]:
+    """Resident through the update: master weights, gradients and AdamW's two moments of the trained parameters
+    (model.dtype; LoRA adapters stay float32), the reference model (a second copy, model.dtype) when beta > 0."""
+    trained = shape.trained_params * (4 if shape.lora else work.p)
+    return {
+        "weights": shape.params * work.p,
+        "gradients": trained,
+        "optimizer": ADAM_STATES * trained,
+        "reference": shape.params * work.p if work.beta > 0 else 0,
+    }
+
+
+def update_peak(shape: ModelShape, work: Workload, rows: int, checkpointing: bool) -> dict[str, int]:
+    """Terms of the update's peak with micro-batches of `rows` rows (optim.micro_batch_size): the state, the saved
+    activations and the largest transient. With one micro-batch the gradients do not exist yet while the
+    activations do (they appear as the backward frees them), so the larger of the two counts; with more, the
+    earlier micro-batches' gradients are there throughout."""
+    state = model_state(shape, work)
+    mb = MicroBatch.of(min(rows, work.trained_rows), work.m, work)
+    act = activations(shape, mb, work, checkpointing)
+    transient = backward_transient(shape, mb, work)
+    if checkpointing:  # a layer's backward runs on its recomputed activations
+        layer = layer_activations(shape, mb, work)
+        transient = {"head": max(transient["head"], transient["head_forward"]),
+                     "layer": layer + max(transient["attention"], transient["mlp"])}
+    terms = {**{k: v for k, v in state.items() if k != "gradients"}, "activations": sum(act.values()),
+             "transient": max(transient.values()), "runtime": RUNTIME_BYTES[work.device]["update"]}
+    if work.training_run:  # DecodeStack keeps the last generate call's fused weights
+        terms["fused_weights"] = shape.layers * shape.fused_weights * work.engine_e
+    one_micro_batch = rows >= work.trained_rows
+    if one_micro_batch and state["gradients"] > terms["activations"] + terms["transient"]:
+        terms["gradients"], terms["activations"], terms["transient"] = state["gradients"], 0, 0
+    else:
+        terms["gradients"] = 0 if one_micro_batch else state["gradients"]
+    return terms
+
+
+# ---- generation ----
+
+
+def generation_peak(shape: ModelShape, work: Workload) -> dict[str, int]:
+    """Terms of generation's peak (podsrl/engines/fast.py, all P x n rows at once):
+    - the master weights; in a training run also the gradients (the update leaves them allocated) and the AdamW
+      state; the reference model;
+    - the engine's weights copy in the compute dtype, when it differs from the master dtype;
+    - the fused q/k/v and gate/up weights of every layer (models/decode.py DecodeStack.begin);
+    - the KV cache (models/static_cache.py SlotLayer): L x 2 x Hkv x d x (Lp + Lc) x rows x e, plus the distinct
+      prompts' rows it is expanded from;
+    - the larger workspace: a decode step's logits [rows, V] (and their float32 copy), float32 log-softmax and the
+      sampling's shifted exponentials and CDF (top-p adds a sort, its int64 order and probabilities), and its
+      attention scores over the cache; or the prefill's [G, H, Lp, Lp] float32 scores twice and its MLP."""
+    state = model_state(shape, work)
+    if not work.training_run:
+        state["gradients"] = state["optimizer"] = 0
+    rows, length = work.prompts * work.n, work.prompt_length + work.completion_length
+    e, v = work.engine_e, shape.vocab
+    kv_row = shape.layers * 2 * shape.kv_heads * shape.head_dim * length * e
+    sampling = rows * v * (e + (4 if e < 4 else 0) + 4 * 3 + (4 * 2 + 8 if work.top_p < 1 else 0))
+    decode_attention = 2 * rows * shape.heads * length * 4
+    prefill_tokens = work.prompts * work.prompt_length
+    prefill = (2 * work.prompts * shape.heads * work.prompt_length**2 * 4
+               + prefill_tokens * (3 * shape.intermediate + shape.qkv_width + 2 * shape.hidden) * e)
+    return {
+        **state,
+        "engine_weights": shape.params * e if work.engine_copy and work.compute_dtype != work.dtype else 0,
+        "fused_weights": shape.layers * shape.fused_weights * e,
+        "kv_cache": kv_row * (rows + work.prompts),
+        "workspace": max(sampling + decode_attention, prefill),
+        "runtime": RUNTIME_BYTES[work.device]["generation"],
+    }
+
+
+# ---- the plan ----
+
+
+@dataclass
+class MemoryPlan:
+    shape: ModelShape
+    work: Workload
+    memory: int  # bytes of the device
+    reserve: float  # share kept free for what is not predicted
+    generation: dict[str, int]
+    update: dict[bool, dict[str, int]]  # checkpointing -> terms at the recommended (or smallest) micro-batch
+    micro_batch: dict[bool, int]  # checkpointing -> largest micro-batch that fits (0: none)
+
+    @property
+    def budget(self) -> int:
+        return int(self.memory * (1 - self.reserve))
+
+
+def largest_micro_batch(shape: ModelShape, work: Workload, budget: int, checkpointing: bool) -> int:
+    """The largest micro-batch (rows) whose update peak fits `budget` bytes, at most the trained rows of a step;
+    0 when not even one row fits. The peak grows with the rows, so a bisection finds it."""
+    def fits(rows: int) -> bool:
+        return sum(update_peak(shape, work, rows, checkpointing).values()) <= budget
+
+    lo, hi = 0, work.trained_rows
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def make_plan(shape: ModelShape, work: Workload, memory: int, reserve: float = 0.1) -> MemoryPlan:
+    budget = int(memory * (1 - reserve))
+    micro = {c: largest_micro_batch(shape, work, budget, c) for c in (False, True)}
+    update = {c: update_peak(shape, work, max(1, micro[c]), c) for c in (False, True)}
+    return MemoryPlan(shape, work, memory, reserve, generation_peak(shape, work), update, micro)
+
+
+def _gib(x: int) -> str:
+    return f"{x / GIB:.3f}"
+
+
+def dominant(terms: dict[str, int]) -> str:
+    name = max(terms, key=terms.get)
+    return f"{name} ({terms[name] / max(1, sum(terms.values())):.0%})"
+
+
+def render(plan: MemoryPlan, model: str) -> str:
+    s, w = plan.shape, plan.work
+    lines = [
+        f"podsrl plan --memory {model}: {s.model_type}, {s.params / 1e6:.1f}M parameters "
+        f"({s.trained_params / 1e6:.1f}M trained{', LoRA' if s.lora else ''}), {s.layers} layers, hidden {s.hidden}, "
+        f"heads {s.heads}/{s.kv_heads} x {s.head_dim}, vocabulary {s.vocab}",
+        f"step: {w.prompts} prompts x {w.n} generated, {w.m} trained per prompt; prompt {w.prompt_length} + "
+        f"completion {w.completion_length} tokens; master {w.dtype}, compute {w.compute_dtype}; beta {w.beta}; "
+        f"device {w.device}, {_gib(plan.memory)} GiB ({plan.reserve:.0%} kept free: {_gib(plan.budget)} GiB usable)",
+        "",
+        "| phase | " + " | ".join(_TERMS) + " | peak GiB | fits | largest term |",
+        "|---" * (len(_TERMS) + 4) + "|",
+    ]
+    gen = plan.generation
+    lines.append(_row(f"generation ({w.prompts * w.n} rows)", gen, plan.budget))
+    for c in (False, True):
+        rows = plan.micro_batch[c]
+        label = f"update, {'' if c else 'no '}checkpointing, micro-batch {max(rows, 1)}"
+        lines.append(_row(label, plan.update[c], plan.budget))
+    lines.append("")
+    for c in (False, True):
+        rows = plan.micro_batch[c]
+        how = "with" if c else "without"
+        if rows == 0:
+            lines.append(f"{how} activation checkpointing: not even a micro-batch of 1 row fits")
+        else:
+            lines.append(f"{how} activation checkpointing: update.activation_checkpointing={str(c).lower()} "
+                         f"optim.micro_batch_size={rows} ({math.ceil(w.trained_rows / rows)} micro-batches for "
+                         f"{w.trained_rows} trained rows)")
+    if sum(gen.values()) > plan.budget:
+        lines.append("generation does not fit: the fast engine generates all P x n rows at once; lower "
+                     "rollout.prompts_per_step, rollout.n or the lengths")
+    return "\n".join(lines) + "\n"
+
+
+_TERMS = ("weights", "gradients", "optimizer", "reference", "engine_weights", "fused_weights", "kv_cache",
+          "activations", "transient", "workspace", "runtime")
+
+
+def _row(label: str, terms: dict[str, int], budget: int) -> str:
+    cells = [_gib(terms[t]) if t in terms else "—" for t in _TERMS]
+    total = sum(terms.values())
+    return f"| {label} | " + " | ".join(cells) + f" | {_gib(total)} | {'yes' if total <= budget else 'NO'} | " \
+        f"{dominant(terms)} |"
+
+
+def to_json(plan: MemoryPlan) -> dict:
+    return {
+        "shape": asdict(plan.shape),
+        "workload": asdict(plan.work),
+        "memory_bytes": plan.memory,
+        "reserve": plan.reserve,
+        "generation": plan.generation | {"peak": sum(plan.generation.values())},
+        "update": {("checkpointing" if c else "no_checkpointing"): plan.update[c] | {
+            "peak": sum(plan.update[c].values()), "micro_batch_size": plan.micro_batch[c]} for c in (False, True)},
+    }
+
+
+def dumps(plan: MemoryPlan) -> str:
+    return json.dumps(to_json(plan), indent=1)
+
+
+# ---- the command line: `podsrl plan CONFIG --memory ...` ----
+
+
+def add_memory_arguments(parser) -> None:
+    group = parser.add_argument_group("memory plan (--memory): predicted peaks from the config, nothing is run")
+    group.add_argument("--memory", action="store_true",
+                       help="predict the peak memory of generation and of the update instead of measuring step "
+                       "times: P, n, m, completion length, dtype, LoRA rank, beta and logits chunk from the config")
+    group.add_argument("--gpu-memory", metavar="SIZE", help="the device's memory, e.g. 80GiB, 24GB (with --memory)")
+    group.add_argument("--model", metavar="NAME_OR_PATH",
+                       help="hub id (config in the local Hugging Face cache), model directory or config.json "
+                       "(default: the config's model.name_or_path)")
+    group.add_argument("--prompt-length", type=int, metavar="TOKENS",
+                       help="longest prompt in tokens (default: the config's task.max_prompt_length when set)")
+    group.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                       help="how attention runs there (default cuda: scaled_dot_product_attention; cpu: matmuls "
+                       "and a float32 softmax)")
+    group.add_argument("--reserve", type=float, default=0.1,
+                       help="share of the device kept free for what is not predicted: CUDA context, allocator "
+                       "fragmentation, kernel workspaces (default 0.1, until a GPU run calibrates them)")
+
+
+def workload_from_config(cfg, prompt_length: int, device: str) -> Workload:
+    """P, n, m, lengths and precision of a podsrl config (m: pods.m for PODS, else n)."""
+    import torch
+
+    from podsrl.models.precision import resolve_dtype_name
+
+    m = (cfg.pods.m or cfg.rollout.n) if cfg.method == "pods" else cfg.rollout.n
+    compute = str(resolve_dtype_name(cfg.model.compute_dtype, getattr(torch, cfg.model.dtype), device))
+    return Workload(
+        prompts=cfg.rollout.prompts_per_step, n=cfg.rollout.n, m=m, prompt_length=prompt_length,
+        completion_length=cfg.rollout.max_new_tokens, dtype=cfg.model.dtype, compute_dtype=compute.split(".")[-1],
+        beta=cfg.algo.beta, logits_chunk=cfg.update.logits_chunk, top_p=cfg.rollout.top_p, device=device,
+    )
+
+
+def shape_from_config(cfg, model: str):
+    """(shape, label) of `model` ('tiny': the built-in model as the config sizes it)."""
+    if model == "tiny":
+        import torch
+
+        from podsrl.models.loading import build_char_tokenizer, build_tiny_model
+
+        with torch.device("meta"):
+            config = build_tiny_model(cfg.model.tiny, build_char_tokenizer()).config
+    else:
+        config = load_model_config(model)
+    return model_shape(config, cfg.model.lora_rank, cfg.model.lora_target_modules)
+
+
+def memory_main(args, config: Path) -> int:
+    from podsrl.config import load_config
+
+    if not args.gpu_memory:
+        raise UserError("--memory needs --gpu-memory SIZE (e.g. 80GiB): the memory to fit in")
+    memory = parse_memory(args.gpu_memory)
+    if not 0 <= args.reserve < 1:
+        raise UserError(f"--reserve: {args.reserve} is not a share in [0, 1)")
+    cfg = load_config(config, args.overrides)
+    prompt_length = args.prompt_length or cfg.task.max_prompt_length
+    if prompt_length < 1:
+        raise UserError("--prompt-length: give the longest prompt in tokens (the config's task.max_prompt_length "
+                        "is 0, i.e. unset)")
+    model = args.model or cfg.model.name_or_path
+    shape = shape_from_config(cfg, model)
+    plan = make_plan(shape, workload_from_config(cfg, prompt_length, args.device), memory, args.reserve)
+    print(render(plan, model), end="")
+    if args.json:
+        Path(args.json).write_text(dumps(plan), encoding="utf-8")
+    return 0

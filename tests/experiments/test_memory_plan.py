@@ -1,0 +1,164 @@
+"""`podsrl plan --memory`: the activation count against what the real layer saves for its backward, the model shape
+from a meta-device build, the terms by hand, the micro-batch search, and the command line (config.json, model
+directory, hub id not in the cache, bad sizes). The prediction against measured peaks is
+benchmarks/memory_plan_check.py (docs/results.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from podsrl import memory_plan as mp
+from podsrl.batch import Problem, RolloutBatch
+from podsrl.cli import main
+from podsrl.errors import UserError
+from podsrl.update.shared_prompt import SharedPromptForward
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def qwen2(hidden=64, layers=2, heads=4, kv_heads=2, vocab=500) -> Qwen2Config:
+    return Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                       tie_word_embeddings=True, pad_token_id=0, eos_token_id=1)
+
+
+def saved_bytes(config: Qwen2Config, prompts: int, m: int, prompt_length: int, completion_length: int,
+                compute: str = "float32") -> int:
+    """Bytes of the distinct tensors (parameters excepted) the real shared-prompt forward saves for its backward,
+    under autocast to `compute` as the updater runs it (float32 masters)."""
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    rows, vocab = prompts * m, config.vocab_size
+    batch = RolloutBatch(
+        problems=[Problem(uid=str(i), prompt="", answer="") for i in range(prompts)],
+        group_index=torch.arange(prompts).repeat_interleave(m),
+        prompt_ids=torch.randint(3, vocab, (prompts, prompt_length)).repeat_interleave(m, 0),
+        prompt_mask=torch.ones(rows, prompt_length, dtype=torch.long),
+        completion_ids=torch.randint(3, vocab, (rows, completion_length)),
+        completion_mask=torch.ones(rows, completion_length), truncated=torch.zeros(rows, dtype=torch.bool),
+        rewards=torch.zeros(rows))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute == "bfloat16")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        SharedPromptForward(model, 1024)(batch, torch.arange(rows), completion_length, torch.device("cpu"), 1.0)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
+@pytest.mark.parametrize("config, prompts, m, lp, lc", [
+    (qwen2(), 2, 4, 16, 12),
+    (qwen2(hidden=128, layers=3), 3, 5, 20, 30),
+    (qwen2(hidden=64, layers=4, heads=8, kv_heads=2), 1, 8, 50, 7),
+])
+def test_saved_activations_match_what_the_layer_saves(config, prompts, m, lp, lc, compute):
+    """The formula counts each tensor the layer keeps for its backward, float32 and under bfloat16 autocast; within
+    1.5% of the real forward's saved storages (what it leaves out: index tensors and the shapes' rounding, <1% in
+    these shapes). A change to the layer that saves another [N, D] tensor moves the count by more than that."""
+    work = mp.Workload(prompts, m, m, lp, lc, compute_dtype=compute, device="cpu")
+    predicted = sum(mp.activations(mp.model_shape(config), mp.MicroBatch.of(prompts * m, m, work), work,
+                                   checkpointing=False).values())
+    assert predicted == pytest.approx(saved_bytes(config, prompts, m, lp, lc, compute), rel=0.015)
+
+
+def test_model_shape_counts_the_real_parameters_and_lora_adapters():
+    config = qwen2()
+    real = Qwen2ForCausalLM(config)
+    shape = mp.model_shape(config)
+    assert shape.params == shape.trained_params == sum(p.numel() for p in real.parameters())
+    assert (shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim) == (2, 64, 4, 2, 16)
+    assert shape.qkv_bias  # Qwen2's q/k/v have biases
+    from podsrl.lora import apply_lora
+
+    adapted = apply_lora(Qwen2ForCausalLM(config), rank=4, target_modules=["q_proj", "v_proj"])
+    lora = mp.model_shape(config, 4, ["q_proj", "v_proj"])
+    assert lora.trained_params == sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    assert lora.lora_qkv and lora.fused_weights == 2 * config.intermediate_size * config.hidden_size
+    with pytest.raises(UserError, match="attention projections"):
+        mp.model_shape(config, 4, ["gate_proj"])
+
+
+def test_terms_by_hand_for_a_1_5b_shaped_model():
+    """Qwen2.5-1.5B's shape (28 layers, hidden 1536, 12/2 heads of 128, MLP 8960, vocabulary 151936), bf16 compute
+    with float32 masters: the KV cache and the state by the formulas in the module docstring."""
+    config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
+    shape = mp.model_shape(config)
+    assert 1.5e9 < shape.params < 1.6e9
+    work = mp.Workload(prompts=8, n=16, m=16, prompt_length=256, completion_length=1024, compute_dtype="bfloat16")
+    gen = mp.generation_peak(shape, work)  # the engine runs the float32 masters
+    assert gen["kv_cache"] == 28 * 2 * 2 * 128 * (256 + 1024) * (8 * 16 + 8) * 4 and gen["engine_weights"] == 0
+    assert gen["weights"] == shape.params * 4 and gen["optimizer"] == 2 * gen["gradients"] == 2 * shape.params * 4
+    copy = mp.generation_peak(shape, dataclasses.replace(work, engine_copy=True))  # a bfloat16 engine copy
+    assert copy["engine_weights"] == shape.params * 2 and copy["kv_cache"] == gen["kv_cache"] // 2
+    upd = mp.update_peak(shape, work, rows=4, checkpointing=False)
+    assert upd["gradients"] == shape.params * 4  # 32 micro-batches: the earlier ones' gradients are there
+    with_ckpt = mp.update_peak(shape, work, rows=4, checkpointing=True)
+    assert with_ckpt["activations"] < upd["activations"] / 5  # 28 layers' activations -> their inputs + one layer
+
+
+def test_largest_micro_batch_fits_and_one_more_does_not():
+    shape = mp.model_shape(qwen2(hidden=256, layers=4, vocab=32000))
+    work = mp.Workload(prompts=4, n=8, m=8, prompt_length=128, completion_length=512, device="cpu")
+    budget = 700 * 2**20
+    for ckpt in (False, True):
+        rows = mp.largest_micro_batch(shape, work, budget, ckpt)
+        assert 1 <= rows < work.trained_rows
+        assert sum(mp.update_peak(shape, work, rows, ckpt).values()) <= budget
+        assert sum(mp.update_peak(shape, work, rows + 1, ckpt).values()) > budget
+    assert mp.largest_micro_batch(shape, work, budget, True) > mp.largest_micro_batch(shape, work, budget, False)
+    assert mp.largest_micro_batch(shape, work, 2**20, False) == 0
+
+
+@pytest.mark.parametrize("text, size", [("80GiB", 80 * 2**30), ("24GB", 24 * 10**9), ("81920MiB", 80 * 2**30),
+                                        ("7.5g", int(7.5 * 2**30)), ("512 mb", 512 * 10**6)])
+def test_parse_memory(text, size):
+    assert mp.parse_memory(text) == size
+
+
+@pytest.mark.parametrize("text", ["80", "eighty GiB", "80 GiBs", "-1GiB", "0GB", ""])
+def test_parse_memory_refuses_what_is_not_a_size(text):
+    with pytest.raises(UserError, match="--gpu-memory"):
+        mp.parse_memory(text)
+
+
+def test_cli_from_a_config_json_and_a_model_directory(tmp_path, capsys):
+    config = qwen2(hidden=128, layers=2, vocab=1000)
+    config.save_pretrained(tmp_path / "model")
+    out = tmp_path / "plan.json"
+    args = ["plan", "grpo", "rollout.max_new_tokens=256", "--memory", "--gpu-memory", "1GiB", "--prompt-length",
+            "64", "--device", "cpu"]
+    assert main([*args, "--model", str(tmp_path / "model" / "config.json"), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| generation (" in text and "optim.micro_batch_size=" in text and "largest term" in text
+    saved = json.loads(out.read_text())
+    assert saved["shape"]["hidden"] == 128 and saved["update"]["no_checkpointing"]["micro_batch_size"] >= 1
+    assert main([*args, "--model", str(tmp_path / "model")]) == 0
+    assert capsys.readouterr().out.split("\n", 1)[1] == text.split("\n", 1)[1]  # all but the model's name
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--model", "/no/such/dir"], "no such config.json"),
+    (["--model", "some-org/not-cached-model"], "not in the local Hugging Face cache"),
+    (["--model", "tiny", "--gpu-memory", "lots"], "--gpu-memory: 'lots' is not a memory size"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(extra, message, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = ["plan", "grpo", "--memory", "--prompt-length", "64", *extra]
+    if "--gpu-memory" not in extra:
+        args += ["--gpu-memory", "80GiB"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
