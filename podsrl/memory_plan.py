@@ -8,7 +8,8 @@ the compute dtype's bytes, p the master (model.dtype) bytes; G prompts and b row
 completion tokens, N = G Lp + b (Lc - 1) packed tokens, T = b Lc predicting positions.
 
 Generation (the fast engine; all P x n rows in flight at once):
-    resident state (master weights; in a training run also their gradients and AdamW state; a reference model)
+    resident state (master weights; in a training run also their AdamW state; a reference model)
+  + the engine's weights copy in the compute dtype when it is narrower than the masters (podsrl/build.py)
   + fused q/k/v and gate/up weights (DecodeStack binds them per generate call and keeps them)
   + KV cache  L x 2 x Hkv x d x (Lp + Lc) x (rows + P) x bytes  (static buffers of full capacity)
   + the larger of the prefill's and a decode step's workspace (logits and sampling over [rows, V] in float32)
@@ -20,7 +21,8 @@ Update (the shared-prompt path of podsrl/models/packed.py, one micro-batch of b 
     input, then one layer's recomputed activations under its backward
   + the largest transient on top of them: the log-prob head's backward (a [V, D] weight gradient and one
     update.logits_chunk x V float32 chunk twice) or a layer's attention or MLP backward
-  + in a training run the fast engine's fused weights, kept from the last generate call; the runtime's growth.
+  + in a training run the fast engine's weights copy and fused weights, kept from the last generate call; the
+    runtime's growth.
 
 What a CUDA device adds (context, allocator fragmentation, cuBLAS and attention workspaces) is not calibrated: the
 CPU's counterpart is (benchmarks/memory_plan_check.py), a GPU run measures it (benchmarks/gpu_suite.sh) and
@@ -177,9 +179,6 @@ class Workload:
     # a training run: the update's gradients and AdamW state stay allocated through generation, and the fast engine's
     # fused weights through the update (False: each phase alone, as benchmarks/memory_plan_check.py measures them)
     training_run: bool = True
-    # the fast engine generates with a compute-dtype copy of the weights (issue 31 names one; today it runs the
-    # master weights, so its weights, KV cache and logits are in model.dtype)
-    engine_copy: bool = False
 
     @property
     def e(self) -> int:
@@ -191,8 +190,9 @@ class Workload:
 
     @property
     def engine_e(self) -> int:
-        """Bytes of the engine's weights, KV cache and logits."""
-        return self.e if self.engine_copy else self.p
+        """Bytes of the engine's weights, KV cache and logits: the fast engine samples in the compute dtype (from
+        a copy of the weights when it is narrower than the masters, podsrl/build.py)."""
+        return self.e
 
     @property
     def trained_rows(self) -> int:
@@ -347,8 +347,9 @@ def update_peak(shape: ModelShape, work: Workload, rows: int, checkpointing: boo
                      "layer": layer + max(transient["attention"], transient["mlp"])}
     terms = {**{k: v for k, v in state.items() if k != "gradients"}, "activations": sum(act.values()),
              "transient": max(transient.values()), "runtime": RUNTIME_BYTES[work.device]["update"]}
-    if work.training_run:  # DecodeStack keeps the last generate call's fused weights
+    if work.training_run:  # the fast engine keeps its weights copy and the last call's fused weights
         terms["fused_weights"] = shape.layers * shape.fused_weights * work.engine_e
+        terms["engine_weights"] = engine_weights(shape, work)
     one_micro_batch = rows >= work.trained_rows
     if one_micro_batch and state["gradients"] > terms["activations"] + terms["transient"]:
         terms["gradients"], terms["activations"], terms["transient"] = state["gradients"], 0, 0
@@ -360,10 +361,15 @@ def update_peak(shape: ModelShape, work: Workload, rows: int, checkpointing: boo
 # ---- generation ----
 
 
+def engine_weights(shape: ModelShape, work: Workload) -> int:
+    """The fast engine's own copy of the weights: made when the compute dtype is narrower than the masters."""
+    return shape.params * work.e if work.compute_dtype != work.dtype else 0
+
+
 def generation_peak(shape: ModelShape, work: Workload) -> dict[str, int]:
     """Terms of generation's peak (podsrl/engines/fast.py, all P x n rows at once):
-    - the master weights; in a training run also the gradients (the update leaves them allocated) and the AdamW
-      state; the reference model;
+    - the master weights; in a training run also the AdamW state (the trainer frees the gradients after each update:
+      podsrl/trainer.py); the reference model;
     - the engine's weights copy in the compute dtype, when it differs from the master dtype;
     - the fused q/k/v and gate/up weights of every layer (models/decode.py DecodeStack.begin);
     - the KV cache (models/static_cache.py SlotLayer): L x 2 x Hkv x d x (Lp + Lc) x rows x e, plus the distinct
@@ -372,8 +378,9 @@ def generation_peak(shape: ModelShape, work: Workload) -> dict[str, int]:
       sampling's shifted exponentials and CDF (top-p adds a sort, its int64 order and probabilities), and its
       attention scores over the cache; or the prefill's [G, H, Lp, Lp] float32 scores twice and its MLP."""
     state = model_state(shape, work)
+    state["gradients"] = 0
     if not work.training_run:
-        state["gradients"] = state["optimizer"] = 0
+        state["optimizer"] = 0
     rows, length = work.prompts * work.n, work.prompt_length + work.completion_length
     e, v = work.engine_e, shape.vocab
     kv_row = shape.layers * 2 * shape.kv_heads * shape.head_dim * length * e
@@ -384,7 +391,7 @@ def generation_peak(shape: ModelShape, work: Workload) -> dict[str, int]:
                + prefill_tokens * (3 * shape.intermediate + shape.qkv_width + 2 * shape.hidden) * e)
     return {
         **state,
-        "engine_weights": shape.params * e if work.engine_copy and work.compute_dtype != work.dtype else 0,
+        "engine_weights": engine_weights(shape, work),
         "fused_weights": shape.layers * shape.fused_weights * e,
         "kv_cache": kv_row * (rows + work.prompts),
         "workspace": max(sampling + decode_attention, prefill),

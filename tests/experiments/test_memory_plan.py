@@ -97,11 +97,13 @@ def test_terms_by_hand_for_a_1_5b_shaped_model():
     shape = mp.model_shape(config)
     assert 1.5e9 < shape.params < 1.6e9
     work = mp.Workload(prompts=8, n=16, m=16, prompt_length=256, completion_length=1024, compute_dtype="bfloat16")
-    gen = mp.generation_peak(shape, work)  # the engine runs the float32 masters
-    assert gen["kv_cache"] == 28 * 2 * 2 * 128 * (256 + 1024) * (8 * 16 + 8) * 4 and gen["engine_weights"] == 0
-    assert gen["weights"] == shape.params * 4 and gen["optimizer"] == 2 * gen["gradients"] == 2 * shape.params * 4
-    copy = mp.generation_peak(shape, dataclasses.replace(work, engine_copy=True))  # a bfloat16 engine copy
-    assert copy["engine_weights"] == shape.params * 2 and copy["kv_cache"] == gen["kv_cache"] // 2
+    gen = mp.generation_peak(shape, work)  # the engine samples from a bfloat16 copy of the float32 masters
+    assert gen["kv_cache"] == 28 * 2 * 2 * 128 * (256 + 1024) * (8 * 16 + 8) * 2
+    assert gen["engine_weights"] == shape.params * 2
+    assert gen["weights"] == shape.params * 4 and gen["optimizer"] == 2 * shape.params * 4
+    assert gen["gradients"] == 0  # the update frees them when it ends
+    same = mp.generation_peak(shape, dataclasses.replace(work, compute_dtype="float32"))  # no copy, fp32 cache
+    assert same["engine_weights"] == 0 and same["kv_cache"] == gen["kv_cache"] * 2
     upd = mp.update_peak(shape, work, rows=4, checkpointing=False)
     assert upd["gradients"] == shape.params * 4  # 32 micro-batches: the earlier ones' gradients are there
     with_ckpt = mp.update_peak(shape, work, rows=4, checkpointing=True)
