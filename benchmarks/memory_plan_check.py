@@ -12,7 +12,9 @@ Generation is measured on its first call with the model alone in the process (no
 (Workload.training_run=False). Rounds are interleaved over the cases; the table gives the median of the rounds.
 
     OMP_NUM_THREADS=1 python benchmarks/memory_plan_check.py              # the table in docs/results.md
-    OMP_NUM_THREADS=1 python benchmarks/memory_plan_check.py --checkpointing   # once update.activation_checkpointing exists
+    OMP_NUM_THREADS=1 python benchmarks/memory_plan_check.py --checkpointing --phases update
+    python benchmarks/memory_plan_check.py --device cuda --models 0.5B --compute-dtype bfloat16 --rounds 1
+                                                # on a GPU: the allocator's peaks (one round: they are exact)
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.timing import load_average, machine_line, peak_memory_during
 
-# name -> (hidden, layers, heads, kv heads, vocab); intermediate = 3 x hidden, tied embeddings (gsm8k_shape's layout)
-MODELS = {"0": (16, 1, 2, 1, 32), "1M": (128, 4, 4, 2, 1000), "13M": (256, 6, 4, 2, 32000), "54M": (512, 12, 8, 4, 32000)}
+# name -> (hidden, layers, heads, kv heads, vocab, MLP width); tied embeddings (gsm8k_shape's layout); "0.5B" is
+# Qwen2.5-0.5B's shape (for a GPU: --device cuda)
+MODELS = {"0": (16, 1, 2, 1, 32, 48), "1M": (128, 4, 4, 2, 1000, 384), "13M": (256, 6, 4, 2, 32000, 768),
+          "54M": (512, 12, 8, 4, 32000, 1536), "0.5B": (896, 24, 14, 2, 151936, 4864)}
+CPU_MODELS = ["0", "1M", "13M", "54M"]
 PROMPT = 64
 LENGTHS = (64, 256)
 UPDATE = {"prompts": 2, "m": 8, "micro_batch": 8}  # 16 trained rows, two micro-batches of one prompt each
@@ -40,8 +45,8 @@ AIM = 0.15
 def qwen2_config(name: str):
     from transformers import Qwen2Config
 
-    hidden, layers, heads, kv_heads, vocab = MODELS[name]
-    return Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+    hidden, layers, heads, kv_heads, vocab, intermediate = MODELS[name]
+    return Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                        num_attention_heads=heads, num_key_value_heads=kv_heads,
                        max_position_embeddings=PROMPT + max(LENGTHS) + 8, tie_word_embeddings=True,
                        pad_token_id=0, eos_token_id=1, bos_token_id=None)
@@ -52,7 +57,14 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def measure_update(name: str, length: int, checkpointing: bool, compute: str) -> int:
+def _level(device: str) -> int:
+    """Bytes in use now: the CUDA allocator's, or the process's resident set on CPU."""
+    import torch
+
+    return torch.cuda.memory_allocated() if device.startswith("cuda") else _rss()
+
+
+def measure_update(name: str, length: int, checkpointing: bool, compute: str, device: str) -> int:
     import torch
     from transformers import Qwen2ForCausalLM
 
@@ -63,7 +75,8 @@ def measure_update(name: str, length: int, checkpointing: bool, compute: str) ->
     prompts, m = UPDATE["prompts"], UPDATE["m"]
     rows = prompts * m
     overrides = [f"rollout.n={m}", "method=grpo", f"rollout.max_new_tokens={length}",
-                 f"optim.micro_batch_size={UPDATE['micro_batch']}", f"model.compute_dtype={compute}"]
+                 f"optim.micro_batch_size={UPDATE['micro_batch']}", f"model.compute_dtype={compute}",
+                 "algo.rollout_correction=none"]  # the synthetic batch has no sampler log-probs ([R, Lc]: negligible)
     if checkpointing:
         overrides.append("update.activation_checkpointing=true")
     cfg = load_config(None, overrides)
@@ -79,18 +92,19 @@ def measure_update(name: str, length: int, checkpointing: bool, compute: str) ->
         rewards=torch.rand(rows, generator=gen),
     )
     batch.advantages = torch.randn(rows, generator=gen)
-    zero = _rss()
+    zero = _level(device)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(qwen2_config(name))
+    model = Qwen2ForCausalLM(qwen2_config(name)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    updater = PolicyUpdater(model, optimizer, scheduler, cfg, torch.device("cpu"))
+    updater = PolicyUpdater(model, optimizer, scheduler, cfg, torch.device(device))
     updater.update(batch, torch.Generator().manual_seed(0))  # AdamW's state exists from here on
-    before = _rss()
-    return before - zero + peak_memory_during(lambda: updater.update(batch, torch.Generator().manual_seed(0)))
+    before = _level(device)
+    return before - zero + peak_memory_during(lambda: updater.update(batch, torch.Generator().manual_seed(0)),
+                                              device)
 
 
-def measure_generation(name: str, length: int) -> int:
+def measure_generation(name: str, length: int, compute: str, device: str) -> int:
     import torch
     from transformers import Qwen2ForCausalLM
 
@@ -100,45 +114,49 @@ def measure_generation(name: str, length: int) -> int:
     prompts, n = GENERATION["prompts"], GENERATION["n"]
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(2, MODELS[name][4], (prompts, PROMPT), generator=gen).tolist()
-    zero = _rss()
+    zero = _level(device)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(qwen2_config(name))
-    engine = FastEngine(model, None, eos_token_id=1, pad_token_id=0)
+    model = Qwen2ForCausalLM(qwen2_config(name)).to(device)
+    # as a run builds it (podsrl/build.py): sampling from a copy in the compute dtype when it is narrower
+    engine = FastEngine(model, None, eos_token_id=1, pad_token_id=0,
+                        weights_dtype=None if compute == "float32" else getattr(torch, compute))
     params = SamplingParams(max_new_tokens=length, temperature=1.0)
     seeds = torch.arange(prompts * n)
-    before = _rss()
-    return before - zero + peak_memory_during(lambda: engine.generate(ids, [n] * prompts, params, seeds))
+    before = _level(device)
+    return before - zero + peak_memory_during(lambda: engine.generate(ids, [n] * prompts, params, seeds), device)
 
 
-def predict(name: str, length: int, phase: str, checkpointing: bool, compute: str = "float32") -> dict[str, int]:
+def predict(name: str, length: int, phase: str, checkpointing: bool, compute: str = "float32",
+            device: str = "cpu") -> dict[str, int]:
     from podsrl.memory_plan import Workload, generation_peak, model_shape, update_peak
 
     shape = model_shape(qwen2_config(name))
     if phase == "update":
         work = Workload(UPDATE["prompts"], UPDATE["m"], UPDATE["m"], PROMPT, length, compute_dtype=compute,
-                        device="cpu", training_run=False)
+                        device=device, training_run=False)
         return update_peak(shape, work, UPDATE["micro_batch"], checkpointing)
-    work = Workload(GENERATION["prompts"], GENERATION["n"], GENERATION["n"], PROMPT, length, device="cpu",
-                    training_run=False)
+    work = Workload(GENERATION["prompts"], GENERATION["n"], GENERATION["n"], PROMPT, length, compute_dtype=compute,
+                    device=device, training_run=False)
     return generation_peak(shape, work)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=CPU_MODELS, choices=list(MODELS))
     parser.add_argument("--lengths", nargs="+", type=int, default=list(LENGTHS))
     parser.add_argument("--phases", nargs="+", default=["update", "generation"], choices=["update", "generation"])
     parser.add_argument("--checkpointing", action="store_true", help="the update with activation checkpointing")
     parser.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="the update's model.compute_dtype (float32 masters; generation runs the masters)")
+                        help="model.compute_dtype over float32 masters (the update's autocast, the engine's copy)")
+    parser.add_argument("--device", default="cpu", help="cpu (resident set) or cuda (the allocator's peak)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per case (median)")
     parser.add_argument("--json", help="also write the rows as JSON")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         name, length, phase = args.child.split(",")
-        peak = (measure_update(name, int(length), args.checkpointing, args.compute_dtype) if phase == "update"
-                else measure_generation(name, int(length)))
+        peak = (measure_update(name, int(length), args.checkpointing, args.compute_dtype, args.device)
+                if phase == "update" else measure_generation(name, int(length), args.compute_dtype, args.device))
         print(json.dumps({"peak": peak}))
         return
     cases = [(name, length, phase) for name in args.models for length in args.lengths for phase in args.phases]
@@ -149,21 +167,22 @@ def main() -> None:
         for case in cases[k:] + cases[:k]:
             out = subprocess.run(
                 [sys.executable, __file__, "--child", ",".join(map(str, case))]
-                + (["--checkpointing"] if args.checkpointing else []) + ["--compute-dtype", args.compute_dtype],
+                + (["--checkpointing"] if args.checkpointing else [])
+                + ["--compute-dtype", args.compute_dtype, "--device", args.device],
                 capture_output=True, text=True, check=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
             measured[case].append(json.loads(out.stdout.strip().splitlines()[-1])["peak"])
     mib = 2**20
     ckpt = "with" if args.checkpointing else "without"
     print(f"\nupdate: {UPDATE['prompts']} prompts x {UPDATE['m']} rows, micro-batch {UPDATE['micro_batch']}, "
           f"{ckpt} activation checkpointing; generation: {GENERATION['prompts']} prompts x {GENERATION['n']} rows; "
-          f"prompts {PROMPT} tokens; float32 masters, {args.compute_dtype} compute in the update; {args.rounds} "
+          f"prompts {PROMPT} tokens; float32 masters, {args.compute_dtype} compute; {args.device}; {args.rounds} "
           "interleaved rounds, median [min-max]\n")
     print("| model | completion | phase | predicted MiB | measured MiB | error | largest predicted terms (MiB) |")
     print("|---|---|---|---|---|---|---|")
     rows, worst = [], 0.0
     for case in cases:
         name, length, phase = case
-        terms = predict(name, length, phase, args.checkpointing, args.compute_dtype)
+        terms = predict(name, length, phase, args.checkpointing, args.compute_dtype, args.device)
         predicted, values = sum(terms.values()), measured[case]
         med = statistics.median(values)
         error = predicted / med - 1
@@ -174,7 +193,7 @@ def main() -> None:
         print(f"| {label} | {length} | {phase} | {predicted / mib:.1f} | {med / mib:.1f} "
               f"[{min(values) / mib:.1f}-{max(values) / mib:.1f}] | {error:+.1%} | {top} |")
         rows.append({"model": name, "completion": length, "phase": phase, "checkpointing": args.checkpointing,
-                     "compute_dtype": args.compute_dtype,
+                     "compute_dtype": args.compute_dtype, "device": args.device,
                      "predicted": predicted, "measured": values, "terms": terms, "error": error})
     print(f"\nlargest |error| {worst:.1%} without the calibration model (aim {AIM:.0%}); load average after: "
           f"{load_average()}")
