@@ -32,7 +32,7 @@ class RolloutBatch:
     completion_ids: torch.Tensor  # [R, Lc] long, right-padded
     completion_mask: torch.Tensor  # [R, Lc] float, 1 on generated tokens (EOS included)
     truncated: torch.Tensor  # [R] bool, stopped by max_new_tokens before EOS
-    old_logprobs: torch.Tensor | None = None  # [R, Lc] sampled-token log-probs under the sampling policy
+    sampler_logprobs: torch.Tensor | None = None  # [R, Lc] float32, the sampler's log-probs of the sampled tokens
     completions: list[str] | None = None  # decoded completion texts
     rewards: torch.Tensor | None = None  # [R] float, weighted sum of reward functions
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [R] float (NaN = missing)
@@ -84,8 +84,8 @@ class RolloutBatch:
             completion_ids=self.completion_ids[:, :length],
             completion_mask=self.completion_mask[:, :length],
         )
-        if self.old_logprobs is not None:
-            out.old_logprobs = self.old_logprobs[:, :length]
+        if self.sampler_logprobs is not None:
+            out.sampler_logprobs = self.sampler_logprobs[:, :length]
         return out
 
 
@@ -123,8 +123,8 @@ def concat_batches(batches: list[RolloutBatch], pad_token_id: int, disjoint: boo
         completion_mask=torch.cat([right(b.completion_mask, lc, 0) for b in batches]),
         truncated=torch.cat([b.truncated for b in batches]),
     )
-    if all(b.old_logprobs is not None for b in batches):
-        out.old_logprobs = torch.cat([right(b.old_logprobs, lc, 0.0) for b in batches])
+    if all(b.sampler_logprobs is not None for b in batches):
+        out.sampler_logprobs = torch.cat([right(b.sampler_logprobs, lc, 0.0) for b in batches])
     if all(b.completions is not None for b in batches):
         out.completions = [c for b in batches for c in b.completions]
     if all(b.advantages is not None for b in batches):

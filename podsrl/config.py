@@ -115,6 +115,18 @@ class AlgoConfig:
     beta: float = _f(0.0, "KL coefficient to a frozen reference (k3); 0 loads no reference model.")
     advantage_clip: float = _f(0.0, "Clip every method's advantages to [-c, c] before the update (e.g. 5); "
                                "0 = off.")
+    rollout_correction: Literal["auto", "none", "token_tis", "token_mask", "sequence_tis", "sequence_mask"] = _f(
+        "auto", "Importance weights for sampler/trainer mismatch (TRL: vllm_importance_sampling_correction + "
+        "vllm_importance_sampling_mode token_truncate/token_mask/sequence_truncate/sequence_mask; verl: "
+        "algorithm.rollout_correction rollout_is token/sequence). Ratio = trainer/sampler probability of the sampled "
+        "tokens, per token or per sequence (product); *_tis truncates it to [cap_low, cap], *_mask zeroes it "
+        "outside; it multiplies the token loss, and the PPO old log-probs become the trainer's. auto: TRL's "
+        "sequence_mask when the sampler computes differently from the trainer (vllm engine, a compute dtype other "
+        "than model.dtype, asynchronous generation), none when it is the trainer's own module in one precision.")
+    rollout_correction_cap: float = _f(3.0, "Upper bound C_max of the rollout-correction ratio (TRL: "
+                                       "vllm_importance_sampling_clip_max; verl: rollout_is_threshold).")
+    rollout_correction_cap_low: float = _f(0.0, "Lower bound C_min of the rollout-correction ratio; 0 = none (TRL: "
+                                           "vllm_importance_sampling_clip_min, None there).")
 
 
 @dataclass
@@ -424,6 +436,8 @@ def validate(cfg: Config) -> None:
     need(cfg.algo.epsilon_low >= 0 and cfg.algo.epsilon_high >= 0, "algo.epsilon_low", "clip ranges must be >= 0")
     need(cfg.algo.beta >= 0, "algo.beta", "must be >= 0")
     need(cfg.algo.advantage_epsilon > 0, "algo.advantage_epsilon", "must be > 0")
+    need(cfg.algo.rollout_correction_cap > cfg.algo.rollout_correction_cap_low >= 0,
+         "algo.rollout_correction_cap", "needs rollout_correction_cap > rollout_correction_cap_low >= 0")
     need(cfg.optim.lr > 0, "optim.lr", "must be > 0")
     need(len(cfg.optim.betas) == 2, "optim.betas", "needs two values")
     need(cfg.optim.epochs >= 1, "optim.epochs", "must be >= 1")

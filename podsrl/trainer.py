@@ -299,7 +299,7 @@ class Trainer:
     def sampling_params(self) -> SamplingParams:
         r = self.cfg.rollout
         return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, return_logprobs=self.cfg.optim.epochs * self.cfg.optim.mini_batches > 1)
+                              top_k=r.top_k, return_logprobs=self.updater.needs_sampler_logprobs)
 
     def generate_and_score(self, problems: list[Problem], indices: list[int], counts: list[int],
                            record: StepRecord) -> RolloutBatch:
@@ -313,7 +313,7 @@ class Trainer:
         batch = RolloutBatch(
             problems=problems, group_index=index_map[out.group_index], prompt_ids=out.prompt_ids,
             prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
-            completion_mask=out.completion_mask.float(), truncated=out.truncated, old_logprobs=out.logprobs,
+            completion_mask=out.completion_mask.float(), truncated=out.truncated, sampler_logprobs=out.logprobs,
         )
         ids = batch.completion_ids.masked_fill(batch.completion_mask == 0, self.tokenizer.pad_token_id)
         batch.completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)

@@ -36,9 +36,18 @@ ROWS: tuple[Row, ...] = (
         "themselves, no float32 copy (LoRA adapters stay float32). `float16` is refused (no loss scaling)"),
     Row("gradient_checkpointing", True, (), "**differs**: podsrl has no gradient checkpointing; lower "
         "`optim.micro_batch_size` (rollouts per forward/backward) to save memory"),
-    Row("vllm_importance_sampling_correction", True, (), "**differs**: with `use_vllm`, TRL corrects for the "
-        "sampler/trainer log-prob mismatch; podsrl applies no such correction (the `fast` and `hf` engines sample "
-        "with the trained weights themselves)"),
+    Row("vllm_importance_sampling_correction", True, ("algo.rollout_correction",), "**differs** in where it "
+        "applies: TRL corrects vLLM-sampled rollouts; podsrl's `auto` corrects (with TRL's default mode) whenever "
+        "the sampler computes differently from the trainer (vllm engine, a compute dtype other than `model.dtype`, "
+        "asynchronous generation) and not when the `fast`/`hf`/`ray` engine samples with the trained module in one "
+        "precision; `none` turns it off"),
+    Row("vllm_importance_sampling_mode", "sequence_mask", ("algo.rollout_correction",), "same formulas, applied to "
+        "any engine's rollouts (`token_truncate` = `token_tis`, `sequence_truncate` = `sequence_tis`)",
+        accepted=True, values={"token_truncate": "token_tis", "token_mask": "token_mask",
+                               "sequence_truncate": "sequence_tis", "sequence_mask": "sequence_mask"}),
+    Row("vllm_importance_sampling_clip_max", 3.0, ("algo.rollout_correction_cap",), "same", accepted=True),
+    Row("vllm_importance_sampling_clip_min", None, ("algo.rollout_correction_cap_low",), "same (TRL's `None` = "
+        "podsrl's 0: no lower bound)", accepted=True),
     Row("lr_scheduler_type", "linear", ("optim.scheduler",), "**differs**: podsrl has `constant` and `cosine` "
         "(no `linear`)", accepted=True, values={"constant": "constant", "cosine": "cosine"}),
     Row("warmup_steps", 0, ("optim.warmup_steps",), "same", accepted=True),

@@ -14,6 +14,7 @@ import torch
 
 from podsrl.algo.grad_noise import make_probe
 from podsrl.algo.loss import LOSS_AGGREGATIONS, aggregation_stats, clipped_policy_loss, k3_kl
+from podsrl.algo.rollout_correction import RolloutCorrection, resolve_rollout_correction, rollout_correction
 from podsrl.batch import RolloutBatch
 from podsrl.config import Config
 from podsrl.models.packed import packed_forward_problem
@@ -38,6 +39,16 @@ class PolicyUpdater:
                        if m is not None}
         self.aggregate = LOSS_AGGREGATIONS[cfg.algo.loss_agg]
         self.nonfinite_in_a_row = 0
+        self.rollout_correction = resolve_rollout_correction(cfg, device)
+        self._trainer_logprobs: torch.Tensor | None = None  # [R, Lc], one-pass steps with a correction
+        if cfg.algo.rollout_correction == "auto":
+            log.info("update: algo.rollout_correction auto -> %s", self.rollout_correction)
+
+    @property
+    def needs_sampler_logprobs(self) -> bool:
+        """Whether batches must carry the sampler's log-probs: PPO's old log-probs with several passes and no
+        correction, or the correction's denominator."""
+        return self.cfg.optim.epochs * self.cfg.optim.mini_batches > 1 or self.rollout_correction != "none"
 
     def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
         if self.dp is not None:  # this rank's share; the same number of micro-batches on every rank
@@ -86,9 +97,21 @@ class PolicyUpdater:
         cfg, model = self.cfg, self.model
         passes = cfg.optim.epochs * cfg.optim.mini_batches
         model.train()
-        old_logprobs = None
-        if passes > 1:  # with one pass ratio = 1 exactly: use the current log-probs, detached
-            old_logprobs = self._precompute(model, batch) if batch.old_logprobs is None else batch.old_logprobs
+        old_logprobs = None  # None: the current log-probs, detached (one pass: ratio = 1 exactly)
+        correction = None  # over the whole batch, when the trainer's log-probs are known before the first pass
+        if self.rollout_correction == "none":
+            if passes > 1:  # the sampler stands in for the old policy (the same module in the same precision)
+                old_logprobs = (self._precompute(model, batch) if batch.sampler_logprobs is None
+                                else batch.sampler_logprobs)
+        else:
+            if batch.sampler_logprobs is None:
+                raise ValueError(f"algo.rollout_correction {self.rollout_correction}: the batch carries no sampler "
+                                 "log-probs (sample with SamplingParams(return_logprobs=True))")
+            if passes > 1:  # the old policy is the trainer's, before this step's first optimiser step
+                old_logprobs = self._precompute(model, batch)
+                correction = self._correction(old_logprobs, batch.sampler_logprobs, batch.completion_mask)
+            else:  # filled by the micro-steps with their (detached) log-probs, for the step's metrics
+                self._trainer_logprobs = torch.zeros_like(batch.completion_mask)
         ref_logprobs = self._precompute(self.ref_model, batch) if cfg.algo.beta > 0 else None
         sums: dict[str, float] = defaultdict(float)
         weight_sums: dict[str, float] = defaultdict(float)
@@ -105,8 +128,8 @@ class PolicyUpdater:
                 probe_pending = False
                 stats = aggregation_stats(batch.completion_mask[mini], cfg.rollout.max_new_tokens)
                 self.optimizer.zero_grad(set_to_none=True)
-                loss_total = self._accumulate(batch, mini, stats, old_logprobs, ref_logprobs, sums, weight_sums,
-                                              probe)
+                loss_total = self._accumulate(batch, mini, stats, old_logprobs, ref_logprobs, correction, sums,
+                                              weight_sums, probe)
                 if self.dp is not None:  # global, so every rank takes the same skip decision
                     loss_total = self.dp.sum(loss_total)
                 sums["loss"] += loss_total
@@ -131,17 +154,30 @@ class PolicyUpdater:
             self.dp.reduce_metrics(sums, weight_sums, exclude=("loss", "grad_norm"))
         metrics = {k: sums[k] / weight_sums[k] for k in sums if weight_sums[k] > 0}
         metrics.update(noise_metrics)
+        if self.rollout_correction != "none":
+            if correction is None:  # one pass: the trainer's log-probs are the micro-steps' own
+                if self.dp is not None:  # each rank filled its rows, zeros elsewhere
+                    self.dp.all_reduce_(self._trainer_logprobs)
+                correction = self._correction(self._trainer_logprobs, batch.sampler_logprobs, batch.completion_mask)
+                self._trainer_logprobs = None
+            metrics.update(correction.metric_values())
         metrics["train/nonfinite_skipped"] = float(skipped)
         metrics["learning_rate"] = self.scheduler.get_last_lr()[0]
         return metrics
 
-    def _accumulate(self, batch, mini, stats, old_logprobs, ref_logprobs, sums, weight_sums, probe) -> float:
+    def _correction(self, trainer_logprobs, sampler_logprobs, mask) -> RolloutCorrection:
+        algo = self.cfg.algo
+        return rollout_correction(trainer_logprobs, sampler_logprobs, mask, self.rollout_correction,
+                                  algo.rollout_correction_cap, algo.rollout_correction_cap_low)
+
+    def _accumulate(self, batch, mini, stats, old_logprobs, ref_logprobs, correction, sums, weight_sums,
+                    probe) -> float:
         """Backward over the mini-batch's micro-batches, adding metrics to `sums`; returns this rank's loss. With a
         probe, half A's micro-batches run first and its gradient is snapshotted before half B's."""
         loss_total = 0.0
         for half, rows_of_half in enumerate(probe.halves(mini) if probe is not None else [mini]):
             for rows in self._micro_batches(rows_of_half):
-                loss, m = self._micro_step(batch, rows, stats, old_logprobs, ref_logprobs)
+                loss, m = self._micro_step(batch, rows, stats, old_logprobs, ref_logprobs, correction)
                 loss_total += loss
                 for k, (v, w) in m.items():
                     sums[k] += v
@@ -150,7 +186,7 @@ class PolicyUpdater:
                 probe.snapshot()
         return loss_total
 
-    def _micro_step(self, batch, rows, stats, old_logprobs, ref_logprobs):
+    def _micro_step(self, batch, rows, stats, old_logprobs, ref_logprobs, correction):
         cfg = self.cfg
         (logp, entropy), width = self._forward(self.model, batch, rows)
         mask = batch.completion_mask[rows, :width].to(self.device)
@@ -163,6 +199,8 @@ class PolicyUpdater:
             n = float(mask.sum())
             metrics.update({k: (v * n, n) for k, v in mod_metrics.items()})
         per_token, low, high = clipped_policy_loss(logp, old, adv, cfg.algo.epsilon_low, cfg.algo.epsilon_high)
+        if self.rollout_correction != "none":  # TRL: the weight multiplies the policy loss, not the KL term
+            per_token = per_token * self._correction_weight(batch, rows, width, logp, mask, correction)
         if ref_logprobs is not None:
             kl = k3_kl(logp, ref_logprobs[rows, :width].to(self.device))
             per_token = per_token + cfg.algo.beta * kl
@@ -176,3 +214,12 @@ class PolicyUpdater:
         metrics["clip_ratio/high_mean"] = (float((high.float() * mask).sum()), n_tok)
         metrics["clip_ratio/region_mean"] = (float(((low | high).float() * mask).sum()), n_tok)
         return float(loss.detach()), metrics
+
+    def _correction_weight(self, batch, rows, width, logp, mask, correction) -> torch.Tensor:
+        """[B, W] rollout-correction weight of these rows: from the whole-batch correction when the trainer's
+        log-probs were precomputed, else from this micro-step's own log-probs (recorded for the step's metrics)."""
+        if correction is not None:
+            return correction.weight[rows, :width].to(self.device)
+        self._trainer_logprobs[rows, :width] = logp.detach().float().cpu()
+        sampler = batch.sampler_logprobs[rows, :width].to(self.device)
+        return self._correction(logp, sampler, mask).weight
