@@ -139,7 +139,8 @@ class Trainer:
                 cfg.rollout.engine_options.get("engine", "fast"), self.generation_model, self.tokenizer,
                 **cfg.rollout.engine_options.get("engine_options", {}))
             self.eval_tokenizer = copy.deepcopy(self.tokenizer)  # a fast tokenizer is not safe across threads
-            self.generator_model = copy.deepcopy(self.generation_model).eval().requires_grad_(False)
+            # requires_grad as the learner's: the trainable parameters are the ones synced (to Ray actors too)
+            self.generator_model = copy.deepcopy(self.generation_model).eval()
             self.engine = rollout_engine(cfg, self.generator_model, self.tokenizer)
         self.rewards = reward_manager(cfg, self.task)
         self.verify = verifier(self.rewards, self.task)

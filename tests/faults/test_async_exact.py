@@ -194,3 +194,13 @@ def test_sigkill_at_random_times_resumes_the_async_run(tmp_path, launcher, warm_
     if not (run / "summary.json").exists():
         assert launcher.run(resume_argv(run)).code == 0
     assert_same_run(run, reference)
+
+
+def test_the_ray_pool_generates_ahead_like_the_in_process_generator(tmp_path, warm_cache):
+    # Without a correction the sampler's log-probs play no part, and the pool returns the in-process engine's tokens
+    # for the same weights and seeds: the runs are equal only if every actor got each version before sampling.
+    extra = {"algo.rollout_correction": "none", "train.max_steps": 4}
+    Trainer(config(tmp_path / "fast", warm_cache, 1, **extra)).train()
+    Trainer(config(tmp_path / "ray", warm_cache, 1, **extra, **{
+        "rollout.engine": "ray", "rollout.engine_options": "{num_workers: 2, num_cpus: 2}"})).train()
+    assert_same_run(tmp_path / "ray", tmp_path / "fast")
