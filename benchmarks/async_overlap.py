@@ -60,7 +60,9 @@ def block(config: str, arm: str, args, seed: int) -> dict:
     finally:
         trainer.close_engines()
         torch.set_num_threads(args.threads)
-    mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in records)  # noqa: E731
+    def mean(key: str) -> float:
+        return statistics.fmean(r.get(key, 0.0) for r in records)
+
     return {"steps_per_s": args.steps / wall, "generate": mean("time/generate") + mean("time/score"),
             "update": mean("time/update"), "learner_wait": mean("time/learner_wait"),
             "generator_idle": mean("time/generator_idle")}
@@ -92,9 +94,10 @@ def main() -> None:
     for config, arm in pairs:
         blocks = results[(config, arm)]
         rate = [b["steps_per_s"] for b in blocks]
-        med = lambda key: statistics.median(b[key] for b in blocks)  # noqa: E731
+        med = {key: statistics.median(b[key] for b in blocks)
+               for key in ("generate", "update", "learner_wait", "generator_idle")}
         print(f"{config:8} {arm:6} {statistics.median(rate):7.3f} [{min(rate):.3f}, {max(rate):.3f}]{'':8} "
-              f"{med('generate'):11.3f} {med('update'):9.3f} {med('learner_wait'):12.3f} {med('generator_idle'):9.3f}")
+              f"{med['generate']:11.3f} {med['update']:9.3f} {med['learner_wait']:12.3f} {med['generator_idle']:9.3f}")
     for config in args.configs:
         ratios = [a["steps_per_s"] / s["steps_per_s"]
                   for a, s in zip(results[(config, "async")], results[(config, "sync")])]
