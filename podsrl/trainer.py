@@ -168,18 +168,27 @@ class Trainer:
             in_flight = self._restore(checkpoint)
             log.info("resumed %s at step %d", self.run_dir, self.step)
         if run_ahead.enabled:
-            self.threads = torch.get_num_threads()  # restored when train() returns
-            threads = run_ahead.generator_threads or max(1, torch.get_num_threads() // 2)
-            if not run_ahead.generator_threads and cfg.rollout.engine != "ray":  # split the cores
-                torch.set_num_threads(max(1, torch.get_num_threads() - threads))
-            self.generator = BackgroundGenerator(
-                self.produce_batch, self.generator_model, self.engine, run_ahead.max_staleness, self.step,
-                cfg.train.max_steps, in_flight, threads=threads if cfg.rollout.engine != "ray" else 0)
-            self.dropped_batches += self.generator.dropped
+            self._build_generator(in_flight)
         if self.dist.is_main:
             dump_config(cfg, self.run_dir / "config.yaml")
         self.logger = (build_metrics_logger(cfg, self.run_dir, self.step if checkpoint is not None else None)
                        if self.dist.is_main else NullLogger())
+
+    def _build_generator(self, in_flight: list[ProducedBatch]) -> None:
+        """train.async: the generator thread, from the step and in-flight batches of a resume (if any). In process
+        it samples on its own torch threads: train.async.generator_threads, or half of the process's (the learner
+        keeps the rest); the Ray pool's workers have theirs."""
+        cfg, run_ahead = self.cfg, self.cfg.train.asynchronous
+        self.threads = torch.get_num_threads()  # restored by close_engines
+        threads = 0
+        if cfg.rollout.engine != "ray":
+            threads = run_ahead.generator_threads or max(1, self.threads // 2)
+            if not run_ahead.generator_threads:
+                torch.set_num_threads(max(1, self.threads - threads))
+        self.generator = BackgroundGenerator(self.produce_batch, self.generator_model, self.engine,
+                                             run_ahead.max_staleness, self.step, cfg.train.max_steps, in_flight,
+                                             threads=threads)
+        self.dropped_batches += self.generator.dropped
 
     def _fused_adam(self, params: list[torch.Tensor]) -> bool | None:
         """AdamW's fused kernel (one pass per tensor; the per-tensor loop's dozen ops per parameter were ~5% of a
