@@ -96,14 +96,14 @@ def main() -> None:
           f"{torch.__version__}, {args.threads} threads (async: generator {max(1, args.threads // 2)}, learner "
           f"{max(1, args.threads - max(1, args.threads // 2))}); {args.steps} timed steps per block, {args.repeats} "
           f"repeats, arms alternating")
-    print(f"{'config':8} {'arm':6} {'steps/s median [min, max]':28} {'gen+score s':>11} {'update s':>9} "
+    print(f"{'config':8} {'arm':9} {'steps/s median [min, max]':28} {'gen+score s':>11} {'update s':>9} "
           f"{'learner wait':>12} {'gen idle':>9}")
     for config, arm in pairs:
         blocks = results[(config, arm)]
         rate = [b["steps_per_s"] for b in blocks]
         med = {key: statistics.median(b[key] for b in blocks)
                for key in ("generate", "update", "learner_wait", "generator_idle")}
-        print(f"{config:8} {arm:6} {statistics.median(rate):7.3f} [{min(rate):.3f}, {max(rate):.3f}]{'':8} "
+        print(f"{config:8} {arm:9} {statistics.median(rate):7.3f} [{min(rate):.3f}, {max(rate):.3f}]{'':8} "
               f"{med['generate']:11.3f} {med['update']:9.3f} {med['learner_wait']:12.3f} {med['generator_idle']:9.3f}")
     for config in args.configs:
         for base in [a for a in args.arms if a != "async" and "async" in args.arms]:
