@@ -175,3 +175,19 @@ def test_saved_batch_round_trips():
     batch = ProducedBatch.from_state(state)
     assert batch.version == 1 and batch.kept.problems[0] == one_row_batch(3).problems[0]
     assert torch.equal(batch.kept.rewards, torch.tensor([3.0])) and batch.kept.policy_version.tolist() == [1]
+
+
+def test_the_config_key_is_train_async(tmp_path):
+    from podsrl.config import ConfigError, config_help, dump_config, load_config
+
+    cfg = load_config(None, ["train.async.enabled=true", "train.async.max_staleness=2"])
+    assert cfg.train.asynchronous.enabled and cfg.train.asynchronous.max_staleness == 2
+    dump_config(cfg, tmp_path / "config.yaml")  # what a resume reads back
+    assert load_config(tmp_path / "config.yaml").train.asynchronous == cfg.train.asynchronous
+    assert "train.async.max_staleness" in {key for key, _, _ in config_help()}
+    with pytest.raises(ConfigError, match="train.asynchronous: unknown config key"):
+        load_config(None, ["train.asynchronous.enabled=true"])
+    with pytest.raises(ConfigError, match="train.async.enabled: needs rollout.engine fast or ray"):
+        load_config(None, ["train.async.enabled=true", "rollout.engine=hf"])
+    with pytest.raises(ConfigError, match="train.async.max_staleness: must be >= 0"):
+        load_config(None, ["train.async.max_staleness=-1"])
