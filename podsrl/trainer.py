@@ -128,20 +128,21 @@ class Trainer:
         if not self.eval_problems:
             log.warning("no eval set (task %s): training without held-out evaluation", self.task.name)
         self.epoch_size = len(self.task) if hasattr(self.task, "__len__") else 0  # 0: an unbounded stream
-        self.engine = self.dist.wrap_engine(rollout_engine(cfg, self.generation_model, self.tokenizer))
-        self.eval_engine, self.eval_tokenizer = self.engine, self.tokenizer
         run_ahead = cfg.train.asynchronous
-        if run_ahead.enabled:  # the generator samples from its own copy; eval and checkpoints use the learner's
+        if not run_ahead.enabled:
+            self.engine = self.dist.wrap_engine(rollout_engine(cfg, self.generation_model, self.tokenizer))
+            self.eval_engine, self.eval_tokenizer = self.engine, self.tokenizer
+        else:  # the generator samples from its own copy; eval (in process) and checkpoints use the learner's
             if self.dist.enabled:
                 raise UserError("train.async.enabled: one process only for now (under torchrun the generation "
                                 "shards all-gather on the process group the update uses, from another thread)")
-            self.eval_engine = self.engine if cfg.rollout.engine != "ray" else build_engine(
-                cfg.rollout.engine_options.get("engine", "fast"), self.generation_model, self.tokenizer,
-                **cfg.rollout.engine_options.get("engine_options", {}))
-            self.eval_tokenizer = copy.deepcopy(self.tokenizer)  # a fast tokenizer is not safe across threads
             # requires_grad as the learner's: the trainable parameters are the ones synced (to Ray actors too)
             self.generator_model = copy.deepcopy(self.generation_model).eval()
             self.engine = rollout_engine(cfg, self.generator_model, self.tokenizer)
+            self.eval_engine = rollout_engine(cfg, self.generation_model, self.tokenizer) if cfg.rollout.engine != \
+                "ray" else build_engine(cfg.rollout.engine_options.get("engine", "fast"), self.generation_model,
+                                        self.tokenizer, **cfg.rollout.engine_options.get("engine_options", {}))
+            self.eval_tokenizer = copy.deepcopy(self.tokenizer)  # a fast tokenizer is not safe across threads
         self.rewards = reward_manager(cfg, self.task)
         self.verify = verifier(self.rewards, self.task)
         self.method = METHODS[cfg.method](cfg)
