@@ -41,8 +41,8 @@ class PolicyUpdater:
         self.nonfinite_in_a_row = 0
         self.rollout_correction = resolve_rollout_correction(cfg, device)
         self._trainer_logprobs: torch.Tensor | None = None  # [R, Lc], one-pass steps with a correction
-        if cfg.algo.rollout_correction == "auto":
-            log.info("update: algo.rollout_correction auto -> %s", self.rollout_correction)
+        log.info("update: rollout correction %s (algo.rollout_correction: %s)", self.rollout_correction,
+                 cfg.algo.rollout_correction)
 
     @property
     def needs_sampler_logprobs(self) -> bool:
@@ -186,7 +186,7 @@ class PolicyUpdater:
                 probe.snapshot()
         return loss_total
 
-    def _micro_step(self, batch, rows, stats, old_logprobs, ref_logprobs, correction):
+    def _micro_step(self, batch, rows, stats, old_logprobs, ref_logprobs, correction=None):
         cfg = self.cfg
         (logp, entropy), width = self._forward(self.model, batch, rows)
         mask = batch.completion_mask[rows, :width].to(self.device)
