@@ -432,6 +432,8 @@ class Trainer:
                 self.logger.log(metrics)
                 self.health.stop_if_asked(str(self.run_dir / "checkpoints"))
                 self._warn_if_slow()
+                if self.step % cfg.train.eval_every == 0 or self.step % cfg.train.save_every == 0:
+                    self._settle_generator()
                 finished = not self.dist.agree(self.budget_left())
                 # Stopped by a signal: checkpoint at once (a grace period may be short), no extra eval record.
                 if self.step % cfg.train.eval_every == 0 or self.dist.agree(self._budget_spent()):
@@ -465,6 +467,16 @@ class Trainer:
         if cfg.log.plot and self.dist.is_main:
             plot_run(self.run_dir)
         return summary
+
+    def _settle_generator(self) -> None:
+        """train.async, before an eval or checkpoint: wait for the batch the generator is producing. The wait
+        counts on the training clock: generating while the learner evaluates would be work the clock never sees
+        (a free batch per eval in an equal-time comparison)."""
+        if self.generator is None:
+            return
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        self.generator.quiesce()
+        self.elapsed += time.process_time() - cpu0 if self.cfg.train.clock == "cpu" else time.perf_counter() - t0
 
     def close_engines(self) -> None:
         """The generator thread (train.async) first, then the engines it samples with."""
