@@ -126,12 +126,17 @@ class BackgroundGenerator:
             self._cv.notify_all()
         return batch, time.perf_counter() - t0
 
+    @property
+    def idle(self) -> bool:
+        """Not producing: not started, waiting for weights not yet published, or done."""
+        return self._thread is None or self._waiting
+
     def quiesce(self) -> list[ProducedBatch]:
         """Waits until the generator needs weights not yet published (or has nothing left to produce), then returns
         the batches produced and not yet trained, in step order. Until the next `publish` the generator's state
         (and the trainer state it produces from) stays as it is: what a checkpoint saves."""
         with self._cv:
-            while self._thread is not None and not self._waiting and self._error is None:
+            while not self.idle and self._error is None:
                 self._cv.wait()
             self._raise_error()
             return list(self._queue)

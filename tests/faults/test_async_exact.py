@@ -93,6 +93,17 @@ def test_a_lagged_run_does_not_depend_on_timing(tmp_path, warm_cache, random_tim
     assert all(r["sampling/importance_sampling_ratio/mean"] > 0 for r in steps)  # the correction is on (auto)
 
 
+def test_evals_wait_for_the_batch_being_generated(tmp_path, warm_cache, monkeypatch):
+    # a slow generator: without the wait it would still be sampling step k+1's batch when step k's eval starts
+    generate = Trainer.generate_and_score
+    monkeypatch.setattr(Trainer, "generate_and_score", lambda self, *a: time.sleep(0.2) or generate(self, *a))
+    idle_at_eval = []
+    run_eval = Trainer.run_eval
+    monkeypatch.setattr(Trainer, "run_eval", lambda self: idle_at_eval.append(self.generator.idle) or run_eval(self))
+    Trainer(config(tmp_path / "run", warm_cache, 1, **{"train.eval_every": 2, "train.max_steps": 4})).train()
+    assert idle_at_eval == [True] * 3  # steps 0, 2 and 4
+
+
 def test_prompt_history_sees_each_trained_batch_once(tmp_path, warm_cache):
     trainer = Trainer(config(tmp_path / "run", warm_cache, staleness=1, **GRESO_REFILL))
     trainer.train()
