@@ -118,6 +118,12 @@ RESUMED = {
                                       "reinforce_ada.max_rounds": 3, "rewards": HASHED_CORRECT}),
     "aero_lag1_minibatches": (1, {"method": "aero", "aero.n_explore": 2, "aero.n_extra": 1, "aero.n_max": 4,
                                   "optim.epochs": 2, "optim.mini_batches": 2}),
+    # allocation from history, the epoch snapshot taken by the generator, modulation in the learner
+    "dynamo_epoch_snapshot_lag1": (1, {"task.args": "{operands: 2, digits: 1, train_size: 6}", "method": "dynamo",
+                                       "dynamo.n_min": 2, "dynamo.n_max": 6, "dynamo.min_history": 1,
+                                       "dynamo.refresh": "epoch", "rewards": HASHED_CORRECT}),
+    "knapsack_lag2": (2, {"task.args": "{operands: 2, digits: 1, train_size: 6}", "method": "knapsack",
+                          "knapsack.min_history": 4, "knapsack.max_n": 12, "rewards": HASHED_CORRECT}),
 }
 
 
