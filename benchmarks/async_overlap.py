@@ -16,6 +16,7 @@ Overlap pays most where generation and update cost about the same: sync steps/s 
 
     python benchmarks/async_overlap.py [--repeats 5] [--steps 10] [--warm 2] [--threads 2] [--configs grpo pods]
                                        [--arms sync async sync_half] [--warmup-cache DIR] [--json FILE]
+                                       [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from podsrl.trainer import Trainer  # noqa: E402
 ARMS = ("sync", "async", "sync_half")
 
 
-def build(config: str, arm: str, threads: int, seed: int, warmup_cache: str | None) -> Trainer:
+def build(config: str, arm: str, threads: int, seed: int, warmup_cache: str | None, extra: list[str]) -> Trainer:
     # the async trainer splits them between generator and learner
     torch.set_num_threads(max(1, threads // 2) if arm == "sync_half" else threads)
     overrides = [f"output_dir={tempfile.mkdtemp(prefix='podsrl_async_')}", f"seed={seed}", "log.progress=false",
@@ -52,11 +53,11 @@ def build(config: str, arm: str, threads: int, seed: int, warmup_cache: str | No
                  f"train.async.enabled={'true' if arm == 'async' else 'false'}", "train.async.max_staleness=1"]
     if warmup_cache:
         overrides.append(f"warmup.cache_dir={warmup_cache}")
-    return Trainer(load_config(preset_path(config), overrides))
+    return Trainer(load_config(preset_path(config), overrides + extra))
 
 
 def block(config: str, arm: str, args, seed: int) -> dict:
-    trainer = build(config, arm, args.threads, seed, args.warmup_cache)
+    trainer = build(config, arm, args.threads, seed, args.warmup_cache, args.set)
     try:
         for _ in range(args.warm):
             trainer.train_step()
@@ -83,6 +84,8 @@ def main() -> None:
     p.add_argument("--configs", nargs="+", default=["grpo", "pods"])
     p.add_argument("--arms", nargs="+", choices=ARMS, default=["sync", "async"])
     p.add_argument("--warmup-cache", help="warmup.cache_dir (default: the config's)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every arm, e.g. "
+                   "a larger model: model.tiny.hidden_size=384 model.tiny.num_layers=6 ... warmup.steps=0")
     p.add_argument("--json", help="also write the raw blocks here")
     args = p.parse_args()
     pairs = [(c, a) for c in args.configs for a in args.arms]
