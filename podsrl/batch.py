@@ -38,6 +38,7 @@ class RolloutBatch:
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [R] float (NaN = missing)
     correct: torch.Tensor | None = None  # [R] bool, verifier correctness (used by per-prompt statistics)
     advantages: torch.Tensor | None = None  # [R] float, sequence-level advantage broadcast to tokens
+    policy_version: torch.Tensor | None = None  # [R] long, the optimiser step whose weights sampled the row
 
     @property
     def num_rollouts(self) -> int:
@@ -135,4 +136,6 @@ def concat_batches(batches: list[RolloutBatch], pad_token_id: int, disjoint: boo
         }
     if all(b.correct is not None for b in batches):
         out.correct = torch.cat([b.correct for b in batches])
+    if all(b.policy_version is not None for b in batches):
+        out.policy_version = torch.cat([b.policy_version for b in batches])
     return out

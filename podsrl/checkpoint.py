@@ -6,6 +6,7 @@ Layout of one checkpoint, `<run>/checkpoints/step-00000042/`:
                         (torch.distributed.checkpoint; optimizer.pt then holds the param groups and scheduler)
     optimizer.pt        optimiser + scheduler state (tensors and numbers only; loaded with weights_only=True)
     rng.pt              torch RNG states (uint8 tensors; weights_only=True)
+    in_flight.pt        train.async only: the batches generated ahead and not yet trained (tensors, plain values)
     state.json          step, data position, elapsed time, counters, per-prompt statistics, python RNG
     manifest.json       sha256 of every file above, written last
 It is written to a temporary directory and renamed into place, so a kill mid-write leaves no half checkpoint
@@ -72,7 +73,8 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state: dict, rng_state: dict,
-                    state: dict, keep: int = 2, sharded_tensors: dict | None = None, dist_ctx=None) -> Path:
+                    state: dict, keep: int = 2, sharded_tensors: dict | None = None, dist_ctx=None,
+                    in_flight: list[dict] | None = None) -> Path:
     """Rank 0 writes everything; with `sharded_tensors` (FSDP2) every rank calls this, each writes its shards into
     `sharded/` of the same temporary directory, and rank 0 completes the checkpoint after them."""
     root = checkpoint_dir(run_dir)
@@ -100,6 +102,8 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state:
         faults.fire("ckpt_model", step)
         torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(rng_state, tmp / "rng.pt")
+        if in_flight is not None:
+            torch.save(in_flight, tmp / "in_flight.pt")
         (tmp / "state.json").write_text(json.dumps(state), encoding="utf-8")
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = {"step": step, "files": {str(p.relative_to(tmp)): _sha256(p) for p in files},
@@ -260,6 +264,18 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
         if verify_checkpoint(path):
             return path
     return None
+
+
+def load_in_flight(path: Path) -> list[dict]:
+    """The batches an asynchronous run had generated ahead (train.async), oldest first; [] for any other run."""
+    if not (path / "in_flight.pt").is_file():
+        return []
+    try:
+        return torch.load(path / "in_flight.pt", weights_only=True, map_location="cpu")
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"checkpoint {path}: in_flight.pt holds something other than tensors and plain values; "
+                        f"refusing to load it ({first[:200]})") from None
 
 
 def load_checkpoint_files(path: Path) -> tuple[dict, dict, dict]:

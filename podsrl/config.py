@@ -168,6 +168,21 @@ class UpdateConfig:
 
 
 @dataclass
+class AsyncConfig:
+    enabled: bool = _f(False, "Generate the next steps' rollouts on a background worker while the learner updates "
+                       "(one process: a thread with its own copy of the policy; rollout.engine=ray: the actor pool). "
+                       "The batch trained at step k is sampled under the weights of step max(0, k - max_staleness), "
+                       "a fixed lag, so a run is the same whatever the timing and resumes exactly.")
+    max_staleness: int = _f(1, "Optimiser steps between the weights that sampled a batch and the weights it trains "
+                            "(1 = one-step off-policy, verl's one_step_off_policy); 0 = the synchronous loop (the same "
+                            "run bit for bit, no overlap). A batch older than this (a resume with a smaller value) is "
+                            "dropped and counted (async/dropped_batches).")
+    generator_threads: int = _f(0, "torch threads of the in-process generator; the learner keeps the process's. 0 = "
+                                "split: the generator takes half of torch's threads (at least 1), the learner the rest. "
+                                "Not used by rollout.engine=ray (its workers have cpus_per_worker).")
+
+
+@dataclass
 class TrainConfig:
     max_steps: int = _f(200, "RL steps (the run also stops at max_seconds / max_rollouts if set).")
     max_seconds: float = _f(0.0, "Training budget in seconds of train.clock, eval excluded (0 = none): the run stops "
@@ -205,6 +220,8 @@ class TrainConfig:
     fsdp_reshard_after_forward: bool = _f(
         True, "fsdp: free each layer's gathered parameters after its forward (ZeRO-3, least memory); false keeps "
         "them until the backward (ZeRO-2-like, one all-gather less per micro-batch).")
+    # YAML/CLI key `train.async` (a Python keyword, so the field has another name; see config_key)
+    asynchronous: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
 
 
 @dataclass
@@ -329,15 +346,21 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     raise TypeError(f"unsupported config type {tp} at {key}")
 
 
+def config_key(f: dataclasses.Field) -> str:
+    """The key a field has in YAML and on the command line: its name, unless that is a Python keyword (`async`),
+    in which case the field names the key in its metadata."""
+    return f.metadata.get("key", f.name)
+
+
 def _build(cls: type, values: dict, prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {config_key(f): f.name for f in dataclasses.fields(cls)}
     for k in values:
         if k not in names:
             close = [n for n in names if n.startswith(str(k)[:3])]
             hint = f" (did you mean {', '.join(prefix + c for c in sorted(close))}?)" if close else ""
             raise ConfigError(f"{prefix}{k}: unknown config key{hint}")
-    kwargs = {k: _convert(v, hints[k], prefix + k) for k, v in values.items()}
+    kwargs = {names[k]: _convert(v, hints[names[k]], prefix + k) for k, v in values.items()}
     return cls(**kwargs)
 
 
@@ -361,7 +384,14 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 
 def to_dict(cfg: Any) -> dict:
-    return dataclasses.asdict(cfg)
+    """The config as plain data under its YAML keys (what load_config reads back)."""
+    if dataclasses.is_dataclass(cfg):
+        return {config_key(f): to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    if isinstance(cfg, (list, tuple)):
+        return type(cfg)(to_dict(v) for v in cfg)
+    return cfg
 
 
 
@@ -433,6 +463,14 @@ def validate(cfg: Config) -> None:
     need(cfg.train.eval_every >= 1, "train.eval_every", "must be >= 1")
     need(cfg.train.save_every >= 1, "train.save_every", "must be >= 1")
     need(cfg.train.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
+    run_ahead = cfg.train.asynchronous
+    need(run_ahead.max_staleness >= 0, "train.async.max_staleness", "must be >= 0 (0 = synchronous)")
+    need(run_ahead.generator_threads >= 0, "train.async.generator_threads", "must be >= 0 (0 = half of torch's)")
+    # hf seeds transformers' sampling through the process-wide torch RNG, which the learner thread draws from too;
+    # vllm shares the learner's GPU and has no second copy of the weights to sample from
+    need(not run_ahead.enabled or cfg.rollout.engine in ("fast", "ray"), "train.async.enabled",
+         f"needs rollout.engine fast or ray (got {cfg.rollout.engine}): the hf engine seeds sampling through the "
+         "process-wide torch RNG that the learner shares, and vllm is colocated with the learner")
     need(cfg.train.health_steps >= 0, "train.health_steps", "must be >= 0 (0 = no health checks)")
     need(cfg.train.health_min_entropy >= 0, "train.health_min_entropy", "must be >= 0")
     need(cfg.train.health_max_kl > 0, "train.health_max_kl", "must be > 0")
@@ -482,10 +520,10 @@ def config_help(cls: type = Config, prefix: str = "") -> list[tuple[str, str, st
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.type.endswith("Config")):
             sub = typing.get_type_hints(cls)[f.name]
-            rows.extend(config_help(sub, prefix + f.name + "."))
+            rows.extend(config_help(sub, prefix + config_key(f) + "."))
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        rows.append((prefix + f.name, repr(default), f.metadata.get("help", "")))
+        rows.append((prefix + config_key(f), repr(default), f.metadata.get("help", "")))
     return rows
 
 

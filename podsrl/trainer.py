@@ -1,14 +1,18 @@
 """The training loop, top to bottom. One step:
 
     problems -> method.collect -> stats.record -> method.select -> zero-variance filter / refill
-             -> advantage clip -> update -> method.end_step -> (eval, log, checkpoint)
+             -> advantage clip -> method.end_step -> update -> (eval, log, checkpoint)
 
 The method (podsrl/methods/) is looked up by name once and decides which prompts get how many rollouts and which
 rollouts train with which advantages; this file moves one batch through the stages and names no method.
+
+Everything up to end_step produces the step's batch (`produce_batch`); the update consumes it. With `train.async` the
+producing runs ahead on a background generator (podsrl/async_generation.py) while the learner updates.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -23,10 +27,12 @@ import torch
 from podsrl import faults
 from podsrl.accounting import ComputeAccountant
 from podsrl.algo.group_stats import group_stats, zero_variance_groups
+from podsrl.async_generation import BackgroundGenerator, ProducedBatch
 from podsrl.batch import Problem, RolloutBatch, concat_batches
 from podsrl.build import base_weights, load_model, load_task, reward_manager, rollout_engine, verifier
 from podsrl.checkpoint import (
     load_checkpoint_files,
+    load_in_flight,
     load_sharded_tensors,
     prepare_run_dir,
     resume_checkpoint,
@@ -34,7 +40,7 @@ from podsrl.checkpoint import (
 )
 from podsrl.config import Config, dump_config
 from podsrl.distributed import NullLogger, init_distributed
-from podsrl.engines import SamplingParams
+from podsrl.engines import SamplingParams, build_engine
 from podsrl.errors import UnhealthyRun, UserError
 from podsrl.evaluation import evaluate
 from podsrl.fileio import write_text_atomic
@@ -51,6 +57,7 @@ from podsrl.update import PolicyUpdater
 log = logging.getLogger("podsrl")
 
 TIMERS = ("time/generate", "time/score", "time/select", "time/update")
+LEARNER_SEED_OFFSET = 0x1EA2  # train.async: the learner's own RNG stream (mini-batch order), apart from the generator's
 
 
 def lr_lambda(cfg: Config, total_updates: int):
@@ -69,7 +76,8 @@ def lr_lambda(cfg: Config, total_updates: int):
 
 @dataclass
 class StepRecord:
-    """What one step produced: its logged metrics, and the material they were computed from."""
+    """What one step produced: its logged metrics, and the material they were computed from (filled while the
+    batch is produced; a batch restored from a checkpoint keeps only its metrics)."""
 
     metrics: dict[str, float] = field(default_factory=dict)
     timers: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIMERS, 0.0))
@@ -120,7 +128,21 @@ class Trainer:
         if not self.eval_problems:
             log.warning("no eval set (task %s): training without held-out evaluation", self.task.name)
         self.epoch_size = len(self.task) if hasattr(self.task, "__len__") else 0  # 0: an unbounded stream
-        self.engine = self.dist.wrap_engine(rollout_engine(cfg, self.generation_model, self.tokenizer))
+        run_ahead = cfg.train.asynchronous
+        if not run_ahead.enabled:
+            self.engine = self.dist.wrap_engine(rollout_engine(cfg, self.generation_model, self.tokenizer))
+            self.eval_engine, self.eval_tokenizer = self.engine, self.tokenizer
+        else:  # the generator samples from its own copy; eval (in process) and checkpoints use the learner's
+            if self.dist.enabled:
+                raise UserError("train.async.enabled: one process only for now (under torchrun the generation "
+                                "shards all-gather on the process group the update uses, from another thread)")
+            # requires_grad as the learner's: the trainable parameters are the ones synced (to Ray actors too)
+            self.generator_model = copy.deepcopy(self.generation_model).eval()
+            self.engine = rollout_engine(cfg, self.generator_model, self.tokenizer)
+            self.eval_engine = rollout_engine(cfg, self.generation_model, self.tokenizer) if cfg.rollout.engine != \
+                "ray" else build_engine(cfg.rollout.engine_options.get("engine", "fast"), self.generation_model,
+                                        self.tokenizer, **cfg.rollout.engine_options.get("engine_options", {}))
+            self.eval_tokenizer = copy.deepcopy(self.tokenizer)  # a fast tokenizer is not safe across threads
         self.rewards = reward_manager(cfg, self.task)
         self.verify = verifier(self.rewards, self.task)
         self.method = METHODS[cfg.method](cfg)
@@ -133,17 +155,41 @@ class Trainer:
                                      modulation=self.method.token_modulation(), data_parallel=self.data_parallel)
         self.stats = PromptStats()
         self.accountant = ComputeAccountant(count_parameters(self.generation_model))
-        self.rng = torch.Generator().manual_seed(cfg.seed)
+        self.rng = torch.Generator().manual_seed(cfg.seed)  # sampling seeds, prompt order, selection
+        # mini-batch order and the probe: the same stream when the two sides take turns (synchronous, staleness 0)
+        overlap = run_ahead.enabled and run_ahead.max_staleness > 0
+        self.update_rng = torch.Generator().manual_seed(cfg.seed + LEARNER_SEED_OFFSET) if overlap else self.rng
         self.step, self.data_position, self.elapsed = 0, 0, 0.0
+        self.dropped_batches = 0  # train.async: in-flight batches dropped as too stale (a resume with a lower bound)
+        self.generator: BackgroundGenerator | None = None
         self.stop_requested = self.stopped_by_signal = False
         self.health = HealthMonitor(cfg.train, speak=self.dist.is_main)
+        in_flight: list[ProducedBatch] = []
         if checkpoint is not None:
-            self._restore(checkpoint)
+            in_flight = self._restore(checkpoint)
             log.info("resumed %s at step %d", self.run_dir, self.step)
+        if run_ahead.enabled:
+            self._build_generator(in_flight)
         if self.dist.is_main:
             dump_config(cfg, self.run_dir / "config.yaml")
         self.logger = (build_metrics_logger(cfg, self.run_dir, self.step if checkpoint is not None else None)
                        if self.dist.is_main else NullLogger())
+
+    def _build_generator(self, in_flight: list[ProducedBatch]) -> None:
+        """train.async: the generator thread, from the step and in-flight batches of a resume (if any). In process
+        it samples on its own torch threads: train.async.generator_threads, or half of the process's (the learner
+        keeps the rest); the Ray pool's workers have theirs."""
+        cfg, run_ahead = self.cfg, self.cfg.train.asynchronous
+        self.threads = torch.get_num_threads()  # restored by close_engines
+        threads = 0
+        if cfg.rollout.engine != "ray":
+            threads = run_ahead.generator_threads or max(1, self.threads // 2)
+            if not run_ahead.generator_threads:
+                torch.set_num_threads(max(1, self.threads - threads))
+        self.generator = BackgroundGenerator(self.produce_batch, self.generator_model, self.engine,
+                                             run_ahead.max_staleness, self.step, cfg.train.max_steps, in_flight,
+                                             threads=threads)
+        self.dropped_batches += self.generator.dropped
 
     def _fused_adam(self, params: list[torch.Tensor]) -> bool | None:
         """AdamW's fused kernel (one pass per tensor; the per-tensor loop's dozen ops per parameter were ~5% of a
@@ -157,23 +203,25 @@ class Trainer:
 
     def train_step(self) -> StepRecord:
         cfg = self.cfg
-        record = StepRecord()
         t0, cpu0 = time.perf_counter(), time.process_time()
         faults.fire("step", self.step + 1)
-        ctx = self._context(record)  # before drawing: the epoch is that of the step's first problem
-        kept, select_metrics = self.collect_and_select(self.next_problems(cfg.rollout.prompts_per_step), ctx, record)
-        if cfg.algo.advantage_clip > 0:
-            kept.advantages = kept.advantages.clamp(-cfg.algo.advantage_clip, cfg.algo.advantage_clip)
-        kept = self.dist.agree_batch(kept, self.rng)
+        if self.generator is None:
+            produced, waited = self.produce_batch(self.step), 0.0
+        else:  # w_step for the batches that need it, then this step's batch (produced ahead, or waited for)
+            self.generator.publish(self.step, self.generation_model)
+            produced, waited = self.generator.take(self.step)
+        kept = self.dist.agree_batch(produced.kept, self.update_rng)
         t_upd = time.perf_counter()
         if faults.fire("loss", self.step + 1):  # injected numerical fault: a NaN loss and gradient
             kept.advantages = torch.full_like(kept.advantages, float("nan"))
-        update_metrics = self.updater.update(kept.trim_padding(), self.rng) if kept.num_rollouts else {}
+        update_metrics = self.updater.update(kept.trim_padding(), self.update_rng) if kept.num_rollouts else {}
         if self.data_parallel is not None:  # FSDP2: gathers the updated shards into the generation copy
             self.data_parallel.sync_generation_model()
-        self.engine.sync_weights(self.generation_model)
-        record.timers["time/update"] = time.perf_counter() - t_upd
-        method_metrics = self.method.end_step(record.generated, ctx)
+        if self.generator is None:
+            self.engine.sync_weights(self.generation_model)
+        timers = {**produced.timers, "time/update": time.perf_counter() - t_upd}
+        if self.generator is not None:
+            timers.update({"time/learner_wait": waited, "time/generator_idle": produced.generator_idle})
         step_time = time.perf_counter() - t0
         self.elapsed += time.process_time() - cpu0 if cfg.train.clock == "cpu" else step_time
         self.step += 1
@@ -181,13 +229,30 @@ class Trainer:
             raise UnhealthyRun(f"training stopped: {self.updater.nonfinite_in_a_row} consecutive steps with a "
                             f"non-finite loss or gradient (step {self.step}); try a lower optim.lr. The last good "
                             f"checkpoint is in {self.run_dir / 'checkpoints'}")
-        record.metrics = self._step_metrics(record, kept, {**select_metrics, **method_metrics}, update_metrics,
-                                            step_time)
-        return record
+        return StepRecord(metrics=self._step_metrics(produced, kept, update_metrics, timers, step_time),
+                          timers=timers, generated=produced.generated)
 
-    def _context(self, record: StepRecord) -> StepContext:
+    def produce_batch(self, step: int) -> ProducedBatch:
+        """Step `step`'s batch: draw its problems, collect, select (with refills), clip advantages, end the method's
+        step. Runs on the generator thread under train.async."""
+        cfg = self.cfg
+        record = StepRecord()
+        ctx = self._context(record, step)  # before drawing: the epoch is that of the step's first problem
+        kept, select_metrics = self.collect_and_select(self.next_problems(cfg.rollout.prompts_per_step), ctx, record)
+        if cfg.algo.advantage_clip > 0:
+            kept.advantages = kept.advantages.clamp(-cfg.algo.advantage_clip, cfg.algo.advantage_clip)
+        # the method's per-step state moves here, in step order, on the side that reads it (collect)
+        method_metrics = self.method.end_step(record.generated, ctx)
+        metrics = self._generation_metrics(record, {**select_metrics, **method_metrics})
+        rewards = sum(b.num_rollouts for b in record.generated)
+        tokens = sum(int(b.completion_lengths().sum()) for b in record.generated)
+        return ProducedBatch(kept=kept, metrics=metrics, generated_rollouts=rewards + record.skipped_rollouts,
+                             generated_tokens=tokens + record.skipped_tokens, timers=record.timers,
+                             generated=record.generated)
+
+    def _context(self, record: StepRecord, step: int) -> StepContext:
         return StepContext(
-            cfg=self.cfg, stats=self.stats, rng=self.rng, step=self.step,
+            cfg=self.cfg, stats=self.stats, rng=self.rng, step=step,
             epoch=self.data_position // self.epoch_size if self.epoch_size else 0, epoch_size=self.epoch_size,
             pad_token_id=self.tokenizer.pad_token_id,
             generate=lambda problems, indices, counts: self.generate_and_score(problems, indices, counts, record),
@@ -274,15 +339,13 @@ class Trainer:
         record.reward_metrics.append(result.metrics)
         return batch
 
-    def _step_metrics(self, record: StepRecord, kept: RolloutBatch, select_metrics: dict, update_metrics: dict,
-                      step_time: float) -> dict[str, float]:
+    def _generation_metrics(self, record: StepRecord, select_metrics: dict) -> dict[str, float]:
         generated = record.generated
         rewards = torch.cat([b.rewards for b in generated])
         lengths = torch.cat([b.completion_lengths() for b in generated]).float()
         zero_std = torch.cat([zero_variance_groups(b.rewards, b.group_index, b.num_groups) for b in generated])
         group_std = torch.cat([group_stats(b.rewards, b.group_index, b.num_groups).std for b in generated])
         metrics = {
-            "step": self.step,
             "reward": float(rewards.mean()),
             "reward_std": float(group_std.mean()),
             "frac_reward_zero_std": float(zero_std.float().mean()),
@@ -295,14 +358,23 @@ class Trainer:
                 for k, v in part.items():
                     metrics[k] = metrics.get(k, 0.0) + v / len(parts)
         metrics.update(select_metrics)
+        return metrics
+
+    def _step_metrics(self, produced: ProducedBatch, kept: RolloutBatch, update_metrics: dict, timers: dict,
+                      step_time: float) -> dict[str, float]:
+        metrics = {"step": self.step, **produced.metrics}
         metrics.update(update_metrics)
         metrics.update(self.accountant.step(
-            generated_rollouts=int(rewards.numel()) + record.skipped_rollouts,
-            generated_tokens=int(lengths.sum()) + record.skipped_tokens,
+            generated_rollouts=produced.generated_rollouts, generated_tokens=produced.generated_tokens,
             trained_rollouts=kept.num_rollouts, trained_tokens=int(kept.completion_mask.sum()),
             passes=self.cfg.optim.epochs,
         ))
-        metrics.update(record.timers)
+        if self.generator is not None:  # rows sampled under the weights of step policy_version, trained at step-1
+            staleness = (self.step - 1 - kept.policy_version).float()
+            metrics["async/staleness_mean"] = float(staleness.mean()) if staleness.numel() else 0.0
+            metrics["async/staleness_max"] = float(staleness.max()) if staleness.numel() else 0.0
+            metrics["async/dropped_batches"] = float(self.dropped_batches)
+        metrics.update(timers)
         metrics["time/step"] = step_time
         metrics["time/elapsed"] = self.elapsed
         return metrics
@@ -324,7 +396,7 @@ class Trainer:
         if not self.eval_problems:
             return {}
         t0 = time.perf_counter()
-        metrics = evaluate(self.engine, self.tokenizer, self.eval_problems, self.verify,
+        metrics = evaluate(self.eval_engine, self.eval_tokenizer, self.eval_problems, self.verify,
                            cfg.rollout.max_new_tokens, cfg.eval.samples, cfg.rollout.temperature,
                            cfg.rollout.top_p, cfg.eval.batch_size)
         # eval is outside the training clock (time/elapsed); its own cost is logged beside it
@@ -360,6 +432,8 @@ class Trainer:
                 self.logger.log(metrics)
                 self.health.stop_if_asked(str(self.run_dir / "checkpoints"))
                 self._warn_if_slow()
+                if self.step % cfg.train.eval_every == 0 or self.step % cfg.train.save_every == 0:
+                    self._settle_generator()
                 finished = not self.dist.agree(self.budget_left())
                 # Stopped by a signal: checkpoint at once (a grace period may be short), no extra eval record.
                 if self.step % cfg.train.eval_every == 0 or self.dist.agree(self._budget_spent()):
@@ -373,7 +447,7 @@ class Trainer:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self.logger.close()
-            self.engine.close()
+            self.close_engines()
             self.dist.close()
         if self.stop_requested and not self._budget_spent():
             log.warning("stopped by signal at step %d; resume with --resume %s", self.step, self.run_dir)
@@ -393,6 +467,25 @@ class Trainer:
         if cfg.log.plot and self.dist.is_main:
             plot_run(self.run_dir)
         return summary
+
+    def _settle_generator(self) -> None:
+        """train.async, before an eval or checkpoint: wait for the batch the generator is producing. The wait
+        counts on the training clock: generating while the learner evaluates would be work the clock never sees
+        (a free batch per eval in an equal-time comparison)."""
+        if self.generator is None:
+            return
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        self.generator.quiesce()
+        self.elapsed += time.process_time() - cpu0 if self.cfg.train.clock == "cpu" else time.perf_counter() - t0
+
+    def close_engines(self) -> None:
+        """The generator thread (train.async) first, then the engines it samples with."""
+        if self.generator is not None:
+            self.generator.close()
+            torch.set_num_threads(self.threads)
+        self.engine.close()
+        if self.eval_engine is not self.engine:
+            self.eval_engine.close()
 
     def _warn_if_slow(self) -> None:
         """train.warn_seconds: say once that this machine is slower than expected; the run goes on to max_steps."""
@@ -429,11 +522,14 @@ class Trainer:
         sharded = self.data_parallel is not None and self.data_parallel.sharded
         if not self.dist.is_main and not sharded:  # every rank holds the same state (FSDP2: its own shards)
             return
+        # train.async: the generator's side (position, RNG, statistics, method) as of the batches it has produced
+        in_flight = [b.state_dict() for b in self.generator.quiesce()] if self.generator is not None else None
         state = {
             "step": self.step, "data_position": self.data_position, "elapsed": self.elapsed,
             "prompt_stats": self.stats.state_dict(), "accounting": self.accountant.state_dict(),
             "nonfinite_in_a_row": self.updater.nonfinite_in_a_row, "python_random": _py_random_state(),
             "method": self.method.state_dict(), "health": self.health.state_dict(),
+            "dropped_batches": self.dropped_batches,
         }
         optimizer_state = {"scheduler": self.scheduler.state_dict()}
         tensors = None
@@ -442,13 +538,16 @@ class Trainer:
         else:
             optimizer_state["optimizer"] = self.optimizer.state_dict()
         rng_state = {"trainer": self.rng.get_state(), "torch": torch.get_rng_state()}
+        if self.update_rng is not self.rng:
+            rng_state["learner"] = self.update_rng.get_state()
         if torch.cuda.is_available() and torch.cuda.is_initialized():  # a CPU run never starts CUDA
             rng_state["cuda"] = torch.cuda.get_rng_state_all()
         save_checkpoint(self.run_dir, self.step, self.generation_model, self.tokenizer, optimizer_state, rng_state,
                         state, keep=self.cfg.train.keep_checkpoints, sharded_tensors=tensors,
-                        dist_ctx=self.dist if sharded else None)
+                        dist_ctx=self.dist if sharded else None, in_flight=in_flight)
 
-    def _restore(self, path: Path) -> None:
+    def _restore(self, path: Path) -> list[ProducedBatch]:
+        """Loads the checkpoint's state; returns its in-flight batches (train.async), oldest first."""
         optimizer_state, rng_state, state = load_checkpoint_files(path)
         sharded = self.data_parallel is not None and self.data_parallel.sharded
         if sharded != ("param_groups" in optimizer_state):
@@ -463,6 +562,8 @@ class Trainer:
             self.optimizer.load_state_dict(optimizer_state["optimizer"])
         self.scheduler.load_state_dict(optimizer_state["scheduler"])
         self.rng.set_state(rng_state["trainer"])
+        if "learner" in rng_state and self.update_rng is not self.rng:  # else: the learner starts its own stream
+            self.update_rng.set_state(rng_state["learner"])
         torch.set_rng_state(rng_state["torch"])
         self.step, self.data_position, self.elapsed = state["step"], state["data_position"], state["elapsed"]
         self.stats.load_state_dict(state["prompt_stats"])
@@ -473,6 +574,12 @@ class Trainer:
         self.health.load_state_dict(state.get("health", {}))
         if "cuda" in rng_state and torch.cuda.is_available() and len(rng_state["cuda"]) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(rng_state["cuda"])
+        self.dropped_batches = state.get("dropped_batches", 0)
+        saved = load_in_flight(path)
+        if saved and not self.cfg.train.asynchronous.enabled:
+            raise UserError(f"checkpoint {path} holds {len(saved)} batches generated ahead by an asynchronous run "
+                            "(train.async.enabled=true); resume it with train.async.enabled=true")
+        return [ProducedBatch.from_state(b) for b in saved]
 
 
 def _py_random_state() -> list:

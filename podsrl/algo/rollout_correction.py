@@ -116,7 +116,7 @@ def resolve_rollout_correction(cfg, device: torch.device) -> str:
     compute_dtype = getattr(cfg.model, "compute_dtype", cfg.model.dtype)
     if compute_dtype == "auto":  # as model.compute_dtype's auto: bfloat16 on CUDA, float32 elsewhere
         compute_dtype = "bfloat16" if device.type == "cuda" else "float32"
-    train_cfg = getattr(cfg, "train", None)
+    run_ahead = cfg.train.asynchronous  # max_staleness 0: the synchronous loop, the same weights
     mismatch = (cfg.rollout.engine == "vllm" or compute_dtype != cfg.model.dtype
-                or bool(getattr(train_cfg, "async", False)))
+                or (run_ahead.enabled and run_ahead.max_staleness > 0))
     return TRL_DEFAULT_MODE if mismatch else "none"

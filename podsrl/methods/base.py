@@ -2,7 +2,7 @@
 
 The loop (podsrl/trainer.py) looks a method up by name once, `method = METHODS[cfg.method](cfg)`, and per step runs
 
-    collect -> stats.record -> select -> zero-variance filter/refill -> advantage clip -> update -> end_step
+    collect -> stats.record -> select -> zero-variance filter/refill -> advantage clip -> end_step -> update
 
 `Method` itself is plain GRPO: rollout.n rollouts per prompt, every rollout trained, GRPO advantages. A method
 overrides only the hooks where it differs, reads only its own config section, and keeps anything it must carry
@@ -89,7 +89,9 @@ class Method:
         return None
 
     def end_step(self, generated: list[RolloutBatch], ctx: StepContext) -> dict[str, float]:
-        """Called after the update with every batch collected this step; returns extra step metrics."""
+        """Called once per step with every batch collected for it, when its batch is complete (after select and
+        refills), before the next step's collect; returns extra step metrics. With train.async it runs on the
+        generator, in step order, while the learner may be updating: it must not read the policy."""
         return {}
 
     def state_dict(self) -> dict:

@@ -104,15 +104,17 @@ def test_auto_resolves_to_trls_default_only_where_the_sampler_computes_different
     for engine in ("hf", "ray"):
         assert resolve_rollout_correction(load_config(None, [f"rollout.engine={engine}"]), cpu) == "none"
     assert resolve_rollout_correction(load_config(None, ["rollout.engine=vllm"]), cpu) == "sequence_mask"
-    # model.compute_dtype and train.async are read when the config has them
+    # model.compute_dtype is read when the config has it
     cfg.model.compute_dtype = "bfloat16"
     assert resolve_rollout_correction(cfg, cpu) == "sequence_mask"
     cfg.model.compute_dtype = "auto"  # bfloat16 on CUDA, float32 on the CPU
     assert resolve_rollout_correction(cfg, cpu) == "none"
     assert resolve_rollout_correction(cfg, cuda) == "sequence_mask"
     del cfg.model.compute_dtype
-    setattr(cfg.train, "async", True)
-    assert resolve_rollout_correction(cfg, cpu) == "sequence_mask"
+    # train.async samples from weights up to max_staleness steps old; staleness 0 is the learner's own weights
+    for staleness, mode in ((1, "sequence_mask"), (0, "none")):
+        lagged = load_config(None, ["train.async.enabled=true", f"train.async.max_staleness={staleness}"])
+        assert resolve_rollout_correction(lagged, cpu) == mode
     explicit = load_config(None, ["algo.rollout_correction=token_tis", "rollout.engine=vllm"])
     assert resolve_rollout_correction(explicit, cpu) == "token_tis"
     assert resolve_rollout_correction(load_config(None, ["algo.rollout_correction=none", "rollout.engine=vllm"]),

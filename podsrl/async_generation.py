@@ -1,0 +1,197 @@
+"""Generation ahead of the learner (`train.async`): a background thread produces the next steps' batches while the
+learner updates on the current one.
+
+Fixed lag. The batch trained at step k is produced under the weights of step v(k) = max(k - s, base), s =
+`max_staleness`, base = the step the generator started at (0, or the resumed step). The generator may run ahead
+only as far as the weights it needs exist, so staleness never exceeds s by construction, and everything a batch
+depends on (weights, data position, RNG draws, per-prompt history, method state) is fixed by k alone: timing changes
+throughput, never the run. s = 0 is the synchronous loop (no overlap).
+
+The learner publishes w_k at the start of step k (after the step-k checkpoint, so the generator is quiet while one is
+written); the generator loads the version it needs into its own copy of the policy before producing a batch and
+hands it to the engine's weight sync (a no-op in process, one `ray.put` for the Ray pool).
+
+Everything the produce callable touches (the trainer's sampler position, RNG, PromptStats, the method) belongs to the
+generator thread while it runs; the learner reads it only through `quiesce` (checkpoints).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from podsrl.batch import Problem, RolloutBatch
+from podsrl.engines.base import RolloutEngine
+
+
+@dataclass
+class ProducedBatch:
+    """One step's batch as the generator hands it over: the rows that train (with advantages and policy_version),
+    the generation-side metrics, what was generated (for the compute accounting) and the generator's timers."""
+
+    kept: RolloutBatch
+    metrics: dict[str, float]
+    generated_rollouts: int
+    generated_tokens: int
+    timers: dict[str, float] = field(default_factory=dict)
+    version: int = 0  # the step whose weights sampled it
+    generator_idle: float = 0.0  # seconds the generator waited for those weights before producing it
+    generated: list[RolloutBatch] = field(default_factory=list)  # every collected batch (not saved: metrics are)
+
+    def state_dict(self) -> dict:
+        """Tensors and plain values only (checkpoints load with torch.load(weights_only=True))."""
+        batch = {}
+        for f in fields(self.kept):
+            value = getattr(self.kept, f.name)
+            batch[f.name] = [vars(p) for p in value] if f.name == "problems" else value
+        return {"kept": batch, "metrics": self.metrics, "generated_rollouts": self.generated_rollouts,
+                "generated_tokens": self.generated_tokens, "timers": self.timers, "version": self.version}
+
+    @classmethod
+    def from_state(cls, state: dict) -> ProducedBatch:
+        batch = dict(state["kept"])
+        batch["problems"] = [Problem(**p) for p in batch["problems"]]
+        return cls(kept=RolloutBatch(**batch), metrics=state["metrics"],
+                   generated_rollouts=state["generated_rollouts"], generated_tokens=state["generated_tokens"],
+                   timers=state["timers"], version=state["version"])
+
+
+def trainable_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the parameters an update changes (frozen ones, e.g. a LoRA base, are in the generator's copy)."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+class BackgroundGenerator:
+    """The generator thread and its hand-over queue; see the module docstring."""
+
+    def __init__(self, produce: Callable[[int], ProducedBatch], model: torch.nn.Module, engine: RolloutEngine,
+                 max_staleness: int, step: int, max_steps: int, in_flight: list[ProducedBatch] = (),
+                 threads: int = 0) -> None:
+        self._produce = produce  # step index -> that step's batch, under the weights loaded in `model`
+        self.model, self.engine, self.max_staleness = model, engine, max_staleness
+        self.base = self._published = self._loaded = step  # `model` holds w_step now
+        self.max_steps, self.threads = max_steps, threads
+        self._weights: dict[int, dict[str, torch.Tensor]] = {}  # published, not yet loaded
+        # A resume with a smaller max_staleness: saved batches that would now train too late are dropped.
+        self._queue: deque[ProducedBatch] = deque()
+        self.dropped = 0
+        for batch in in_flight:
+            if step + len(self._queue) - batch.version > max_staleness:
+                self.dropped += 1
+            else:
+                self._queue.append(batch)
+        self._head = step  # the step of the batch at the front of the queue
+        self._next = step + len(self._queue)  # the step of the next batch to produce
+        self._cv = threading.Condition()
+        self._error: BaseException | None = None
+        self._waiting = self._stop = False
+        self._thread: threading.Thread | None = None
+
+    def version_for(self, step: int) -> int:
+        return max(step - self.max_staleness, self.base)
+
+    # ------------------------------------------------------------------------------------------- learner side
+
+    def publish(self, version: int, model: torch.nn.Module) -> None:
+        """The learner's weights after `version` steps, for the batches that need them (copied now: the learner
+        goes on updating its module in place)."""
+        with self._cv:
+            if version <= self._published:
+                return
+        snapshot = trainable_snapshot(model)
+        with self._cv:
+            self._weights[version], self._published = snapshot, version
+            self._cv.notify_all()
+
+    def take(self, step: int) -> tuple[ProducedBatch, float]:
+        """The batch of `step` and the seconds the learner waited for it."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="podsrl-generator", daemon=True)
+            self._thread.start()
+        t0 = time.perf_counter()
+        with self._cv:
+            while not self._queue and self._error is None:
+                self._cv.wait()
+            self._raise_error()
+            if self._head != step:
+                raise RuntimeError(f"async generation: the learner asked for step {step}'s batch, the queue holds "
+                                   f"step {self._head}'s")
+            batch = self._queue.popleft()
+            self._head += 1
+            self._cv.notify_all()
+        return batch, time.perf_counter() - t0
+
+    @property
+    def idle(self) -> bool:
+        """Not producing: not started, waiting for weights not yet published, or done."""
+        return self._thread is None or self._waiting
+
+    def quiesce(self) -> list[ProducedBatch]:
+        """Waits until the generator needs weights not yet published (or has nothing left to produce), then returns
+        the batches produced and not yet trained, in step order. Until the next `publish` the generator's state
+        (and the trainer state it produces from) stays as it is: what a checkpoint saves."""
+        with self._cv:
+            while not self.idle and self._error is None:
+                self._cv.wait()
+            self._raise_error()
+            return list(self._queue)
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    # ------------------------------------------------------------------------------------------- generator side
+
+    def _run(self) -> None:
+        if self.threads:  # per thread: the learner's own setting is untouched
+            torch.set_num_threads(self.threads)
+        try:
+            while True:
+                t0 = time.perf_counter()
+                with self._cv:
+                    while not self._stop and (self._next >= self.max_steps
+                                              or self.version_for(self._next) > self._published):
+                        self._waiting = True
+                        self._cv.notify_all()
+                        self._cv.wait()
+                    self._waiting = False
+                    if self._stop:
+                        return
+                    step, version = self._next, self.version_for(self._next)
+                    weights = self._weights.get(version)
+                    for old in [v for v in self._weights if v <= version]:
+                        del self._weights[old]
+                idle = time.perf_counter() - t0
+                if version != self._loaded:
+                    self._load(weights)
+                    self._loaded = version
+                produced = self._produce(step)
+                produced.version, produced.generator_idle = version, idle
+                produced.kept.policy_version = torch.full((produced.kept.num_rollouts,), version, dtype=torch.long)
+                with self._cv:
+                    self._queue.append(produced)
+                    self._next += 1
+                    self._cv.notify_all()
+        except BaseException as e:  # handed to the learner, which raises it from take/quiesce
+            with self._cv:
+                self._error = e
+                self._cv.notify_all()
+
+    @torch.no_grad()
+    def _load(self, weights: dict[str, torch.Tensor]) -> None:
+        params = dict(self.model.named_parameters())
+        for name, value in weights.items():
+            params[name].copy_(value)
+        self.engine.sync_weights(self.model)
