@@ -10,7 +10,6 @@ Progress: a rich live display on a terminal; when stdout is a file (a cluster jo
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -257,11 +256,14 @@ class StepProgress:
 
 
 def build_metrics_logger(cfg: Any, run_dir: Path, resume_step: int | None) -> MetricsLogger:
-    """The run's MetricsLogger from its config (log.report_to / run_name / project); the config is logged too."""
+    """The run's MetricsLogger from its config (log.report_to / run_name / project); the config is logged too,
+    under its YAML keys."""
+    from podsrl.config import to_dict  # config imports this module (log.report_to's names)
+
     name = cfg.log.run_name or f"{cfg.name or Path(run_dir).name}-seed{cfg.seed}"
     logging.getLogger("podsrl").info("run %s: metrics to %s%s", name, Path(run_dir) / "metrics.jsonl",
                                      "".join(f", {t}" for t in cfg.log.report_to))
-    return MetricsLogger(run_dir, cfg.log.report_to, resume_step, name, cfg.log.project, dataclasses.asdict(cfg))
+    return MetricsLogger(run_dir, cfg.log.report_to, resume_step, name, cfg.log.project, to_dict(cfg))
 
 
 def build_progress(cfg: Any, total: int, enabled: bool, start: int = 0, label: str = "train") -> StepProgress:

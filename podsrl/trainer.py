@@ -215,6 +215,7 @@ class Trainer:
         if faults.fire("loss", self.step + 1):  # injected numerical fault: a NaN loss and gradient
             kept.advantages = torch.full_like(kept.advantages, float("nan"))
         update_metrics = self.updater.update(kept.trim_padding(), self.update_rng) if kept.num_rollouts else {}
+        self.optimizer.zero_grad(set_to_none=True)  # the gradients' memory is free for the next generation
         if self.data_parallel is not None:  # FSDP2: gathers the updated shards into the generation copy
             self.data_parallel.sync_generation_model()
         if self.generator is None:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from podsrl.models.precision import resolve_compute_dtype
+
 # podsrl name -> TRL's vllm_importance_sampling_mode
 ROLLOUT_CORRECTION_MODES: dict[str, str | None] = {
     "none": None,
@@ -113,10 +115,8 @@ def resolve_rollout_correction(cfg, device: torch.device) -> str:
     mode = cfg.algo.rollout_correction
     if mode != "auto":
         return mode
-    compute_dtype = getattr(cfg.model, "compute_dtype", cfg.model.dtype)
-    if compute_dtype == "auto":  # as model.compute_dtype's auto: bfloat16 on CUDA, float32 elsewhere
-        compute_dtype = "bfloat16" if device.type == "cuda" else "float32"
+    narrower_compute = resolve_compute_dtype(cfg.model, device) != getattr(torch, cfg.model.dtype)
     run_ahead = cfg.train.asynchronous  # max_staleness 0: the synchronous loop, the same weights
-    mismatch = (cfg.rollout.engine == "vllm" or compute_dtype != cfg.model.dtype
+    mismatch = (cfg.rollout.engine == "vllm" or narrower_compute
                 or (run_ahead.enabled and run_ahead.max_staleness > 0))
     return TRL_DEFAULT_MODE if mismatch else "none"
