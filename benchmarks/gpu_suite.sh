@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU measurements (docs/gpu.md) in three device calls of under ten minutes each (--parts "machine tests",
-# --parts "default", --parts "generation update_speed update_memory memory_plan"): every part has its own time limit
+# The GPU measurements (docs/gpu.md) in four device calls of under ten minutes each (--parts "machine tests", "default",
+# "generation update_memory", "update_speed memory_plan"): every part has its own time limit
 # and a part that fails or runs out of time is recorded and the next one runs. Writes at most 8 files (what a device
 # call brings back) to --out (default: $OUT, else /tmp/gpu_suite): summary.txt (one line per part), machine.txt,
 # tests.txt, generation.txt, update_speed.txt, update_memory.txt, memory_plan.txt, default.txt.

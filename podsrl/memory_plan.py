@@ -472,8 +472,9 @@ def render(plan: MemoryPlan, model: str) -> str:
         if rows == 0:
             lines.append(f"{how} activation checkpointing: not even a micro-batch of 1 row fits")
         else:
+            count = math.ceil(w.trained_rows / rows)
             lines.append(f"{how} activation checkpointing: update.activation_checkpointing={str(c).lower()} "
-                         f"optim.micro_batch_size={rows} ({math.ceil(w.trained_rows / rows)} micro-batches for "
+                         f"optim.micro_batch_size={rows} ({count} micro-batch{'es' if count > 1 else ''} for "
                          f"{w.trained_rows} trained rows)")
     if sum(gen.values()) > plan.budget:
         lines.append("generation does not fit: the fast engine generates all P x n rows at once; lower "
