@@ -25,7 +25,7 @@ import yaml
 from podsrl.errors import ConfigError
 from podsrl.fileio import write_text_atomic
 from podsrl.methods import METHODS
-from podsrl.options import option
+from podsrl.options import config_key, option, to_dict
 from podsrl.removed_keys import reject_removed_keys
 from podsrl.trl_names import translate_trl_names
 from podsrl.validation import check_choices
@@ -346,12 +346,6 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     raise TypeError(f"unsupported config type {tp} at {key}")
 
 
-def config_key(f: dataclasses.Field) -> str:
-    """The key a field has in YAML and on the command line: its name, unless that is a Python keyword (`async`),
-    in which case the field names the key in its metadata."""
-    return f.metadata.get("key", f.name)
-
-
 def _build(cls: type, values: dict, prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     names = {config_key(f): f.name for f in dataclasses.fields(cls)}
@@ -381,17 +375,6 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
             raise ConfigError(f"{dotted}: {p} is not a section")
         node = child
     node[parts[-1]] = value
-
-
-def to_dict(cfg: Any) -> dict:
-    """The config as plain data under its YAML keys (what load_config reads back)."""
-    if dataclasses.is_dataclass(cfg):
-        return {config_key(f): to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
-    if isinstance(cfg, dict):
-        return {k: to_dict(v) for k, v in cfg.items()}
-    if isinstance(cfg, (list, tuple)):
-        return type(cfg)(to_dict(v) for v in cfg)
-    return cfg
 
 
 

@@ -532,12 +532,13 @@ def add_memory_arguments(parser) -> None:
 
 
 def workload_from_config(cfg, prompt_length: int, device: str) -> Workload:
-    """P, n, m, lengths and precision of a podsrl config (m: pods.m for PODS, else n)."""
+    """P, n, m, lengths and precision of a podsrl config (m: what the method trains of each prompt at most)."""
     import torch
 
+    from podsrl.methods import METHODS
     from podsrl.models.precision import resolve_dtype_name
 
-    m = (cfg.pods.m or cfg.rollout.n) if cfg.method == "pods" else cfg.rollout.n
+    m = METHODS[cfg.method].trained_per_prompt(cfg)
     compute = str(resolve_dtype_name(cfg.model.compute_dtype, getattr(torch, cfg.model.dtype), device))
     return Workload(
         prompts=cfg.rollout.prompts_per_step, n=cfg.rollout.n, m=m, prompt_length=prompt_length,

@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from podsrl.errors import ConfigError
 from podsrl.extras import require
 from podsrl.fileio import write_text_atomic
+from podsrl.options import to_dict
 
 TRACKERS = ("tensorboard", "wandb", "trackio")
 _ORDER = {"reward": 0, "train_acc": 1, "eval_acc": 2, "loss": 0, "val_acc": 1}  # progress fields, in this order
@@ -258,8 +259,6 @@ class StepProgress:
 def build_metrics_logger(cfg: Any, run_dir: Path, resume_step: int | None) -> MetricsLogger:
     """The run's MetricsLogger from its config (log.report_to / run_name / project); the config is logged too,
     under its YAML keys."""
-    from podsrl.config import to_dict  # config imports this module (log.report_to's names)
-
     name = cfg.log.run_name or f"{cfg.name or Path(run_dir).name}-seed{cfg.seed}"
     logging.getLogger("podsrl").info("run %s: metrics to %s%s", name, Path(run_dir) / "metrics.jsonl",
                                      "".join(f", {t}" for t in cfg.log.report_to))

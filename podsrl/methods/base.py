@@ -62,6 +62,11 @@ class Method:
     def validate(cls, cfg: Config) -> None:
         """Cross-field checks of the method's own section; raise ConfigError naming the key."""
 
+    @classmethod
+    def trained_per_prompt(cls, cfg: Config) -> int:
+        """The most rollouts of one prompt a step trains (what the memory plan sizes the update for)."""
+        return cfg.rollout.n
+
     def collect(self, problems: list[Problem], ctx: StepContext) -> tuple[RolloutBatch, dict[str, float]]:
         """The step's scored rollouts and collection metrics: rollout.n of each prompt."""
         n = self.cfg.rollout.n

@@ -35,6 +35,10 @@ class PODS(Method):
         self.m = cfg.pods.m or cfg.rollout.n
 
     @classmethod
+    def trained_per_prompt(cls, cfg: Config) -> int:
+        return cfg.pods.m or cfg.rollout.n
+
+    @classmethod
     def validate(cls, cfg: Config) -> None:
         m, n = cfg.pods.m, cfg.rollout.n
         if not 0 <= m <= n:
