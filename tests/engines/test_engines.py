@@ -497,20 +497,3 @@ def test_weights_dtype_equal_to_the_model_keeps_no_copy():
     with pytest.raises(ConfigError, match="weights_dtype: one of float32, bfloat16"):
         FastEngine(model, Tok(), weights_dtype="bf16")
 
-
-@pytest.mark.parametrize(("compute", "expected"), [("bfloat16", torch.bfloat16), ("float32", None)])
-def test_run_engine_samples_in_the_compute_dtype(compute, expected):
-    """build.rollout_engine gives the fast engine a copy in model.compute_dtype when it is narrower than the
-    parameters (bf16 sampling of fp32 masters), and none when they agree; an explicit weights_dtype wins."""
-    from podsrl.build import rollout_engine
-    from podsrl.config import load_config
-
-    model = make_model()
-    engine = rollout_engine(load_config(overrides=[f"model.compute_dtype={compute}"]), model, Tok())
-    if expected is None:
-        assert engine.copy is None
-    else:
-        assert {p.dtype for p in engine.copy.parameters()} == {expected}
-        assert all(p.dtype == torch.float32 for p in model.parameters())  # the masters stay float32
-    explicit = load_config(overrides=["model.compute_dtype=bfloat16", "rollout.engine_options.weights_dtype=null"])
-    assert rollout_engine(explicit, model, Tok()).copy is None

@@ -19,6 +19,8 @@ from podsrl.models.precision import compute_autocast, describe_precision, resolv
 from podsrl.tracking import read_metrics
 from podsrl.trainer import Trainer
 from tests.conftest import tiny_overrides
+from tests.tiny_lm import TokStub as Tok
+from tests.tiny_lm import tiny_causal_lm
 from tests.update.test_shared_prompt import grads, hf_model, make_batch, make_updater, rel, tiny_model
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
@@ -160,3 +162,20 @@ def test_pure_bfloat16_is_named_and_runs_without_autocast(caplog):
     metrics = updater.update(make_batch([4, 1, 3, 2], 128, seed=1), torch.Generator().manual_seed(5))
     assert torch.isfinite(torch.tensor(metrics["loss"])) and grads(model).abs().sum() > 0
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+@pytest.mark.parametrize(("compute", "expected"), [("bfloat16", torch.bfloat16), ("float32", None)])
+def test_run_engine_samples_in_the_compute_dtype(compute, expected):
+    """build.rollout_engine gives the fast engine a copy in model.compute_dtype when it is narrower than the
+    parameters (bf16 sampling of fp32 masters), and none when they agree; an explicit weights_dtype wins."""
+    from podsrl.build import rollout_engine
+
+    model = tiny_causal_lm(32)
+    engine = rollout_engine(load_config(overrides=[f"model.compute_dtype={compute}"]), model, Tok())
+    if expected is None:
+        assert engine.copy is None
+    else:
+        assert {p.dtype for p in engine.copy.parameters()} == {expected}
+        assert all(p.dtype == torch.float32 for p in model.parameters())  # the masters stay float32
+    explicit = load_config(overrides=["model.compute_dtype=bfloat16", "rollout.engine_options.weights_dtype=null"])
+    assert rollout_engine(explicit, model, Tok()).copy is None
