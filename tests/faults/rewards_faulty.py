@@ -14,6 +14,9 @@ _calls = 0  # this module is imported afresh for each run, so the count starts a
 
 def spread(prompts, completions, **columns):
     time.sleep(float(os.environ.get("SPREAD_SLEEP", "0")))  # paces a run for kills at random times; values unchanged
+    hold = os.environ.get("SPREAD_HOLD")  # holds a run mid-way while this file exists, however fast the machine
+    while hold and os.path.exists(hold):
+        time.sleep(0.02)
     return [(sum(map(ord, c)) % 10) / 10 for c in completions]
 
 

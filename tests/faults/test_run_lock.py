@@ -21,8 +21,10 @@ from tests.faults.common import assert_same_run, error_line, resume_argv, train_
 def test_a_second_writer_stops_at_start_up_and_the_first_run_is_intact(tmp_path, launcher, warm_cache,
                                                                        reference_run):
     run = tmp_path / "run"
-    first = launcher.start(train_argv(run, warm_cache), env={"SPREAD_SLEEP": "0.2"})  # paced: still running
+    hold = tmp_path / "hold"
+    first = launcher.start(train_argv(run, warm_cache), env={"SPREAD_SLEEP": "0.2", "SPREAD_HOLD": str(hold)})
     wait_for_step(run, 1, first)
+    hold.touch()  # the paced run is still going; from its next reward call it waits until the file is gone
     holder = f"pid {first.pid} on host {socket.gethostname()}"
     # the same launch script run twice, and a retried job resuming while the first still runs
     for argv in (train_argv(run, warm_cache), resume_argv(run)):
@@ -31,6 +33,7 @@ def test_a_second_writer_stops_at_start_up_and_the_first_run_is_intact(tmp_path,
         line = error_line(result.stderr)
         assert f"output_dir: {run} is in use by another podsrl process ({holder}, started " in line, line
     assert first.poll() is None, "the second writer disturbed the first"
+    hold.unlink()
     result = first.wait()
     assert result.code == ExitCode.FINISHED, result.stderr[-3000:]
     assert_same_run(run, reference_run)  # no record written twice, the checkpoints are the first run's own
