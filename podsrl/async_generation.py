@@ -17,6 +17,7 @@ generator thread while it runs; the learner reads it only through `quiesce` (che
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections import deque
@@ -26,7 +27,11 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from podsrl.batch import Problem, RolloutBatch
+from podsrl.build import rollout_engine
+from podsrl.config import Config
+from podsrl.engines import build_engine
 from podsrl.engines.base import RolloutEngine
+from podsrl.errors import UserError
 
 
 @dataclass
@@ -59,6 +64,41 @@ class ProducedBatch:
         return cls(kept=RolloutBatch(**batch), metrics=state["metrics"],
                    generated_rollouts=state["generated_rollouts"], generated_tokens=state["generated_tokens"],
                    timers=state["timers"], version=state["version"])
+
+
+def async_engines(cfg: Config, generation_model: torch.nn.Module, tokenizer, distributed: bool):
+    """(generator's model, its engine, eval engine, eval tokenizer): the generator samples from its own copy of the
+    policy; eval (in process) and checkpoints use the learner's."""
+    if distributed:
+        raise UserError("train.async.enabled: one process only for now (under torchrun the generation shards "
+                        "all-gather on the process group the update uses, from another thread)")
+    # requires_grad as the learner's: the trainable parameters are the ones synced (to Ray actors too)
+    generator_model = copy.deepcopy(generation_model).eval()
+    engine = rollout_engine(cfg, generator_model, tokenizer)
+    if cfg.rollout.engine != "ray":
+        eval_engine = rollout_engine(cfg, generation_model, tokenizer)
+    else:  # eval in process, with the engine the Ray workers run
+        eval_engine = build_engine(cfg.rollout.engine_options.get("engine", "fast"), generation_model, tokenizer,
+                                   **cfg.rollout.engine_options.get("engine_options", {}))
+    return generator_model, engine, eval_engine, copy.deepcopy(tokenizer)  # a fast tokenizer is not thread-safe
+
+
+def split_threads(generator_threads: int) -> int:
+    """The in-process generator's torch threads: `generator_threads`, or half of the process's, in which case the
+    learner keeps the other half (the caller restores the process's count at the end)."""
+    if generator_threads:
+        return generator_threads
+    total = torch.get_num_threads()
+    torch.set_num_threads(max(1, total - max(1, total // 2)))
+    return max(1, total // 2)
+
+
+def staleness_metrics(trained_at: int, kept: RolloutBatch, dropped_batches: int) -> dict[str, float]:
+    """async/*: how many steps old the weights that sampled the trained rows were, and batches dropped as too old."""
+    staleness = (trained_at - kept.policy_version).float()
+    return {"async/staleness_mean": float(staleness.mean()) if staleness.numel() else 0.0,
+            "async/staleness_max": float(staleness.max()) if staleness.numel() else 0.0,
+            "async/dropped_batches": float(dropped_batches)}
 
 
 def trainable_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:

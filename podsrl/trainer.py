@@ -12,10 +12,8 @@ producing runs ahead on a background generator (podsrl/async_generation.py) whil
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
-import math
 import random
 import signal
 import time
@@ -27,21 +25,20 @@ import torch
 from podsrl import faults
 from podsrl.accounting import ComputeAccountant
 from podsrl.algo.group_stats import group_stats, zero_variance_groups
-from podsrl.async_generation import BackgroundGenerator, ProducedBatch
+from podsrl.async_generation import (
+    BackgroundGenerator,
+    ProducedBatch,
+    async_engines,
+    split_threads,
+    staleness_metrics,
+)
 from podsrl.batch import Problem, RolloutBatch, concat_batches
 from podsrl.build import base_weights, load_model, load_task, reward_manager, rollout_engine, verifier
-from podsrl.checkpoint import (
-    load_checkpoint_files,
-    load_in_flight,
-    load_sharded_tensors,
-    prepare_run_dir,
-    resume_checkpoint,
-    save_checkpoint,
-)
+from podsrl.checkpoint import prepare_run_dir, resume_checkpoint
 from podsrl.config import Config, dump_config
 from podsrl.distributed import NullLogger, init_distributed
-from podsrl.engines import SamplingParams, build_engine
-from podsrl.errors import UnhealthyRun, UserError
+from podsrl.engines import SamplingParams
+from podsrl.errors import UnhealthyRun
 from podsrl.evaluation import evaluate
 from podsrl.fileio import write_text_atomic
 from podsrl.fsdp import build_data_parallel
@@ -52,26 +49,14 @@ from podsrl.plotting import plot_run
 from podsrl.prompt_stats import PromptStats
 from podsrl.run_lock import RunLock
 from podsrl.tracking import build_metrics_logger, build_progress, read_metrics
+from podsrl.trainer_state import restore_run, save_run
 from podsrl.update import PolicyUpdater
+from podsrl.update.optimizer import build_optimizer
 
 log = logging.getLogger("podsrl")
 
 TIMERS = ("time/generate", "time/score", "time/select", "time/update")
 LEARNER_SEED_OFFSET = 0x1EA2  # train.async: the learner's own RNG stream (mini-batch order), apart from the generator's
-
-
-def lr_lambda(cfg: Config, total_updates: int):
-    warm, kind = cfg.optim.warmup_steps, cfg.optim.scheduler
-
-    def f(update: int) -> float:
-        if update < warm:
-            return (update + 1) / warm
-        if kind == "cosine":
-            progress = min(1.0, (update - warm) / max(1, total_updates - warm))
-            return 0.5 * (1 + math.cos(math.pi * progress))
-        return 1.0
-
-    return f
 
 
 @dataclass
@@ -132,25 +117,14 @@ class Trainer:
         if not run_ahead.enabled:
             self.engine = self.dist.wrap_engine(rollout_engine(cfg, self.generation_model, self.tokenizer))
             self.eval_engine, self.eval_tokenizer = self.engine, self.tokenizer
-        else:  # the generator samples from its own copy; eval (in process) and checkpoints use the learner's
-            if self.dist.enabled:
-                raise UserError("train.async.enabled: one process only for now (under torchrun the generation "
-                                "shards all-gather on the process group the update uses, from another thread)")
-            # requires_grad as the learner's: the trainable parameters are the ones synced (to Ray actors too)
-            self.generator_model = copy.deepcopy(self.generation_model).eval()
-            self.engine = rollout_engine(cfg, self.generator_model, self.tokenizer)
-            self.eval_engine = rollout_engine(cfg, self.generation_model, self.tokenizer) if cfg.rollout.engine != \
-                "ray" else build_engine(cfg.rollout.engine_options.get("engine", "fast"), self.generation_model,
-                                        self.tokenizer, **cfg.rollout.engine_options.get("engine_options", {}))
-            self.eval_tokenizer = copy.deepcopy(self.tokenizer)  # a fast tokenizer is not safe across threads
+        else:
+            self.generator_model, self.engine, self.eval_engine, self.eval_tokenizer = async_engines(
+                cfg, self.generation_model, self.tokenizer, self.dist.enabled)
         self.rewards = reward_manager(cfg, self.task)
         self.verify = verifier(self.rewards, self.task)
         self.method = METHODS[cfg.method](cfg)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                           weight_decay=cfg.optim.weight_decay, fused=self._fused_adam(params))
-        total_updates = cfg.train.max_steps * cfg.optim.epochs * cfg.optim.mini_batches
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_updates))
+        sharded = self.data_parallel is not None and self.data_parallel.sharded
+        self.optimizer, self.scheduler = build_optimizer(cfg, self.model, sharded)
         self.updater = PolicyUpdater(self.model, self.optimizer, self.scheduler, cfg, self.device, self.ref_model,
                                      modulation=self.method.token_modulation(), data_parallel=self.data_parallel)
         self.stats = PromptStats()
@@ -166,7 +140,7 @@ class Trainer:
         self.health = HealthMonitor(cfg.train, speak=self.dist.is_main)
         in_flight: list[ProducedBatch] = []
         if checkpoint is not None:
-            in_flight = self._restore(checkpoint)
+            in_flight = restore_run(self, checkpoint)
             log.info("resumed %s at step %d", self.run_dir, self.step)
         if run_ahead.enabled:
             self._build_generator(in_flight)
@@ -181,23 +155,11 @@ class Trainer:
         keeps the rest); the Ray pool's workers have theirs."""
         cfg, run_ahead = self.cfg, self.cfg.train.asynchronous
         self.threads = torch.get_num_threads()  # restored by close_engines
-        threads = 0
-        if cfg.rollout.engine != "ray":
-            threads = run_ahead.generator_threads or max(1, self.threads // 2)
-            if not run_ahead.generator_threads:
-                torch.set_num_threads(max(1, self.threads - threads))
+        threads = 0 if cfg.rollout.engine == "ray" else split_threads(run_ahead.generator_threads)
         self.generator = BackgroundGenerator(self.produce_batch, self.generator_model, self.engine,
                                              run_ahead.max_staleness, self.step, cfg.train.max_steps, in_flight,
                                              threads=threads)
         self.dropped_batches += self.generator.dropped
-
-    def _fused_adam(self, params: list[torch.Tensor]) -> bool | None:
-        """AdamW's fused kernel (one pass per tensor; the per-tensor loop's dozen ops per parameter were ~5% of a
-        small model's update on CPU) for plain CPU/CUDA float parameters; torch's default (None) for FSDP2 shards."""
-        sharded = self.data_parallel is not None and self.data_parallel.sharded
-        plain = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                    for p in params)
-        return True if params and plain and not sharded else None
 
     # ------------------------------------------------------------------------------------------- one step
 
@@ -370,11 +332,8 @@ class Trainer:
             trained_rollouts=kept.num_rollouts, trained_tokens=int(kept.completion_mask.sum()),
             passes=self.cfg.optim.epochs,
         ))
-        if self.generator is not None:  # rows sampled under the weights of step policy_version, trained at step-1
-            staleness = (self.step - 1 - kept.policy_version).float()
-            metrics["async/staleness_mean"] = float(staleness.mean()) if staleness.numel() else 0.0
-            metrics["async/staleness_max"] = float(staleness.max()) if staleness.numel() else 0.0
-            metrics["async/dropped_batches"] = float(self.dropped_batches)
+        if self.generator is not None:
+            metrics.update(staleness_metrics(self.step - 1, kept, self.dropped_batches))
         metrics.update(timers)
         metrics["time/step"] = step_time
         metrics["time/elapsed"] = self.elapsed
@@ -517,76 +476,5 @@ class Trainer:
         records = [r for r in read_metrics(self.logger.path) if r.get("step") == self.step and "eval/accuracy" in r]
         return {k: v for k, v in records[-1].items() if k.startswith("eval/")} if records else {}
 
-    # ------------------------------------------------------------------------------------------- state
-
     def save(self) -> None:
-        sharded = self.data_parallel is not None and self.data_parallel.sharded
-        if not self.dist.is_main and not sharded:  # every rank holds the same state (FSDP2: its own shards)
-            return
-        # train.async: the generator's side (position, RNG, statistics, method) as of the batches it has produced
-        in_flight = [b.state_dict() for b in self.generator.quiesce()] if self.generator is not None else None
-        state = {
-            "step": self.step, "data_position": self.data_position, "elapsed": self.elapsed,
-            "prompt_stats": self.stats.state_dict(), "accounting": self.accountant.state_dict(),
-            "nonfinite_in_a_row": self.updater.nonfinite_in_a_row, "python_random": _py_random_state(),
-            "method": self.method.state_dict(), "health": self.health.state_dict(),
-            "dropped_batches": self.dropped_batches,
-        }
-        optimizer_state = {"scheduler": self.scheduler.state_dict()}
-        tensors = None
-        if sharded:
-            tensors, optimizer_state["param_groups"] = self.data_parallel.checkpoint_state(self.optimizer)
-        else:
-            optimizer_state["optimizer"] = self.optimizer.state_dict()
-        rng_state = {"trainer": self.rng.get_state(), "torch": torch.get_rng_state()}
-        if self.update_rng is not self.rng:
-            rng_state["learner"] = self.update_rng.get_state()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():  # a CPU run never starts CUDA
-            rng_state["cuda"] = torch.cuda.get_rng_state_all()
-        save_checkpoint(self.run_dir, self.step, self.generation_model, self.tokenizer, optimizer_state, rng_state,
-                        state, keep=self.cfg.train.keep_checkpoints, sharded_tensors=tensors,
-                        dist_ctx=self.dist if sharded else None, in_flight=in_flight)
-
-    def _restore(self, path: Path) -> list[ProducedBatch]:
-        """Loads the checkpoint's state; returns its in-flight batches (train.async), oldest first."""
-        optimizer_state, rng_state, state = load_checkpoint_files(path)
-        sharded = self.data_parallel is not None and self.data_parallel.sharded
-        if sharded != ("param_groups" in optimizer_state):
-            written = "train.strategy=fsdp under torchrun" if "param_groups" in optimizer_state else \
-                "train.strategy=ddp or one process"
-            raise UserError(f"checkpoint {path} was written with {written}; resume it the same way")
-        if sharded:  # model/ holds the generation copy (compute dtype); the exact shards are in sharded/
-            tensors, _ = self.data_parallel.checkpoint_state(self.optimizer)
-            load_sharded_tensors(tensors, path / "sharded")
-            self.data_parallel.load_checkpoint_state(self.optimizer, tensors, optimizer_state["param_groups"])
-        else:
-            self.optimizer.load_state_dict(optimizer_state["optimizer"])
-        self.scheduler.load_state_dict(optimizer_state["scheduler"])
-        self.rng.set_state(rng_state["trainer"])
-        if "learner" in rng_state and self.update_rng is not self.rng:  # else: the learner starts its own stream
-            self.update_rng.set_state(rng_state["learner"])
-        torch.set_rng_state(rng_state["torch"])
-        self.step, self.data_position, self.elapsed = state["step"], state["data_position"], state["elapsed"]
-        self.stats.load_state_dict(state["prompt_stats"])
-        self.accountant.load_state_dict(state["accounting"])
-        self.updater.nonfinite_in_a_row = state["nonfinite_in_a_row"]
-        _set_py_random_state(state["python_random"])
-        self.method.load_state_dict(state.get("method", {}))
-        self.health.load_state_dict(state.get("health", {}))
-        if "cuda" in rng_state and torch.cuda.is_available() and len(rng_state["cuda"]) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(rng_state["cuda"])
-        self.dropped_batches = state.get("dropped_batches", 0)
-        saved = load_in_flight(path)
-        if saved and not self.cfg.train.asynchronous.enabled:
-            raise UserError(f"checkpoint {path} holds {len(saved)} batches generated ahead by an asynchronous run "
-                            "(train.async.enabled=true); resume it with train.async.enabled=true")
-        return [ProducedBatch.from_state(b) for b in saved]
-
-
-def _py_random_state() -> list:
-    version, internal, gauss = random.getstate()
-    return [version, list(internal), gauss]
-
-
-def _set_py_random_state(state: list) -> None:
-    random.setstate((state[0], tuple(state[1]), state[2]))
+        save_run(self)
