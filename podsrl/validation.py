@@ -1,6 +1,6 @@
 """The config checks that need a registry: the method's name and its own section's checks, the engine's options,
-the trackers. load_config runs them after the plain field checks of podsrl/config.py, so every entry point (CLI,
-Python, the experiments) refuses a bad choice with one line naming the key."""
+the trackers. load_config runs them after the plain field checks of podsrl/config_validation.py, so every entry
+point (CLI, Python, the experiments) refuses a bad choice with one line naming the key."""
 
 from __future__ import annotations
 
