@@ -11,7 +11,8 @@ completion tokens, N = G Lp + b (Lc - 1) packed tokens, T = b Lc predicting posi
 Generation (the fast engine; all P x n rows in flight at once):
     resident state (master weights; in a training run also their AdamW state; a reference model)
   + the engine's weights copy in the compute dtype when it is narrower than the masters (podsrl/build.py)
-  + fused q/k/v and gate/up weights (DecodeStack binds them per generate call and keeps them)
+  + fused q/k/v and gate/up weights (DecodeStack binds them per generate call and keeps them), unless the engine
+    has that copy: its projections are then views of the fused tensors (models/llama.py share_fused_storage)
   + KV cache  L x 2 x Hkv x d x (Lp + Lc) x (rows + P) x bytes  (static buffers of full capacity)
   + the larger of the prefill's and a decode step's workspace (logits and sampling over [rows, V] in float32)
   + the runtime's own growth (calibrated per device).
@@ -348,7 +349,7 @@ def update_peak(shape: ModelShape, work: Workload, rows: int, checkpointing: boo
     terms = {**{k: v for k, v in state.items() if k != "gradients"}, "activations": sum(act.values()),
              "transient": max(transient.values()), "runtime": RUNTIME_BYTES[work.device]["update"]}
     if work.training_run:  # the fast engine keeps its weights copy and the last call's fused weights
-        terms["fused_weights"] = shape.layers * shape.fused_weights * work.engine_e
+        terms["fused_weights"] = engine_fused_weights(shape, work)
         terms["engine_weights"] = engine_weights(shape, work)
     one_micro_batch = rows >= work.trained_rows
     if one_micro_batch and state["gradients"] > terms["activations"] + terms["transient"]:
@@ -366,12 +367,19 @@ def engine_weights(shape: ModelShape, work: Workload) -> int:
     return shape.params * work.e if work.compute_dtype != work.dtype else 0
 
 
+def engine_fused_weights(shape: ModelShape, work: Workload) -> int:
+    """The decode step's fused q/k/v and gate/up weights (models/decode.py DecodeStack.begin): concatenated copies
+    when the engine samples from the masters; nothing when it has its own copy, whose projections are views of the
+    fused tensors (models/llama.py share_fused_storage)."""
+    return 0 if engine_weights(shape, work) else shape.layers * shape.fused_weights * work.engine_e
+
+
 def generation_peak(shape: ModelShape, work: Workload) -> dict[str, int]:
     """Terms of generation's peak (podsrl/engines/fast.py, all P x n rows at once):
     - the master weights; in a training run also the AdamW state (the trainer frees the gradients after each update:
       podsrl/trainer.py); the reference model;
     - the engine's weights copy in the compute dtype, when it differs from the master dtype;
-    - the fused q/k/v and gate/up weights of every layer (models/decode.py DecodeStack.begin);
+    - the fused q/k/v and gate/up weights of every layer, unless the engine has its own copy (engine_fused_weights);
     - the KV cache (models/static_cache.py SlotLayer): L x 2 x Hkv x d x (Lp + Lc) x rows x e, plus the distinct
       prompts' rows it is expanded from;
     - the larger workspace: a decode step's logits [rows, V] (and their float32 copy), float32 log-softmax and the
@@ -392,7 +400,7 @@ def generation_peak(shape: ModelShape, work: Workload) -> dict[str, int]:
     return {
         **state,
         "engine_weights": engine_weights(shape, work),
-        "fused_weights": shape.layers * shape.fused_weights * e,
+        "fused_weights": engine_fused_weights(shape, work),
         "kv_cache": kv_row * (rows + work.prompts),
         "workspace": max(sampling + decode_attention, prefill),
         "runtime": RUNTIME_BYTES[work.device]["generation"],

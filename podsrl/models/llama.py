@@ -40,23 +40,72 @@ def norm_function(norm: torch.nn.Module, autograd: bool = False) -> Callable[[Te
 
 def fused_qkv(attn: torch.nn.Module) -> tuple[Tensor, Tensor | None] | None:
     """The q/k/v projections' weights (and biases) concatenated, for one matmul instead of three; None when they are
-    not all plain Linear (LoRA-wrapped) or only some have a bias. Built on each call: the weights change in place."""
-    projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
-    if not (all(type(m) is torch.nn.Linear for m in projections) and len({m.bias is None for m in projections}) == 1):
+    not all plain Linear (LoRA-wrapped) or only some have a bias. Built on each call (the weights change in place),
+    unless share_fused_storage made them views of one tensor: then that tensor, no copy."""
+    if not _qkv_fusable(attn):
         return None
-    bias = None if attn.q_proj.bias is None else torch.cat([m.bias for m in projections])
-    return torch.cat([m.weight for m in projections]), bias
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    bias = None if attn.q_proj.bias is None else _joined([m.bias for m in projections])
+    return _joined([m.weight for m in projections]), bias
 
 
 def fused_gate_up(mlp: torch.nn.Module) -> Tensor | None:
     """The gate and up projections' weights concatenated, for one matmul instead of two; None unless the MLP is the
-    gated down(act_fn(gate(x)) * up(x)) of plain Linear layers, gate and up without bias. Built on each call: the
-    weights change in place."""
+    gated down(act_fn(gate(x)) * up(x)) of plain Linear layers, gate and up without bias. Built on each call (the
+    weights change in place), unless share_fused_storage made them views of one tensor: then that tensor."""
+    return _joined([mlp.gate_proj.weight, mlp.up_proj.weight]) if _gate_up_fusable(mlp) else None
+
+
+def share_fused_storage(layers: list[torch.nn.Module]) -> None:
+    """For weights that are only sampled from (the fast engine's own copy in the compute dtype): re-homes each layer's
+    q/k/v weights and biases and its gate/up weights as consecutive rows of one tensor each. fused_qkv and
+    fused_gate_up then return those tensors instead of concatenated copies (2/3 of the weights' bytes saved, kept
+    through the update too), and an in-place refresh of the projections reaches them. The values do not change."""
+    with torch.no_grad():
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if _qkv_fusable(attn):
+                projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+                for name in ("weight", "bias") if attn.q_proj.bias is not None else ("weight",):
+                    _rehome(projections, name)
+            if _gate_up_fusable(mlp):
+                _rehome((mlp.gate_proj, mlp.up_proj), "weight")
+
+
+def _qkv_fusable(attn: torch.nn.Module) -> bool:
+    projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+    return all(type(m) is torch.nn.Linear for m in projections) and len({m.bias is None for m in projections}) == 1
+
+
+def _gate_up_fusable(mlp: torch.nn.Module) -> bool:
     gated = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-    if not (all(type(m) is torch.nn.Linear for m in gated) and hasattr(mlp, "act_fn")
-            and gated[0].bias is None and gated[1].bias is None):
-        return None
-    return torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+    return (all(type(m) is torch.nn.Linear for m in gated) and hasattr(mlp, "act_fn")
+            and gated[0].bias is None and gated[1].bias is None)
+
+
+def _rehome(modules, name: str) -> None:
+    tensors = [getattr(m, name) for m in modules]
+    joined, start = torch.cat([t.detach() for t in tensors]), 0
+    for module, t in zip(modules, tensors):
+        setattr(module, name, torch.nn.Parameter(joined[start:start + t.shape[0]], requires_grad=t.requires_grad))
+        start += t.shape[0]
+
+
+def _joined(tensors: list[Tensor]) -> Tensor:
+    """The tensors concatenated along rows: a view when they already are consecutive rows of one storage (and need
+    no gradient), else a new tensor."""
+    first, offset = tensors[0], tensors[0].storage_offset()
+    for t in tensors:
+        if (t.requires_grad or not t.is_contiguous() or t.dtype != first.dtype or t.shape[1:] != first.shape[1:]
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or t.storage_offset() != offset):
+            return torch.cat(tensors)
+        offset += t.numel()
+    return first.detach().as_strided((sum(t.shape[0] for t in tensors), *first.shape[1:]), first.stride())
+
+
+def _shares_storage(fused: Tensor, first: Tensor) -> bool:
+    return fused.data_ptr() == first.data_ptr()
 
 
 class LayerPlan(NamedTuple):
@@ -109,14 +158,15 @@ def layer_plan(layer: torch.nn.Module, index: int, config, autograd: bool, heads
 
 def refresh_fused(plan: LayerPlan, layer: torch.nn.Module) -> None:
     """Copies the layer's current q/k/v and gate/up weights into the plan's fused ones in place: a plan kept across
-    optimiser steps (the decode step's, which a CUDA graph reads at fixed addresses) computes with today's weights."""
+    optimiser steps (the decode step's, which a CUDA graph reads at fixed addresses) computes with today's weights.
+    Nothing to copy where the fused tensor is the projections' own storage (share_fused_storage)."""
     attn = layer.self_attn
-    if plan.qkv is not None:
+    if plan.qkv is not None and not _shares_storage(plan.qkv[0], attn.q_proj.weight):
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         torch.cat([m.weight for m in projections], out=plan.qkv[0])
         if plan.qkv[1] is not None:
             torch.cat([m.bias for m in projections], out=plan.qkv[1])
-    if plan.gate_up is not None:
+    if plan.gate_up is not None and not _shares_storage(plan.gate_up, layer.mlp.gate_proj.weight):
         torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight], out=plan.gate_up)
 
 

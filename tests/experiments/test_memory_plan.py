@@ -100,10 +100,12 @@ def test_terms_by_hand_for_a_1_5b_shaped_model():
     gen = mp.generation_peak(shape, work)  # the engine samples from a bfloat16 copy of the float32 masters
     assert gen["kv_cache"] == 28 * 2 * 2 * 128 * (256 + 1024) * (8 * 16 + 8) * 2
     assert gen["engine_weights"] == shape.params * 2
+    assert gen["fused_weights"] == 0  # the copy's projections are views of the fused tensors
     assert gen["weights"] == shape.params * 4 and gen["optimizer"] == 2 * shape.params * 4
     assert gen["gradients"] == 0  # the update frees them when it ends
     same = mp.generation_peak(shape, dataclasses.replace(work, compute_dtype="float32"))  # no copy, fp32 cache
     assert same["engine_weights"] == 0 and same["kv_cache"] == gen["kv_cache"] * 2
+    assert same["fused_weights"] == 28 * shape.fused_weights * 4  # sampled from the masters: concatenated copies
     upd = mp.update_peak(shape, work, rows=4, checkpointing=False)
     assert upd["gradients"] == shape.params * 4  # 32 micro-batches: the earlier ones' gradients are there
     with_ckpt = mp.update_peak(shape, work, rows=4, checkpointing=True)
