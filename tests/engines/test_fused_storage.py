@@ -7,10 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from torch._dynamo.utils import counters
 
 from podsrl.engines import SamplingParams
 from podsrl.engines import fast as fast_module
+from podsrl.engines.decode_step import Buckets, StepRunner
 from podsrl.engines.fast import FastEngine
+from tests.engines.test_decode_graph import RerunGraphs, on_cpu
 from tests.engines.test_engines import make_model, random_prompts
 from tests.tiny_lm import TokStub as Tok
 
@@ -101,3 +104,32 @@ def test_lora_wrapped_projections_stay_apart_and_the_rest_is_shared():
     for plan, layer in zip(shared.forward.plans, shared.forward.layers):
         assert plan.qkv is None
         assert plan.gate_up.data_ptr() == layer.mlp.gate_proj.weight.data_ptr()
+
+
+@on_cpu
+def test_captured_steps_read_the_synced_weights_and_dynamo_compiles_once_per_bucket():
+    """Under the decode step's graphs (the CPU stand-in for CUDA graph capture and replay: each replay runs the
+    captured step's objects) the shared fused weights are what a replay reads, so a sync alone moves the samples;
+    under dynamo (fullgraph, no codegen) the aliasing views add no recompilation: one graph per bucket visited."""
+    model = make_model("qwen", peak=3.0, eos_bias=2.0)
+    engine = FastEngine(model, Tok(), weights_dtype=torch.bfloat16)
+    engine.runner, engine.buckets = StepRunner(), Buckets(block=4)
+    engine.runner.graphs = RerunGraphs()
+    first = engine.generate(PROMPTS, COUNTS, SAMPLED, SEEDS)
+    captured = len(engine.runner.graphs.graphs)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "proj" in name:
+                p.mul_(1.2)
+    engine.sync_weights(model)
+    replayed = engine.generate(PROMPTS, COUNTS, SAMPLED, SEEDS)
+    fresh = separate_copy(model).generate(PROMPTS, COUNTS, SAMPLED, SEEDS)
+    assert torch.equal(replayed.completion_ids, fresh.completion_ids) and torch.equal(replayed.logprobs, fresh.logprobs)
+    assert not torch.equal(replayed.logprobs, first.logprobs) and captured > 0
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = FastEngine(model, Tok(), weights_dtype=torch.bfloat16, compile="eager", cache_block=4)
+    out = compiled.generate(PROMPTS, COUNTS, SAMPLED, SEEDS)
+    assert torch.equal(out.completion_ids, fresh.completion_ids) and torch.equal(out.logprobs, fresh.logprobs)
+    assert counters["stats"]["unique_graphs"] == len(compiled.runner.visited)
