@@ -356,6 +356,8 @@ class Trainer:
         if not self.eval_problems:
             return {}
         t0 = time.perf_counter()
+        if self.eval_engine is not self.engine:  # train.async: its weights copy (if any) follows the learner's
+            self.eval_engine.sync_weights(self.generation_model)
         metrics = evaluate(self.eval_engine, self.eval_tokenizer, self.eval_problems, self.verify,
                            cfg.rollout.max_new_tokens, cfg.eval.samples, cfg.rollout.temperature,
                            cfg.rollout.top_p, cfg.eval.batch_size)

@@ -67,9 +67,11 @@ def random_timing(monkeypatch):
     return apply
 
 
-@pytest.mark.parametrize("name", ["pods", "greso_refill"])
+@pytest.mark.parametrize("name", ["pods", "greso_refill", "bf16_compute"])
 def test_staleness_zero_is_the_synchronous_run(tmp_path, warm_cache, name):
-    extra = GRESO_REFILL if name == "greso_refill" else {}
+    """Every record, evals included: with bf16 compute the engines sample from their own bf16 copies, the eval
+    engine's (of the learner's weights) refreshed before each eval as the synchronous engine's is after each step."""
+    extra = {"greso_refill": GRESO_REFILL, "bf16_compute": {"model.compute_dtype": "bfloat16"}}.get(name, {})
     Trainer(config(tmp_path / "sync", warm_cache, **extra)).train()
     Trainer(config(tmp_path / "async", warm_cache, staleness=0, **extra)).train()
     got, want = records(tmp_path / "async"), records(tmp_path / "sync")
