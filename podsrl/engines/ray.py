@@ -74,6 +74,7 @@ class RolloutWorker:
                  options: dict[str, Any], threads: int, device: str) -> None:
         torch.set_num_threads(max(1, threads))
         self.model = model.to(device).eval().requires_grad_(False)
+        self.engine: RolloutEngine | None = None
         if weights is not None:
             self.load_weights(weights)
         from podsrl.engines import build_engine
@@ -91,6 +92,8 @@ class RolloutWorker:
             raise KeyError(f"weights for parameters this worker's model lacks: {missing[:5]}")
         for name, value in weights.items():
             params[name].copy_(value)
+        if self.engine is not None:  # an engine sampling from its own copy (weights_dtype) follows
+            self.engine.sync_weights(self.model)
 
     def digest(self) -> str:
         return state_digest(self.model)

@@ -3,6 +3,7 @@ Also the sharding helpers it shares with data-parallel training (no Ray needed f
 
 from __future__ import annotations
 
+import copy
 import itertools
 import random
 
@@ -87,6 +88,25 @@ def test_vllm_engine_names_what_is_missing():
         pytest.skip("vLLM and a GPU are present: nothing is missing")
     with pytest.raises(ConfigError, match=r"'vllm' needs (vLLM and )?a CUDA GPU"):
         build_engine("vllm", make_model(), Tok())
+
+
+def test_a_worker_whose_engine_keeps_a_weights_copy_samples_the_weights_it_loads():
+    """An actor's engine with its own copy (engine_options.weights_dtype): loading the trainer's weights refreshes
+    that copy too, so the actor samples what an engine built from the updated policy samples."""
+    from podsrl.engines.ray import RolloutWorker
+
+    model = make_model()
+    worker = RolloutWorker(copy.deepcopy(model), None, "fast", {"weights_dtype": "bfloat16"}, 1, "cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    worker.load_weights({name: p.detach() for name, p in model.named_parameters()})
+    prompts, counts, seeds = request(3)
+    params = SamplingParams(max_new_tokens=10)
+    got = worker.generate(prompts, counts, params, seeds)  # no tokenizer in an actor: its own pad id
+    want = FastEngine(model, Tok(), weights_dtype=torch.bfloat16).generate(prompts, counts, params, seeds)
+    assert torch.equal(got.completion_mask, want.completion_mask) and torch.equal(got.logprobs, want.logprobs)
+    assert torch.equal(got.completion_ids * got.completion_mask, want.completion_ids * want.completion_mask)
 
 
 # ----------------------------------------------------------------------------------------- the Ray pool
