@@ -27,11 +27,13 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from podsrl.batch import Problem, RolloutBatch
-from podsrl.build import rollout_engine
+from podsrl.build import rollout_engine, sampling_dtype
 from podsrl.config import Config
 from podsrl.engines import build_engine
 from podsrl.engines.base import RolloutEngine
+from podsrl.engines.fast import compute_copy
 from podsrl.errors import UserError
+from podsrl.models.decode import share_fused_weights
 
 
 @dataclass
@@ -72,8 +74,14 @@ def async_engines(cfg: Config, generation_model: torch.nn.Module, tokenizer, dis
     if distributed:
         raise UserError("train.async.enabled: one process only for now (under torchrun the generation shards "
                         "all-gather on the process group the update uses, from another thread)")
-    # requires_grad as the learner's: the trainable parameters are the ones synced (to Ray actors too)
-    generator_model = copy.deepcopy(generation_model).eval()
+    if cfg.rollout.engine == "fast":  # one copy, in the dtype its engine samples in (not a float32 one and the engine's)
+        dtype = sampling_dtype(cfg, generation_model)
+        generator_model = compute_copy(generation_model, dtype) or copy.deepcopy(generation_model)
+        generator_model.requires_grad_(False)
+        share_fused_weights(generator_model)  # only sampled from and loaded into, never trained or saved
+    else:  # requires_grad as the learner's: the trainable parameters are the ones synced to the Ray actors
+        generator_model = copy.deepcopy(generation_model)
+    generator_model.eval()
     engine = rollout_engine(cfg, generator_model, tokenizer)
     if cfg.rollout.engine != "ray":
         eval_engine = rollout_engine(cfg, generation_model, tokenizer)
@@ -101,9 +109,11 @@ def staleness_metrics(trained_at: int, kept: RolloutBatch, dropped_batches: int)
             "async/dropped_batches": float(dropped_batches)}
 
 
-def trainable_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Copies of the parameters an update changes (frozen ones, e.g. a LoRA base, are in the generator's copy)."""
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+def trainable_snapshot(model: torch.nn.Module, like: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the parameters an update changes (frozen ones, e.g. a LoRA base, are in the generator's copy), each
+    in the dtype of `like`'s parameter of that name (the generator's copy: rounded now, as loading would)."""
+    dtypes = {n: p.dtype for n, p in like.named_parameters()}
+    return {n: p.detach().to(dtypes[n], copy=True) for n, p in model.named_parameters() if p.requires_grad}
 
 
 class BackgroundGenerator:
@@ -143,7 +153,7 @@ class BackgroundGenerator:
         with self._cv:
             if version <= self._published:
                 return
-        snapshot = trainable_snapshot(model)
+        snapshot = trainable_snapshot(model, self.model)
         with self._cv:
             self._weights[version], self._published = snapshot, version
             self._cv.notify_all()

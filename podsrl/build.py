@@ -58,11 +58,19 @@ def rollout_engine(cfg: Config, model: torch.nn.Module, tokenizer) -> RolloutEng
     that dtype when it is narrower than the parameters (bfloat16 sampling of float32 masters), refreshed after each
     update, unless rollout.engine_options names its own weights_dtype."""
     options = dict(cfg.rollout.engine_options)
-    if cfg.rollout.engine == "fast" and "weights_dtype" not in options:
-        param = next(model.parameters())
-        compute = resolve_compute_dtype(cfg.model, param.device)
-        options["weights_dtype"] = compute if compute != param.dtype else None
+    if cfg.rollout.engine == "fast":
+        options["weights_dtype"] = sampling_dtype(cfg, model)
     return build_engine(cfg.rollout.engine, model, tokenizer, **options)
+
+
+def sampling_dtype(cfg: Config, model: torch.nn.Module) -> torch.dtype | str | None:
+    """The dtype the fast engine samples `model` in: rollout.engine_options.weights_dtype if given, else the compute
+    dtype where it differs from the parameters' (None: the parameters' own)."""
+    if "weights_dtype" in cfg.rollout.engine_options:
+        return cfg.rollout.engine_options["weights_dtype"]
+    param = next(model.parameters())
+    compute = resolve_compute_dtype(cfg.model, param.device)
+    return compute if compute != param.dtype else None
 
 
 def reward_manager(cfg: Config, task: Task) -> RewardManager:

@@ -180,6 +180,9 @@ class Workload:
     # a training run: the update's gradients and AdamW state stay allocated through generation, and the fast engine's
     # fused weights through the update (False: each phase alone, as benchmarks/memory_plan_check.py measures them)
     training_run: bool = True
+    # train.async: "in_process" (a generator thread with its own weights copy in the engine's dtype, sampling while
+    # the update runs on the same device), "ray" (the actors sample elsewhere; the generator's full copy stays here)
+    async_generator: str = "none"
 
     @property
     def e(self) -> int:
@@ -351,6 +354,9 @@ def update_peak(shape: ModelShape, work: Workload, rows: int, checkpointing: boo
     if work.training_run:  # the fast engine keeps its weights copy and the last call's fused weights
         terms["fused_weights"] = engine_fused_weights(shape, work)
         terms["engine_weights"] = engine_weights(shape, work)
+        terms["generator_weights"] = generator_weights(shape, work)
+        if work.async_generator == "in_process":  # the next batch is sampled meanwhile: its cache and workspace
+            terms.update(generation_in_flight(shape, work))
     one_micro_batch = rows >= work.trained_rows
     if one_micro_batch and state["gradients"] > terms["activations"] + terms["transient"]:
         terms["gradients"], terms["activations"], terms["transient"] = state["gradients"], 0, 0
@@ -374,12 +380,32 @@ def engine_fused_weights(shape: ModelShape, work: Workload) -> int:
     return 0 if engine_weights(shape, work) else shape.layers * shape.fused_weights * work.engine_e
 
 
+def generator_weights(shape: ModelShape, work: Workload) -> int:
+    """train.async's generator copy (podsrl/async_generation.py async_engines): in the fast engine's dtype, its
+    projections the decode step's fused weights; for the Ray pool a full copy in the master dtype."""
+    return {"in_process": shape.params * work.engine_e, "ray": shape.params * work.p}.get(work.async_generator, 0)
+
+
+def generation_in_flight(shape: ModelShape, work: Workload) -> dict[str, int]:
+    """What a generate call allocates for its rows (see generation_peak): the KV cache and the larger workspace."""
+    rows, length = work.prompts * work.n, work.prompt_length + work.completion_length
+    e, v = work.engine_e, shape.vocab
+    kv_row = shape.layers * 2 * shape.kv_heads * shape.head_dim * length * e
+    sampling = rows * v * (e + (4 if e < 4 else 0) + 4 * 3 + (4 * 2 + 8 if work.top_p < 1 else 0))
+    decode_attention = 2 * rows * shape.heads * length * 4
+    prefill_tokens = work.prompts * work.prompt_length
+    prefill = (2 * work.prompts * shape.heads * work.prompt_length**2 * 4
+               + prefill_tokens * (3 * shape.intermediate + shape.qkv_width + 2 * shape.hidden) * e)
+    return {"kv_cache": kv_row * (rows + work.prompts), "workspace": max(sampling + decode_attention, prefill)}
+
+
 def generation_peak(shape: ModelShape, work: Workload) -> dict[str, int]:
     """Terms of generation's peak (podsrl/engines/fast.py, all P x n rows at once):
     - the master weights; in a training run also the AdamW state (the trainer frees the gradients after each update:
       podsrl/trainer.py); the reference model;
     - the engine's weights copy in the compute dtype, when it differs from the master dtype;
     - the fused q/k/v and gate/up weights of every layer, unless the engine has its own copy (engine_fused_weights);
+    - train.async's generator copy (generator_weights);
     - the KV cache (models/static_cache.py SlotLayer): L x 2 x Hkv x d x (Lp + Lc) x rows x e, plus the distinct
       prompts' rows it is expanded from;
     - the larger workspace: a decode step's logits [rows, V] (and their float32 copy), float32 log-softmax and the
@@ -389,20 +415,12 @@ def generation_peak(shape: ModelShape, work: Workload) -> dict[str, int]:
     state["gradients"] = 0
     if not work.training_run:
         state["optimizer"] = 0
-    rows, length = work.prompts * work.n, work.prompt_length + work.completion_length
-    e, v = work.engine_e, shape.vocab
-    kv_row = shape.layers * 2 * shape.kv_heads * shape.head_dim * length * e
-    sampling = rows * v * (e + (4 if e < 4 else 0) + 4 * 3 + (4 * 2 + 8 if work.top_p < 1 else 0))
-    decode_attention = 2 * rows * shape.heads * length * 4
-    prefill_tokens = work.prompts * work.prompt_length
-    prefill = (2 * work.prompts * shape.heads * work.prompt_length**2 * 4
-               + prefill_tokens * (3 * shape.intermediate + shape.qkv_width + 2 * shape.hidden) * e)
     return {
         **state,
         "engine_weights": engine_weights(shape, work),
         "fused_weights": engine_fused_weights(shape, work),
-        "kv_cache": kv_row * (rows + work.prompts),
-        "workspace": max(sampling + decode_attention, prefill),
+        "generator_weights": generator_weights(shape, work) if work.training_run else 0,
+        **generation_in_flight(shape, work),
         "runtime": RUNTIME_BYTES[work.device]["generation"],
     }
 

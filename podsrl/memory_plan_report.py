@@ -38,6 +38,8 @@ def render(plan: MemoryPlan, model: str) -> str:
         f"step: {w.prompts} prompts x {w.n} generated, {w.m} trained per prompt; prompt {w.prompt_length} + "
         f"completion {w.completion_length} tokens; master {w.dtype}, compute {w.compute_dtype}; beta {w.beta}; "
         f"device {w.device}, {_gib(plan.memory)} GiB ({plan.reserve:.0%} kept free: {_gib(plan.budget)} GiB usable)",
+        *(["train.async: the update's rows include the next batch's generation, which runs meanwhile (its KV cache "
+           "and workspace)"] if w.async_generator == "in_process" else []),
         "",
         "| phase | " + " | ".join(_TERMS) + " | peak GiB | fits | largest term |",
         "|---" * (len(_TERMS) + 4) + "|",
@@ -65,8 +67,8 @@ def render(plan: MemoryPlan, model: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-_TERMS = ("weights", "gradients", "optimizer", "reference", "engine_weights", "fused_weights", "kv_cache",
-          "activations", "transient", "workspace", "runtime")
+_TERMS = ("weights", "gradients", "optimizer", "reference", "engine_weights", "fused_weights", "generator_weights",
+          "kv_cache", "activations", "transient", "workspace", "runtime")
 
 
 def _row(label: str, terms: dict[str, int], budget: int) -> str:
@@ -127,6 +129,8 @@ def workload_from_config(cfg, prompt_length: int, device: str) -> Workload:
         prompts=cfg.rollout.prompts_per_step, n=cfg.rollout.n, m=m, prompt_length=prompt_length,
         completion_length=cfg.rollout.max_new_tokens, dtype=cfg.model.dtype, compute_dtype=compute.split(".")[-1],
         beta=cfg.algo.beta, logits_chunk=cfg.update.logits_chunk, top_p=cfg.rollout.top_p, device=device,
+        async_generator=("none" if not cfg.train.asynchronous.enabled
+                         else "ray" if cfg.rollout.engine == "ray" else "in_process"),
     )
 
 

@@ -41,8 +41,13 @@ from podsrl.engines.rows import (
 )
 from podsrl.engines.sampling import sample_next
 from podsrl.errors import ConfigError
-from podsrl.models.decode import DecodeStack, ModelForward, cached_forward_problem, stack_body
-from podsrl.models.llama import share_fused_storage
+from podsrl.models.decode import (
+    DecodeStack,
+    ModelForward,
+    cached_forward_problem,
+    share_fused_weights,
+    stack_body,
+)
 from podsrl.models.static_cache import SlotLayer, compact, compaction_moves
 from podsrl.models.transformers_api import (
     Cache,
@@ -123,8 +128,8 @@ class FastEngine(RolloutEngine):
             check_fast_path(model, "the fast engine's layer loop", llama_layout_problem(model),
                             "rollout.engine_options: {layer_loop: false}")
         body = stack_body(model) if layer_loop else None
-        if body is not None and self.copy is not None:  # the copy is only sampled from: fused weights in place
-            share_fused_storage(list(body.layers[: model.config.num_hidden_layers]))
+        if self.copy is not None:  # only sampled from: its projections hold the fused weights
+            share_fused_weights(self.copy)
         self.forward = ModelForward(model) if body is None else DecodeStack(model, body)
         self._setup_steps(cuda_graphs, compile, cache_block)
 

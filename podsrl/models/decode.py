@@ -21,9 +21,17 @@ from torch import Tensor
 
 from podsrl.models.attention import decode_attention, decode_bias, grouped_attention
 from podsrl.models.kernels import signed_sin
-from podsrl.models.llama import LayerPlan, decoder_layer, layer_plan, norm_function, refresh_fused
+from podsrl.models.llama import (
+    LayerPlan,
+    decoder_layer,
+    layer_plan,
+    norm_function,
+    refresh_fused,
+    share_fused_storage,
+)
 from podsrl.models.transformers_api import (
     DynamicCache,
+    base_model,
     cache_argument,
     forward_with_cache,
     is_llama_family,
@@ -65,6 +73,16 @@ def stack_body(model: torch.nn.Module) -> torch.nn.Module | None:
     if getattr(model.model.rotary_emb, "rope_type", "default") in ("dynamic", "longrope"):
         return None
     return model.model
+
+
+def share_fused_weights(model: torch.nn.Module) -> None:
+    """For weights that are only sampled from, never trained or saved (the fast engine's own copy, train.async's
+    generator copy): each decoder layer's q/k/v and gate/up projections become views of the fused tensors the layer
+    loop reads (llama.share_fused_storage), so those cost no second copy. Other architectures are left as they are."""
+    model = base_model(model)
+    body = stack_body(model)
+    if body is not None:
+        share_fused_storage(list(body.layers[: model.config.num_hidden_layers]))
 
 
 class ModelForward:

@@ -39,7 +39,7 @@ def plan_tensors(engine: FastEngine) -> list[torch.Tensor]:
 def separate_copy(model) -> FastEngine:
     """The engine as it was before: its copy's projections as separate tensors, the fused weights concatenated."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fast_module, "share_fused_storage", lambda layers: None)
+        patch.setattr(fast_module, "share_fused_weights", lambda model: None)
         return FastEngine(model, Tok(), weights_dtype=torch.bfloat16)
 
 

@@ -112,6 +112,33 @@ def test_terms_by_hand_for_a_1_5b_shaped_model():
     assert with_ckpt["activations"] < upd["activations"] / 5  # 28 layers' activations -> their inputs + one layer
 
 
+def test_train_async_adds_the_generator_copy_and_overlaps_generation_with_the_update():
+    """In process: the generator's copy in the engine's dtype, and the update's peak holds the batch being generated
+    meanwhile (so a smaller micro-batch fits); with the Ray pool the copy is in the master dtype and generation is
+    elsewhere. Read through the CLI's own mapping from train.async and rollout.engine."""
+    from podsrl.config import load_config
+    from podsrl.memory_plan_report import workload_from_config
+
+    config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
+    shape = mp.model_shape(config)
+    base = ["rollout.prompts_per_step=8", "rollout.n=16", "rollout.max_new_tokens=1024", "model.compute_dtype=bfloat16"]
+    sync, in_process, ray = (workload_from_config(load_config("podsrl/configs/grpo.yaml", base + extra), 256, "cuda")
+                             for extra in ([], ["train.async.enabled=true"],
+                                           ["train.async.enabled=true", "rollout.engine=ray"]))
+    assert (sync.async_generator, in_process.async_generator, ray.async_generator) == ("none", "in_process", "ray")
+    gen, gen_async = mp.generation_peak(shape, sync), mp.generation_peak(shape, in_process)
+    assert gen["generator_weights"] == 0 and gen_async["generator_weights"] == shape.params * 2
+    assert mp.generation_peak(shape, ray)["generator_weights"] == shape.params * 4
+    upd, upd_async = (mp.update_peak(shape, w, rows=8, checkpointing=False) for w in (sync, in_process))
+    assert "kv_cache" not in upd and upd_async["kv_cache"] == gen["kv_cache"]
+    assert upd_async["workspace"] == gen["workspace"]
+    assert sum(upd_async.values()) - sum(upd.values()) == shape.params * 2 + gen["kv_cache"] + gen["workspace"]
+    assert "kv_cache" not in mp.update_peak(shape, ray, rows=8, checkpointing=False)
+    budget = 72 * 2**30
+    assert mp.largest_micro_batch(shape, in_process, budget, False) < mp.largest_micro_batch(shape, sync, budget, False)
+
+
 def test_largest_micro_batch_fits_and_one_more_does_not():
     shape = mp.model_shape(qwen2(hidden=256, layers=4, vocab=32000))
     work = mp.Workload(prompts=4, n=8, m=8, prompt_length=128, completion_length=512, device="cpu")

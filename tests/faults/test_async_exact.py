@@ -223,3 +223,18 @@ def test_the_ray_pool_generates_ahead_like_the_in_process_generator(tmp_path, wa
     Trainer(config(tmp_path / "ray", warm_cache, 1, **extra, **{
         "rollout.engine": "ray", "rollout.engine_options": "{num_workers: 2, num_cpus: 2}"})).train()
     assert_same_run(tmp_path / "ray", tmp_path / "fast")
+
+
+@pytest.mark.parametrize("compute", ["bfloat16", "float32"])
+def test_the_generator_keeps_one_copy_in_the_dtype_it_samples_in(tmp_path, warm_cache, compute):
+    """bf16 compute over float32 masters: the generator's copy is in bfloat16 and its engine samples from it (no
+    float32 copy beside the engine's); either way the copy's projections are the decode step's fused weights."""
+    trainer = Trainer(config(tmp_path / "run", warm_cache, 1, **{"model.compute_dtype": compute,
+                                                                 "train.max_steps": 2}))
+    trainer.train()
+    assert {p.dtype for p in trainer.generator_model.parameters()} == {getattr(torch, compute)}
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+    assert trainer.engine.copy is None and trainer.engine.model is trainer.generator_model
+    for plan, layer in zip(trainer.engine.forward.plans, trainer.engine.forward.layers, strict=True):
+        assert plan.qkv[0].data_ptr() == layer.self_attn.q_proj.weight.data_ptr()
+        assert plan.gate_up.data_ptr() == layer.mlp.gate_proj.weight.data_ptr()
