@@ -1,4 +1,4 @@
-# Shared by benchmarks/gpu_suite.sh and benchmarks/gpu_pods_study.sh (sourced, not run).
+# Shared by benchmarks/gpu_check.sh, gpu_suite.sh and gpu_pods_study.sh (sourced, not run).
 
 # gpu_environment LOG SUMMARY: what every command of the scripts runs with: py (the interpreter, $PYTHON or
 # python3), unbuffered offline Python, the carried wheels (install_wheels), and this checkout first on PYTHONPATH.
@@ -26,4 +26,19 @@ install_wheels() {
 # outcome RC LIMIT_S: how a command under `timeout LIMIT_S` ended, in words
 outcome() {
     case $1 in 0) echo ok ;; 124 | 137) echo "TIMED OUT at $2s" ;; *) echo "failed (exit $1)" ;; esac
+}
+
+# has MODULE: whether $py imports it
+has() { timeout 60 "$py" -c "import $1" >/dev/null 2>&1; }
+
+# machine_report FILE: the date, host, GPU (nvidia-smi), Python, torch, CUDA and transformers versions, which optional
+# packages import, and pip's list
+machine_report() {
+    { date -u; uname -a; nproc; free -g; timeout 30 nvidia-smi || echo "no nvidia-smi"
+      timeout 60 "$py" -c "import sys, torch, transformers; print(sys.version); print('torch', torch.__version__, 'cuda', \
+torch.version.cuda, 'available', torch.cuda.is_available()); print('transformers', transformers.__version__); \
+torch.cuda.is_available() and print(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0))"
+      for m in pytest xdist pytest_timeout hypothesis math_verify reasoning_gym datasets peft trl ray tensorboard \
+               rich matplotlib; do has "$m" && echo "import $m: ok" || echo "import $m: MISSING"; done
+      timeout 60 "$py" -m pip list 2>/dev/null; } >"$1" 2>&1
 }

@@ -55,17 +55,8 @@ part() {
     echo "$name: $(outcome $rc "$limit"), $((SECONDS - start)) s -> $(basename "$file")" | tee -a "$summary"
 }
 
-has() { timeout 60 "$py" -c "import $1" >/dev/null 2>&1; }
-
 machine() {
-    local f=$out/machine.txt
-    { date -u; uname -a; nproc; free -g; timeout 30 nvidia-smi || echo "no nvidia-smi"
-      timeout 60 "$py" -c "import sys, torch, transformers; print(sys.version); print('torch', torch.__version__, 'cuda', \
-torch.version.cuda, 'available', torch.cuda.is_available()); print('transformers', transformers.__version__); \
-torch.cuda.is_available() and print(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0))"
-      for m in pytest xdist pytest_timeout hypothesis math_verify reasoning_gym datasets peft trl ray tensorboard \
-               rich matplotlib; do has "$m" && echo "import $m: ok" || echo "import $m: MISSING"; done
-      timeout 60 "$py" -m pip list 2>/dev/null; } >"$f" 2>&1
+    machine_report "$out/machine.txt"
     echo "machine: written -> machine.txt" | tee -a "$summary"
 }
 
