@@ -3,9 +3,9 @@
 PyTorch allows, while a CUDA graph is being captured, no other CUDA work in the process on any thread, and one
 capture at a time. Under train.async the generator thread's engine captures while the learner updates, and an eval
 (the eval engine captures too) could start while the generator samples. The runs here record when each thread
-captures, updates, publishes weights, evaluates and generates, and check the order. On the CPU the capture is a
-stand-in (the step run eagerly, its outputs kept and rewritten by each replay, as a graph's are); under
-`--device cuda` it is the real one, and the run must also finish without a capture error.
+captures, updates, publishes weights, evaluates and generates, and check the order. On the CPU the capture is the
+decode-step tests' stand-in (each replay reruns the step into the captured outputs); under `--device cuda` it is
+the real one, and the run must also finish without a capture error.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from podsrl.engines.fast import FastEngine
 from podsrl.trainer import Trainer
 from podsrl.update import PolicyUpdater
 from tests.conftest import device_under_test
+from tests.engines.test_decode_graph import RerunGraphs
 from tests.faults.test_async_exact import config
 
 ON_CUDA = device_under_test().type == "cuda"
@@ -31,31 +32,12 @@ GENERATOR = "podsrl-generator"  # the generator thread's name
 ROLLOUTS_PER_STEP = 16  # tiny(): 4 prompts x 4 rollouts, PODS trains 2 of each group
 
 
-class EagerReplay:
-    """A captured graph's stand-in: replay reruns the step and writes its outputs into the captured ones."""
-
-    def __init__(self, step, outputs) -> None:
-        self.step, self.outputs = step, outputs
-
-    def replay(self) -> None:
-        for captured, now in zip(self.outputs, self.step()):
-            captured.copy_(now)
-
-
-class StandInGraphs(CudaGraphs):
-    """CudaGraphs on the CPU: the same keys, lock and replays, the capture replaced by EagerReplay."""
-
-    def _capture(self, step):
-        outputs = step()
-        return EagerReplay(step, outputs), outputs
-
-
 class GraphedRunner(StepRunner):
     """The step runner with graphs on, on the CPU (where the engine refuses cuda_graphs)."""
 
     def __init__(self, compile=False, cuda_graphs=False) -> None:
         super().__init__(compile, cuda_graphs)
-        self.graphs = StandInGraphs()
+        self.graphs = RerunGraphs()
 
 
 class Timeline:
@@ -97,7 +79,7 @@ def timeline(monkeypatch):
     graphs = CudaGraphs
     if not ON_CUDA:
         monkeypatch.setattr(fast, "StepRunner", GraphedRunner)
-        graphs = StandInGraphs
+        graphs = RerunGraphs
     monkeypatch.setattr(graphs, "_capture", timeline.timed("capture", graphs._capture, hold=0.005))
     monkeypatch.setattr(PolicyUpdater, "update", timeline.timed("update", PolicyUpdater.update, hold=0.02))
     monkeypatch.setattr(async_generation, "trainable_snapshot",
