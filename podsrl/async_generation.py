@@ -12,7 +12,8 @@ written); the generator loads the version it needs into its own copy of the poli
 hands it to the engine's weight sync (a no-op in process, one `ray.put` for the Ray pool).
 
 Everything the produce callable touches (the trainer's sampler position, RNG, PromptStats, the method) belongs to the
-generator thread while it runs; the learner reads it only through `quiesce` (checkpoints).
+generator thread while it runs; the learner reads it only through `quiesce` (checkpoints, evals). On a GPU the
+generator's engine may capture CUDA graphs: the learner's device work beside it holds capture_lock.CAPTURE_LOCK.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 
 from podsrl.batch import Problem, RolloutBatch
 from podsrl.build import rollout_engine, sampling_dtype
+from podsrl.capture_lock import CAPTURE_LOCK
 from podsrl.config import Config
 from podsrl.engines import build_engine
 from podsrl.engines.base import RolloutEngine
@@ -153,7 +155,8 @@ class BackgroundGenerator:
         with self._cv:
             if version <= self._published:
                 return
-        snapshot = trainable_snapshot(model, self.model)
+        with CAPTURE_LOCK:  # device copies: none beside a capture on the generator thread
+            snapshot = trainable_snapshot(model, self.model)
         with self._cv:
             self._weights[version], self._published = snapshot, version
             self._cv.notify_all()

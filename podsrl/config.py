@@ -106,7 +106,14 @@ class RolloutConfig:
     top_k: int = _f(0, "Top-k sampling (0 = off).")
     max_new_tokens: int = _f(8, "Completion length cap (TRL: max_completion_length).")
     engine: Literal["hf", "fast", "ray", "vllm"] = _f("fast", "Rollout engine.")
-    engine_options: dict[str, Any] = _f({}, "Engine-specific options (e.g. ray: num_workers, address).")
+    engine_options: dict[str, Any] = _f({}, (
+        "Engine-specific options, each listed in its engine's docstring (podsrl/engines). fast: cuda_graphs (default "
+        "on when the model is on a CUDA device: the decode step is captured as one CUDA graph per (rows, cache "
+        "length) bucket on first use and replayed; built, not yet run on a GPU), compile, cache_block, "
+        "weights_dtype and more; ray: num_workers, address and more; vllm: gpu_memory_utilization and more. Every "
+        "engine: "
+        "eos_token_id (default: the tokenizer's EOS and every eos id of the model's generation config; given, it "
+        "replaces them) and pad_token_id."))
 
 
 @dataclass

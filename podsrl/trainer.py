@@ -34,6 +34,7 @@ from podsrl.async_generation import (
 )
 from podsrl.batch import Problem, RolloutBatch, concat_batches
 from podsrl.build import base_weights, load_model, load_task, reward_manager, rollout_engine, verifier
+from podsrl.capture_lock import CAPTURE_LOCK
 from podsrl.checkpoint import prepare_run_dir, resume_checkpoint
 from podsrl.config import Config, dump_config
 from podsrl.distributed import NullLogger, init_distributed
@@ -176,12 +177,13 @@ class Trainer:
         t_upd = time.perf_counter()
         if faults.fire("loss", self.step + 1):  # injected numerical fault: a NaN loss and gradient
             kept.advantages = torch.full_like(kept.advantages, float("nan"))
-        update_metrics = self.updater.update(kept.trim_padding(), self.update_rng) if kept.num_rollouts else {}
-        self.optimizer.zero_grad(set_to_none=True)  # the gradients' memory is free for the next generation
-        if self.data_parallel is not None:  # FSDP2: gathers the updated shards into the generation copy
-            self.data_parallel.sync_generation_model()
-        if self.generator is None:
-            self.engine.sync_weights(self.generation_model)
+        with CAPTURE_LOCK:  # train.async: the generator thread captures no decode-step graph while this runs
+            update_metrics = self.updater.update(kept.trim_padding(), self.update_rng) if kept.num_rollouts else {}
+            self.optimizer.zero_grad(set_to_none=True)  # the gradients' memory is free for the next generation
+            if self.data_parallel is not None:  # FSDP2: gathers the updated shards into the generation copy
+                self.data_parallel.sync_generation_model()
+            if self.generator is None:
+                self.engine.sync_weights(self.generation_model)
         timers = {**produced.timers, "time/update": time.perf_counter() - t_upd}
         if self.generator is not None:
             timers.update({"time/learner_wait": waited, "time/generator_idle": produced.generator_idle})
@@ -355,6 +357,7 @@ class Trainer:
         cfg = self.cfg
         if not self.eval_problems:
             return {}
+        self._settle_generator()  # train.async: no generation beside the eval (a run ended by its time budget)
         t0 = time.perf_counter()
         if self.eval_engine is not self.engine:  # train.async: its weights copy (if any) follows the learner's
             self.eval_engine.sync_weights(self.generation_model)

@@ -30,7 +30,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     greedy: bool = False  # argmax decoding (evaluation); ignores temperature/top-p/top-k for the choice
-    stop_token_ids: tuple[int, ...] = ()  # in addition to the tokenizer's EOS
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the engine's EOS ids (rows.special_ids)
     return_logprobs: bool = True
 
 

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from podsrl.capture_lock import CAPTURE_LOCK
 from podsrl.engines.sampling import row_uniforms, sample_next
 from podsrl.models.decode import DecodeStack
 from podsrl.models.static_cache import StepCache
@@ -186,7 +187,7 @@ class CudaGraphs:
     """One CUDA graph per key, captured on first use and replayed after, all in one memory pool (they run one at a
     time). A graph reads and writes the addresses it captured: the state, the cache, the weights and rotary table of
     one stack binding; whoever reallocates any of them calls `clear`. The outputs are the graph's own tensors,
-    overwritten by its next replay."""
+    overwritten by its next replay. A capture holds the process's CAPTURE_LOCK (no other device work beside it)."""
 
     def __init__(self) -> None:
         self.graphs: dict = {}
@@ -194,7 +195,8 @@ class CudaGraphs:
 
     def run(self, key, step) -> tuple[Tensor, ...]:
         if key not in self.graphs:
-            self.graphs[key] = self._capture(step)
+            with CAPTURE_LOCK:
+                self.graphs[key] = self._capture(step)
         graph, outputs = self.graphs[key]
         graph.replay()
         return outputs

@@ -33,13 +33,15 @@ def _as_ids(value: Any) -> list[int]:
 
 
 def special_ids(model: torch.nn.Module, tokenizer: Any, options: dict[str, Any]) -> tuple[list[int], int]:
-    """(EOS ids, pad id): options override the tokenizer, which overrides the model's config; pad falls back to EOS."""
+    """(EOS ids, pad id). The EOS ids are the option's when given, else every id that ends a completion for the
+    model: the tokenizer's EOS and its generation config's (an instruct model lists several there, e.g. Qwen2.5's
+    <|im_end|> and <|endoftext|>; model.generate and vLLM stop at each), or its config's when it has no generation
+    config. The pad id is the option's, else the tokenizer's, else the first EOS."""
     eos = _as_ids(options.get("eos_token_id"))
     if not eos:
-        eos = _as_ids(getattr(tokenizer, "eos_token_id", None))
-    if not eos:
-        config = getattr(model, "config", None)
-        eos = _as_ids(getattr(config, "eos_token_id", None))
+        declared = getattr(model, "generation_config", None) or getattr(model, "config", None)
+        eos = list(dict.fromkeys(_as_ids(getattr(tokenizer, "eos_token_id", None))
+                                 + _as_ids(getattr(declared, "eos_token_id", None))))
     pad = options.get("pad_token_id")
     if pad is None:
         pad = getattr(tokenizer, "pad_token_id", None)

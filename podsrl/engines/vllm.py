@@ -9,8 +9,9 @@ What vLLM does that shapes the calls below:
   the merged weights under plain names: a peft adapter alone has no config.json and names vLLM cannot load), so the
   built-in tiny model and checkpoints work like a hub id; `model_path` overrides it and the policy is then synced
   once. Prompts go in as token ids and nothing is detokenized, so vLLM needs no tokenizer
-  (`skip_tokenizer_init`). `generation_config="vllm"`: the model's generation_config.json would otherwise add its
-  EOS ids as stops and cap the output length at its `max_new_tokens`.
+  (`skip_tokenizer_init`). `generation_config="vllm"`: the model's generation_config.json would otherwise cap the
+  output length at its `max_new_tokens` and add its EOS ids as stops even where an eos_token_id option replaces
+  them (without the option podsrl's stops already hold them: rows.special_ids).
 - torchrun: each rank runs its own vLLM over its shard of the prompts. `distributed_executor_backend=
   "external_launcher"` puts it on this rank's GPU (LOCAL_RANK; the default executor takes GPU 0 from the device
   string "cuda") inside torchrun's process group; each rank gets its own engine seed. Tensor parallelism is refused:

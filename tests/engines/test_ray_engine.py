@@ -13,7 +13,7 @@ import torch
 from podsrl.engines.base import SamplingParams
 from podsrl.engines.fast import FastEngine
 from podsrl.engines.shards import merge_outputs, shard_groups
-from tests.tiny_lm import PAD, tiny_causal_lm
+from tests.tiny_lm import PAD, assert_rows_end_at_their_first_stop, chat_model, chat_request, tiny_causal_lm
 from tests.tiny_lm import TokStub as Tok
 
 VOCAB = 64
@@ -185,6 +185,25 @@ def test_a_shard_that_keeps_failing_stops_at_the_bound(pool):
     params = SamplingParams(max_new_tokens=6)
     assert_same(engine.generate(prompts, counts, params, seeds),
                 FastEngine(model, Tok()).generate(prompts, counts, params, seeds))
+
+
+def test_the_actors_stop_at_every_eos_of_the_generation_config(pool):
+    """A chat model whose turns end with <|im_end|>, not the tokenizer's EOS: the actors, which get no tokenizer,
+    stop at both, as the in-process engine does."""
+    from podsrl.engines.ray import RayEngine
+
+    model, tokenizer = chat_model()
+    engine = RayEngine(model, tokenizer, num_workers=1, cpus_per_worker=0)  # the module's pool holds Ray's CPUs
+    prompts, counts, seeds = chat_request(tokenizer)
+    params = SamplingParams(max_new_tokens=12)
+    try:
+        out = engine.generate(prompts, counts, params, seeds)
+    finally:
+        engine.close()
+    assert_same(out, FastEngine(model, tokenizer).generate(prompts, counts, params, seeds))
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ended = assert_rows_end_at_their_first_stop(out, {im_end, tokenizer.eos_token_id}, params.max_new_tokens)
+    assert ended.get(im_end, 0) > 0
 
 
 def test_a_pool_larger_than_the_local_ray_is_refused_at_once(pool):

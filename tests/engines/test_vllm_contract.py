@@ -5,6 +5,7 @@ and LoRA-merged names), sleep mode and the process-wide generators. Nothing here
 import copy
 import random
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from podsrl.engines.base import SamplingParams
 from podsrl.errors import ConfigError
 from tests.engines import fake_vllm
+from tests.tiny_lm import assert_rows_end_at_their_first_stop
 
 CONFIG = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}
@@ -110,6 +112,20 @@ def test_token_prompts_stops_and_logprobs(vllm, monkeypatch):
     assert any(OTHER_EOS in tokens[:-1] for tokens in raw)
     assert out.group_index.tolist() == [0] * 8 + [1] * 8
     assert out.prompt_ids[8].tolist() == [0, 4, 5] and out.prompt_mask[8].tolist() == [0, 1, 1]
+
+
+def test_without_an_eos_option_every_eos_of_the_generation_config_stops(vllm, monkeypatch):
+    """The tokenizer's EOS and the generation config's other eos id both end rows (what vLLM's own default,
+    turned off by generation_config="vllm", and model.generate do); the option above replaces them."""
+    from podsrl.engines.vllm import VLLMEngine
+
+    eng = VLLMEngine(tiny_model(), SimpleNamespace(eos_token_id=EOS, pad_token_id=0))
+    calls = spy(monkeypatch, eng.llm, "generate")
+    params = SamplingParams(max_new_tokens=24, temperature=0.7)
+    out = eng.generate([[1, 2, 3], [4, 5]], [8, 8], params, torch.arange(16) * 7919 + 11)
+    (_, sampling), _ = calls[0]
+    assert all(sp.stop_token_ids == [EOS, OTHER_EOS] and sp.ignore_eos for sp in sampling)
+    assert assert_rows_end_at_their_first_stop(out, {EOS, OTHER_EOS}, params.max_new_tokens).get(OTHER_EOS, 0) > 0
 
 
 def test_no_logprobs_greedy_and_empty(vllm, monkeypatch):
