@@ -154,14 +154,16 @@ def main() -> None:
     print("| checkpointing | phase | step | before | peak allocated | peak reserved | after | predicted | "
           "predicted / peak | largest predicted terms (MiB) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    rows = []
+    rows, failures = [], []
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     for setting in args.checkpointing:
         child = [a for a in sys.argv[1:] if a != "--json"] + ["--child", setting]
         result = subprocess.run([sys.executable, __file__, *child], capture_output=True, text=True, env=env)
         if result.returncode:
-            print(f"| {setting} | failed (exit {result.returncode}) | | | | | | | | "
-                  f"{result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ''} |", flush=True)
+            print(f"| {setting} | failed (exit {result.returncode}): its error follows the table | | | | | | | | |",
+                  flush=True)
+            failures.append(f"checkpointing {setting}, the child's last lines:\n" + "\n".join(
+                result.stderr.strip().splitlines()[-30:]))
             continue
         terms = predict(args, setting == "on")
         for row in json.loads(result.stdout.strip().splitlines()[-1]):
@@ -176,6 +178,8 @@ def main() -> None:
             rows.append({**row, "checkpointing": setting, "predicted": predicted, "terms": plan})
     print("\npredicted: the plan's phase peak for a training run (podsrl/memory_plan.py generation_peak, update_peak); "
           "an eval call has no row of its own in the plan: what it leaves shows in the next phases' 'before'.")
+    for failure in failures:
+        print("\n" + failure)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1), encoding="utf-8")
 

@@ -43,7 +43,8 @@ def measure(n: int, m: int, checkpointing: bool, prompts: int, length: int, laye
                              f"optim.micro_batch_size={rows}", f"model.tiny.num_layers={layers}",
                              f"model.tiny.hidden_size={width}", f"model.tiny.intermediate_size={3 * width}",
                              f"model.tiny.max_position_embeddings={length + 16}",
-                             f"update.activation_checkpointing={str(checkpointing).lower()}"])
+                             f"update.activation_checkpointing={str(checkpointing).lower()}",
+                             "model.compute_dtype=float32"])  # as docs/results.md reports it (auto: bf16 on CUDA)
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(cfg.model.tiny, tokenizer).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)

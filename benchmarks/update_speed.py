@@ -120,7 +120,8 @@ def make_batch(prompts: list[list[int]], n: int, completions: list[list[int]], p
 
 def make_updater(model, config: str | None, overrides: list[str], shared: bool, device: str,
                  checkpointing: bool = False) -> PolicyUpdater:
-    cfg = load_config(config, [*overrides, f"update.shared_prompt={str(shared).lower()}",
+    # float32 compute on every device, as docs/results.md reports it (`auto` would be bfloat16 on CUDA)
+    cfg = load_config(config, ["model.compute_dtype=float32", *overrides, f"update.shared_prompt={str(shared).lower()}",
                                f"update.activation_checkpointing={str(checkpointing).lower()}"])
     model = model.to(device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr)

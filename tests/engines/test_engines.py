@@ -409,6 +409,23 @@ def test_group_index_and_prompts_for_unequal_counts(engine_cls):
         engine.generate(prompts, [1, 1, 1, 1], SamplingParams(), torch.arange(3))
 
 
+def test_hf_engine_holds_one_step_of_logits(monkeypatch):
+    """The log-probs are gathered step by step (a logits processor), not from every step's logits kept by
+    `generate` ([rows, tokens, vocab]: 74 GiB at Qwen2's vocabulary for 512 rows of 256 tokens); same values."""
+    model = make_model("llama", peak=3.0, eos_bias=2.0)
+    asked, generate = [], model.generate
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs["generation_config"])
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", spy)
+    params = SamplingParams(max_new_tokens=9, temperature=0.7, top_k=5)
+    out = HFEngine(model, Tok()).generate(random_prompts([4, 8]), [3, 2], params, torch.arange(5))
+    assert not asked[0].output_logits and not asked[0].output_scores
+    assert torch.allclose(out.logprobs, full_forward_logprobs(model, out, 0.7), atol=1e-4)
+
+
 def test_hf_engine_keeps_rng_and_train_mode():
     model = make_model("qwen").train()
     engine = HFEngine(model, Tok())

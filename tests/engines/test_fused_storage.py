@@ -81,7 +81,7 @@ def test_a_weight_sync_reaches_the_shared_fused_weights():
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "proj" in name:
-                p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=g))
+                p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=g).to(p.device))
     engine.sync_weights(model)
     new = engine.generate(PROMPTS, COUNTS, SAMPLED, SEEDS)
     assert engine.forward.binding == binding  # refreshed in place, not bound anew
