@@ -81,7 +81,7 @@ def test_log_prob_statistics_stay_float32_under_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logp, entropy = head_logprobs_and_entropy(hidden, weight, None, tokens, 0.7, chunk=8)
     assert logp.dtype == entropy.dtype == torch.float32
-    logits = torch.nn.functional.linear((hidden.detach() / 0.7).bfloat16(), weight.detach().bfloat16()).double()
+    logits = torch.nn.functional.linear(hidden.detach().bfloat16(), weight.detach().bfloat16()).double() / 0.7
     ref_logp = torch.log_softmax(logits, -1)
     assert float((logp.detach().double() - ref_logp.gather(1, tokens[:, None])[:, 0]).abs().max()) < 1e-5
     ref_entropy = -(ref_logp.exp() * ref_logp).sum(-1)
