@@ -212,6 +212,8 @@ class PolicyUpdater:
             per_token = per_token * self._correction_weight(batch, rows, width, logp, mask, correction)
         if ref_logprobs is not None:
             kl = k3_kl(logp, ref_logprobs[rows, :width].to(self.device))
+            if cfg.algo.kl_ratio_weighted:  # TRL's use_bias_correction_kl: the ratio's gradient reaches the KL
+                kl = kl * torch.exp(logp - old)
             per_token = per_token + cfg.algo.beta * kl
             metrics["kl"] = (float((kl.detach() * mask).sum()), float(mask.sum()))
         weights = self.aggregate(mask, stats)
