@@ -130,9 +130,11 @@ class AlgoConfig:
         "vllm_importance_sampling_mode token_truncate/token_mask/sequence_truncate/sequence_mask; verl: "
         "algorithm.rollout_correction rollout_is token/sequence). Ratio = trainer/sampler probability of the sampled "
         "tokens, per token or per sequence (product); *_tis truncates it to [cap_low, cap], *_mask zeroes it "
-        "outside; it multiplies the token loss, and the PPO old log-probs become the trainer's. auto: TRL's "
-        "sequence_mask when the sampler computes differently from the trainer (vllm engine, a compute dtype other "
-        "than model.dtype, asynchronous generation), none when it is the trainer's own module in one precision.")
+        "outside; it multiplies the token loss, and the PPO old log-probs become the trainer's. auto, per kind of "
+        "mismatch: TRL's sequence_mask for the vllm engine's rollouts and for asynchronous generation from older "
+        "weights; token_tis when the sampler differs in precision alone (a compute dtype other than model.dtype: "
+        "a sequence ratio multiplies every token's rounding gap, docs/results.md); none when the sampler is the "
+        "trainer's own module in one precision. The log names the mismatch kinds found.")
     rollout_correction_cap: float = _f(3.0, "Upper bound C_max of the rollout-correction ratio (TRL: "
                                        "vllm_importance_sampling_clip_max; verl: rollout_is_threshold).")
     rollout_correction_cap_low: float = _f(0.0, "Lower bound C_min of the rollout-correction ratio; 0 = none (TRL: "

@@ -40,10 +40,10 @@ ROWS: tuple[Row, ...] = (
         "podsrl (its default models fit without it; it costs about one more forward); the same per-layer "
         "non-reentrant recomputation", accepted=True),
     Row("vllm_importance_sampling_correction", True, ("algo.rollout_correction",), "**differs** in where it "
-        "applies: TRL corrects vLLM-sampled rollouts; podsrl's `auto` corrects (with TRL's default mode) whenever "
-        "the sampler computes differently from the trainer (vllm engine, a compute dtype other than `model.dtype`, "
-        "asynchronous generation) and not when the `fast`/`hf`/`ray` engine samples with the trained module in one "
-        "precision; `none` turns it off"),
+        "applies: TRL corrects vLLM-sampled rollouts; podsrl's `auto` corrects with TRL's default mode for the "
+        "vllm engine and asynchronous generation from older weights, with `token_tis` for a precision-only "
+        "mismatch (a compute dtype other than `model.dtype`), and not when the `fast`/`hf`/`ray` engine samples "
+        "with the trained module in one precision; `none` turns it off"),
     Row("vllm_importance_sampling_mode", "sequence_mask", ("algo.rollout_correction",), "same formulas, applied to "
         "any engine's rollouts (`token_truncate` = `token_tis`, `sequence_truncate` = `sequence_tis`)",
         accepted=True, values={"token_truncate": "token_tis", "token_mask": "token_mask",
