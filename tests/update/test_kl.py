@@ -61,6 +61,8 @@ def test_ratio_weighting_adds_the_score_function_term_to_the_kl_gradient():
     score_term = (BETA * mask / mask.sum() * k3_kl(logp.detach(), ref_logp) * logp).sum()
     score_term.backward()
     expected = grads(model)
+    print(f"score term: rel. error {rel(weighted_grad - plain_grad, expected):.2e}, share of the gradient "
+          f"{rel(weighted_grad, plain_grad):.2e}")
     assert rel(weighted_grad - plain_grad, expected) <= 1e-4, rel(weighted_grad - plain_grad, expected)
     assert rel(weighted_grad, plain_grad) > 1e-3  # the term is not negligible on this batch
 
