@@ -111,9 +111,9 @@ PRECISION_MODE = "token_tis"  # `auto`'s mode for a sampler that differs from th
 
 def mismatch_kinds(cfg, device: torch.device) -> tuple[str, ...]:
     """How the sampler's log-probs differ from the trainer's in this run: "engine" (vLLM's kernels), "staleness"
-    (train.async samples from weights up to max_staleness steps old), "precision" (the fast engine's copy in a
-    compute dtype narrower than the trained parameters); empty when the sampler is the trained module in its own
-    precision (fast/hf/ray engines), where the ratio is 1 up to float rounding."""
+    (train.async samples from weights up to max_staleness steps old), "precision" (the update computes in a dtype
+    narrower than the trained parameters; the fast engine samples from a copy in that dtype); empty when the
+    sampler is the trained module in its own precision (fast/hf/ray engines): the ratio is 1 up to float rounding."""
     run_ahead = cfg.train.asynchronous  # max_staleness 0: the synchronous loop, the same weights
     kinds = {
         "engine": cfg.rollout.engine == "vllm",

@@ -162,7 +162,7 @@ class _FromHidden(torch.autograd.Function):
 
 def _logits(h: Tensor, w: Tensor, b: Tensor | None, compute: torch.dtype | None, temperature: float) -> Tensor:
     """One chunk's scaled logits, a fresh float (>= 32-bit) tensor the caller may overwrite: the output layer's
-    matmul in the compute dtype, then the division by the temperature in float32 (as `_scaled` does to given logits)."""
+    matmul in the compute dtype, then the division by the temperature in float32 (as `_scaled` does to logits)."""
     z = _float(torch.nn.functional.linear(_cast(h, compute), w, b))
     return z.div_(temperature) if temperature != 1.0 else z
 
