@@ -25,14 +25,14 @@ def word_reward(prompts, completions, **columns):
 
 
 def gsm8k_model(seed: int = 0, hidden: int = 256, layers: int = 6, heads: int = 4, vocab: int = VOCAB,
-                eos: int = 1, pad: int = 0):
+                eos: int = 1, pad: int = 0, positions: int = 1024):
     """Random-init Qwen2 with a 32k vocabulary (tied embeddings): ~13M parameters at the default width."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(Qwen2Config(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=1024,
+        num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=positions,
         tie_word_embeddings=True, pad_token_id=pad, eos_token_id=eos, bos_token_id=None))
 
 

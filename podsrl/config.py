@@ -126,6 +126,10 @@ class AlgoConfig:
         "token_mean", "Loss aggregation (TRL: loss_type dapo/grpo/dr_grpo; verl: loss_agg_mode)."
     )
     beta: float = _f(0.0, "KL coefficient to a frozen reference (k3); 0 loads no reference model.")
+    kl_ratio_weighted: bool = _f(
+        False, "Multiply each token's KL term by the PPO ratio pi / pi_old (not detached), so its gradient is the "
+        "unbiased reverse-KL gradient (TRL: use_bias_correction_kl, on by default there; DeepSeek-V3.2). It changes "
+        "the gradient even on one pass, where the ratio's value is 1. Only with beta > 0.")
     advantage_clip: float = _f(0.0, "Clip every method's advantages to [-c, c] before the update (e.g. 5); "
                                "0 = off.")
     rollout_correction: Literal["auto", "none", "token_tis", "token_mask", "sequence_tis", "sequence_mask"] = _f(
@@ -133,9 +137,11 @@ class AlgoConfig:
         "vllm_importance_sampling_mode token_truncate/token_mask/sequence_truncate/sequence_mask; verl: "
         "algorithm.rollout_correction rollout_is token/sequence). Ratio = trainer/sampler probability of the sampled "
         "tokens, per token or per sequence (product); *_tis truncates it to [cap_low, cap], *_mask zeroes it "
-        "outside; it multiplies the token loss, and the PPO old log-probs become the trainer's. auto: TRL's "
-        "sequence_mask when the sampler computes differently from the trainer (vllm engine, a compute dtype other "
-        "than model.dtype, asynchronous generation), none when it is the trainer's own module in one precision.")
+        "outside; it multiplies the token loss, and the PPO old log-probs become the trainer's. auto, per kind of "
+        "mismatch: TRL's sequence_mask for the vllm engine's rollouts and for asynchronous generation from older "
+        "weights; token_tis when the sampler differs in precision alone (a compute dtype other than model.dtype: "
+        "a sequence ratio multiplies every token's rounding gap, docs/results.md); none when the sampler is the "
+        "trainer's own module in one precision. The log names the mismatch kinds found.")
     rollout_correction_cap: float = _f(3.0, "Upper bound C_max of the rollout-correction ratio (TRL: "
                                        "vllm_importance_sampling_clip_max; verl: rollout_is_threshold).")
     rollout_correction_cap_low: float = _f(0.0, "Lower bound C_min of the rollout-correction ratio; 0 = none (TRL: "
@@ -179,8 +185,11 @@ class UpdateConfig:
 class AsyncConfig:
     enabled: bool = _f(False, "Generate the next steps' rollouts on a background worker while the learner updates "
                        "(one process: a thread with its own copy of the policy; rollout.engine=ray: the actor pool). "
-                       "The batch trained at step k is sampled under the weights of step max(0, k - max_staleness), "
-                       "a fixed lag, so a run is the same whatever the timing and resumes exactly.")
+                       "The batch trained at step k is sampled under the weights of step max(k - max_staleness, r), "
+                       "r = the step the run started at (0, or the step it resumed from: older weights are not "
+                       "kept), a fixed lag, so a run is the same whatever the timing. A checkpoint carries the "
+                       "batches already produced under older weights, so a resume with the same max_staleness "
+                       "continues the run exactly.")
     max_staleness: int = _f(1, "Optimiser steps between the weights that sampled a batch and the weights it trains "
                             "(1 = one-step off-policy, verl's one_step_off_policy); 0 = the synchronous loop (the same "
                             "run bit for bit, no overlap). A batch older than this (a resume with a smaller value) is "

@@ -40,10 +40,10 @@ ROWS: tuple[Row, ...] = (
         "podsrl (its default models fit without it; it costs about one more forward); the same per-layer "
         "non-reentrant recomputation", accepted=True),
     Row("vllm_importance_sampling_correction", True, ("algo.rollout_correction",), "**differs** in where it "
-        "applies: TRL corrects vLLM-sampled rollouts; podsrl's `auto` corrects (with TRL's default mode) whenever "
-        "the sampler computes differently from the trainer (vllm engine, a compute dtype other than `model.dtype`, "
-        "asynchronous generation) and not when the `fast`/`hf`/`ray` engine samples with the trained module in one "
-        "precision; `none` turns it off"),
+        "applies: TRL corrects vLLM-sampled rollouts; podsrl's `auto` corrects with TRL's default mode for the "
+        "vllm engine and asynchronous generation from older weights, with `token_tis` for a precision-only "
+        "mismatch (a compute dtype other than `model.dtype`), and not when the `fast`/`hf`/`ray` engine samples "
+        "with the trained module in one precision; `none` turns it off"),
     Row("vllm_importance_sampling_mode", "sequence_mask", ("algo.rollout_correction",), "same formulas, applied to "
         "any engine's rollouts (`token_truncate` = `token_tis`, `sequence_truncate` = `sequence_tis`)",
         accepted=True, values={"token_truncate": "token_tis", "token_mask": "token_mask",
@@ -74,7 +74,12 @@ ROWS: tuple[Row, ...] = (
     Row("epsilon", 0.2, ("algo.epsilon_low",), "same; as in TRL, it also sets the upper clip unless `epsilon_high` "
         "is given", accepted=True, fills=("algo.epsilon_high",)),
     Row("epsilon_high", None, ("algo.epsilon_high",), "same (TRL's `None` = `epsilon`)", accepted=True),
-    Row("beta", 0.0, ("algo.beta",), "same (0 loads no reference model)", accepted=True),
+    Row("beta", 0.0, ("algo.beta",), "same coefficient of the same k3 estimator (0 loads no reference model); "
+        "TRL also multiplies the KL term by the PPO ratio unless `use_bias_correction_kl` is false (next row)",
+        accepted=True),
+    Row("use_bias_correction_kl", True, ("algo.kl_ratio_weighted",), "**differs**: on in TRL, off in podsrl; "
+        "the same product (the KL term times the ratio, not detached: it changes the gradient even on one pass)",
+        accepted=True),
     Row("num_iterations", 1, ("optim.epochs",), "same", accepted=True),
     Row("temperature", 1.0, ("rollout.temperature",), "same", accepted=True),
     Row("top_p", 1.0, ("rollout.top_p",), "same", accepted=True),

@@ -106,17 +106,51 @@ def _masked_max(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     return torch.where(where.any(), torch.where(where, values, -torch.inf).amax(), 0.0)
 
 
+PRECISION_MODE = "token_tis"  # `auto`'s mode for a sampler that differs from the trainer in precision alone
+
+
+def mismatch_kinds(cfg, device: torch.device) -> tuple[str, ...]:
+    """How the sampler's log-probs differ from the trainer's in this run: "engine" (vLLM's kernels), "staleness"
+    (train.async samples from weights up to max_staleness steps old), "precision" (the update computes in a dtype
+    narrower than the trained parameters; the fast engine samples from a copy in that dtype); empty when the
+    sampler is the trained module in its own precision (fast/hf/ray engines): the ratio is 1 up to float rounding."""
+    run_ahead = cfg.train.asynchronous  # max_staleness 0: the synchronous loop, the same weights
+    kinds = {
+        "engine": cfg.rollout.engine == "vllm",
+        "staleness": run_ahead.enabled and run_ahead.max_staleness > 0,
+        "precision": resolve_compute_dtype(cfg.model, device) != getattr(torch, cfg.model.dtype),
+    }
+    return tuple(kind for kind, present in kinds.items() if present)
+
+
 def resolve_rollout_correction(cfg, device: torch.device) -> str:
-    """The mode `algo.rollout_correction` means for this run. `auto` follows TRL's default where TRL applies it:
-    TRL corrects rollouts it did not sample with its own module (vLLM), so `auto` is TRL's default mode when the
-    sampler does not compute like the trainer (the vllm engine, a compute dtype other than the parameter dtype, or
-    asynchronous generation from older weights) and `none` when the sampler is the trainer's own module in the same
-    precision (fast/hf/ray engines): there the ratio is 1 up to float rounding and the correction would only cost."""
+    """The mode `algo.rollout_correction` means for this run. `auto` follows TRL's default where TRL applies it
+    (rollouts from another engine: vLLM) and where the weights differ (staleness). For a precision-only mismatch (a
+    bfloat16 sampling copy of float32 masters) it truncates per token: a sequence ratio multiplies every token's
+    rounding gap, and on the GSM8K-shaped model with a trained model's entropy the 1,024-token completions'
+    sequence ratios spread from 0.28 to 2.28 (a rescaling of whole completions that follows no policy change)
+    where 99.8% of the token ratios lie within 0.87-1.15 (docs/results.md, "Rollout correction for a
+    precision-only mismatch"); token weights also log the mismatch. None without a mismatch: it would only cost."""
     mode = cfg.algo.rollout_correction
     if mode != "auto":
         return mode
-    narrower_compute = resolve_compute_dtype(cfg.model, device) != getattr(torch, cfg.model.dtype)
-    run_ahead = cfg.train.asynchronous  # max_staleness 0: the synchronous loop, the same weights
-    mismatch = (cfg.rollout.engine == "vllm" or narrower_compute
-                or (run_ahead.enabled and run_ahead.max_staleness > 0))
-    return TRL_DEFAULT_MODE if mismatch else "none"
+    kinds = mismatch_kinds(cfg, device)
+    if "engine" in kinds or "staleness" in kinds:
+        return TRL_DEFAULT_MODE
+    return PRECISION_MODE if kinds else "none"
+
+
+def uncorrected_staleness(cfg) -> str | None:
+    """The warning for a run that trains stale batches unchecked (None when it does not): train.async with
+    max_staleness > 0, no rollout correction and one pass, where the PPO ratio is the trainer's log-prob over
+    itself (1 by construction), so neither a correction nor the clip sees that the batch was sampled under older
+    weights. With several passes the sampler's log-probs are PPO's old log-probs and the clip bounds the lag."""
+    run_ahead = cfg.train.asynchronous
+    passes = cfg.optim.epochs * cfg.optim.mini_batches
+    if cfg.algo.rollout_correction != "none" or not run_ahead.enabled or run_ahead.max_staleness == 0 or passes > 1:
+        return None
+    return (f"algo.rollout_correction: none with train.async.max_staleness {run_ahead.max_staleness} and one pass "
+            "trains each batch as if it were on-policy, though it was sampled up to "
+            f"{run_ahead.max_staleness} optimiser steps ago: the PPO ratio is 1 by construction, so neither a "
+            "correction nor the clip sees the lag. Set algo.rollout_correction: auto (or a mode) to weigh stale "
+            "batches, or optim.epochs / optim.mini_batches above 1 to clip against the sampler's log-probs")

@@ -96,47 +96,52 @@ class _FromLogits(torch.autograd.Function):
 
 
 class _FromHidden(torch.autograd.Function):
-    """The temperature is folded into the [N, D] hidden states and the bias (z = (h / T) W^T + b / T), so no pass
-    over [n, V] divides by it. Under autocast the output layer's matmuls run in its dtype (the forward's and the
-    backward's recomputed logits alike, so both see the same logits) and accumulate gradients in the parameters'."""
+    """The logits z = h W^T + b come out of the output layer's matmul (under autocast in its dtype, the forward's
+    and the backward's recomputed logits alike, so both see the same logits) and are divided by the temperature in
+    float32 afterwards, as the sampler and the plain path do: folding 1 / T into h before a bfloat16 matmul rounds
+    a different product and shifts the log-probs by a few hundredths of a nat a token at T = 0.7. The backward
+    scales the incoming gradients by 1 / T (d(loss)/dz is linear in them), so no pass over [n, V] divides there.
+    Gradients accumulate in the parameters' dtype."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,  # type: ignore[override]
                 temperature: float, chunk: int):
         ctx.set_materialize_grads(False)
         ctx.compute = _autocast_dtype(hidden)
-        scaled = hidden / temperature if temperature != 1.0 else hidden
-        scaled_bias = bias / temperature if bias is not None and temperature != 1.0 else bias
         logp, ent, lse = [], [], []
         with _no_autocast(hidden):
-            w, b = _cast(weight, ctx.compute), _cast(scaled_bias, ctx.compute)
-            for h, t in zip(scaled.split(chunk), targets.split(chunk)):
-                target, entropy, norm = _stats_(_float(torch.nn.functional.linear(_cast(h, ctx.compute), w, b)), t)
+            w, b = _cast(weight, ctx.compute), _cast(bias, ctx.compute)
+            for h, t in zip(hidden.split(chunk), targets.split(chunk)):
+                z = _logits(h, w, b, ctx.compute, temperature)
+                target, entropy, norm = _stats_(z, t)
                 logp.append(target)
                 ent.append(entropy)
                 lse.append(norm)
         logp_t, entropy, lse_t = torch.cat(logp), torch.cat(ent), torch.cat(lse)
-        ctx.save_for_backward(scaled, weight, scaled_bias, targets, lse_t, entropy)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse_t, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
         return logp_t, entropy
 
     @staticmethod
     def backward(ctx, g_logp: Tensor | None, g_entropy: Tensor | None):  # type: ignore[override]
-        scaled, weight, scaled_bias, targets, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         if g_logp is None and g_entropy is None:
             return None, None, None, None, None, None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        d_hidden = torch.empty_like(scaled) if need_h else None
+        d_hidden = torch.empty_like(hidden) if need_h else None
         d_weight = torch.zeros_like(weight) if need_w else None
-        d_bias = torch.zeros_like(scaled_bias) if need_b and scaled_bias is not None else None
+        d_bias = torch.zeros_like(bias) if need_b and bias is not None else None
         c, temp, compute = ctx.chunk, ctx.temperature, ctx.compute
-        with _no_autocast(scaled):
-            w, b = _cast(weight, compute), _cast(scaled_bias, compute)
+        # d(loss)/d(h W^T + b) = d(loss)/dz / T
+        g_logp = None if g_logp is None else g_logp / temp
+        g_entropy = None if g_entropy is None else g_entropy / temp
+        with _no_autocast(hidden):
+            w, b = _cast(weight, compute), _cast(bias, compute)
             mixed = compute is not None  # compute-dtype products accumulated into the parameters' dtype
-            for start in range(0, scaled.shape[0], c):
+            for start in range(0, hidden.shape[0], c):
                 s = slice(start, start + c)
-                h = _cast(scaled[s], compute)
-                z = _float(torch.nn.functional.linear(h, w, b))  # a fresh tensor: overwritten below
+                h = _cast(hidden[s], compute)
+                z = _logits(h, w, b, compute, temp)
                 grad_z = _grad_z_(z, targets[s], lse[s], entropy[s], None if g_logp is None else g_logp[s],
                                   None if g_entropy is None else g_entropy[s])
                 grad = grad_z.to(h.dtype)
@@ -152,11 +157,14 @@ class _FromHidden(torch.autograd.Function):
                         d_weight.addmm_(grad.t(), h)
                 if d_bias is not None:
                     d_bias += grad_z.sum(0) if mixed else grad.sum(0)
-        if temp != 1.0:
-            for g in (d_hidden, d_bias):
-                if g is not None:
-                    g /= temp
         return d_hidden, d_weight, d_bias, None, None, None
+
+
+def _logits(h: Tensor, w: Tensor, b: Tensor | None, compute: torch.dtype | None, temperature: float) -> Tensor:
+    """One chunk's scaled logits, a fresh float (>= 32-bit) tensor the caller may overwrite: the output layer's
+    matmul in the compute dtype, then the division by the temperature in float32 (as `_scaled` does to logits)."""
+    z = _float(torch.nn.functional.linear(_cast(h, compute), w, b))
+    return z.div_(temperature) if temperature != 1.0 else z
 
 
 def _autocast_dtype(t: Tensor) -> torch.dtype | None:

@@ -14,7 +14,13 @@ import torch
 
 from podsrl.algo.grad_noise import make_probe
 from podsrl.algo.loss import LOSS_AGGREGATIONS, aggregation_stats, clipped_policy_loss, k3_kl
-from podsrl.algo.rollout_correction import RolloutCorrection, resolve_rollout_correction, rollout_correction
+from podsrl.algo.rollout_correction import (
+    RolloutCorrection,
+    mismatch_kinds,
+    resolve_rollout_correction,
+    rollout_correction,
+    uncorrected_staleness,
+)
 from podsrl.batch import RolloutBatch
 from podsrl.config import Config
 from podsrl.models.packed import packed_forward_problem
@@ -49,8 +55,12 @@ class PolicyUpdater:
         self.nonfinite_in_a_row = 0
         self.rollout_correction = resolve_rollout_correction(cfg, device)
         self._trainer_logprobs: torch.Tensor | None = None  # [R, Lc], one-pass steps with a correction
-        log.info("update: rollout correction %s (algo.rollout_correction: %s)", self.rollout_correction,
-                 cfg.algo.rollout_correction)
+        log.info("update: rollout correction %s (algo.rollout_correction: %s; sampler/trainer mismatch: %s)",
+                 self.rollout_correction, cfg.algo.rollout_correction,
+                 ", ".join(mismatch_kinds(cfg, device)) or "none")
+        unchecked = uncorrected_staleness(cfg)
+        if unchecked is not None:
+            log.warning("update: %s", unchecked)
 
     @property
     def needs_sampler_logprobs(self) -> bool:
@@ -212,6 +222,8 @@ class PolicyUpdater:
             per_token = per_token * self._correction_weight(batch, rows, width, logp, mask, correction)
         if ref_logprobs is not None:
             kl = k3_kl(logp, ref_logprobs[rows, :width].to(self.device))
+            if cfg.algo.kl_ratio_weighted:  # TRL's use_bias_correction_kl: the ratio's gradient reaches the KL
+                kl = kl * torch.exp(logp - old)
             per_token = per_token + cfg.algo.beta * kl
             metrics["kl"] = (float((kl.detach() * mask).sum()), float(mask.sum()))
         weights = self.aggregate(mask, stats)

@@ -5,12 +5,18 @@ of it (not 1, and weighted exactly per the formula)."""
 from __future__ import annotations
 
 import copy
+import logging
 import math
 
 import pytest
 import torch
 
-from podsrl.algo.rollout_correction import resolve_rollout_correction, rollout_correction
+from podsrl.algo.rollout_correction import (
+    mismatch_kinds,
+    resolve_rollout_correction,
+    rollout_correction,
+    uncorrected_staleness,
+)
 from podsrl.batch import Problem, RolloutBatch
 from podsrl.config import TinyModelConfig, load_config
 from podsrl.engines.base import SamplingParams
@@ -18,6 +24,7 @@ from podsrl.engines.fast import FastEngine
 from podsrl.engines.hf import HFEngine
 from podsrl.models.loading import build_char_tokenizer, build_tiny_model
 from podsrl.update.plain import plain_logprobs
+from tests.update.test_shared_prompt import make_updater, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -96,29 +103,62 @@ def test_none_is_not_a_mode_of_the_function():
         rollout_correction(TRAINER, SAMPLER, MASK, "none", 3.0)
 
 
-def test_auto_resolves_to_trls_default_only_where_the_sampler_computes_differently():
+def test_auto_resolves_per_mismatch_kind():
+    """TRL's default (sequence_mask) for another engine's rollouts and for stale weights; token-level truncation for
+    a precision-only mismatch (a sequence ratio multiplies the rounding gaps of every token: docs/results.md);
+    none where the sampler is the trained module in its own precision."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     cfg = load_config(None, [])
     assert cfg.algo.rollout_correction == "auto"
     assert resolve_rollout_correction(cfg, cpu) == "none"  # the fast engine samples with the trained fp32 module
+    assert mismatch_kinds(cfg, cpu) == ()
     for engine in ("hf", "ray"):
         assert resolve_rollout_correction(load_config(None, [f"rollout.engine={engine}"]), cpu) == "none"
-    assert resolve_rollout_correction(load_config(None, ["rollout.engine=vllm"]), cpu) == "sequence_mask"
-    # model.compute_dtype is read when the config has it
-    cfg.model.compute_dtype = "bfloat16"
-    assert resolve_rollout_correction(cfg, cpu) == "sequence_mask"
-    cfg.model.compute_dtype = "auto"  # bfloat16 on CUDA, float32 on the CPU
-    assert resolve_rollout_correction(cfg, cpu) == "none"
-    assert resolve_rollout_correction(cfg, cuda) == "sequence_mask"
-    del cfg.model.compute_dtype
+    vllm = load_config(None, ["rollout.engine=vllm"])
+    assert resolve_rollout_correction(vllm, cpu) == "sequence_mask" and mismatch_kinds(vllm, cpu) == ("engine",)
+    # a bfloat16 sampling copy of float32 masters: precision only
+    assert resolve_rollout_correction(cfg, cuda) == "token_tis"  # compute_dtype auto: bfloat16 on CUDA
+    assert mismatch_kinds(cfg, cuda) == ("precision",)
+    bf16 = load_config(None, ["model.compute_dtype=bfloat16"])
+    assert resolve_rollout_correction(bf16, cpu) == "token_tis"
+    assert resolve_rollout_correction(load_config(None, ["model.compute_dtype=bfloat16", "rollout.engine=vllm"]),
+                                      cpu) == "sequence_mask"
     # train.async samples from weights up to max_staleness steps old; staleness 0 is the learner's own weights
     for staleness, mode in ((1, "sequence_mask"), (0, "none")):
         lagged = load_config(None, ["train.async.enabled=true", f"train.async.max_staleness={staleness}"])
         assert resolve_rollout_correction(lagged, cpu) == mode
+        assert resolve_rollout_correction(lagged, cuda) == ("sequence_mask" if staleness else "token_tis")
+    assert mismatch_kinds(load_config(None, ["train.async.enabled=true"]), cuda) == ("staleness", "precision")
     explicit = load_config(None, ["algo.rollout_correction=token_tis", "rollout.engine=vllm"])
     assert resolve_rollout_correction(explicit, cpu) == "token_tis"
     assert resolve_rollout_correction(load_config(None, ["algo.rollout_correction=none", "rollout.engine=vllm"]),
                                       cpu) == "none"
+
+
+@pytest.mark.parametrize("overrides, warned", [
+    (["algo.rollout_correction=none", "train.async.enabled=true", "train.async.max_staleness=2"], True),
+    (["algo.rollout_correction=none", "train.async.enabled=true", "optim.epochs=2"], False),  # clipped vs sampler
+    (["algo.rollout_correction=none", "train.async.enabled=true", "optim.mini_batches=2"], False),
+    (["algo.rollout_correction=none", "train.async.enabled=true", "train.async.max_staleness=0"], False),
+    (["train.async.enabled=true"], False),  # auto: TRL's default weighs the stale batches
+    (["algo.rollout_correction=none"], False),  # synchronous: nothing stale
+])
+def test_stale_batches_without_correction_or_clipping_are_warned_about(overrides, warned):
+    message = uncorrected_staleness(load_config(None, overrides))
+    assert (message is not None) == warned
+    if warned:
+        assert message.startswith("algo.rollout_correction: none with train.async.max_staleness 2 and one pass")
+        assert "Set algo.rollout_correction: auto" in message and "optim.epochs" in message
+
+
+def test_the_updater_logs_the_warning_and_the_mismatch_kinds(caplog):
+    overrides = ["algo.rollout_correction=none", "train.async.enabled=true", "model.compute_dtype=bfloat16"]
+    with caplog.at_level(logging.INFO, logger="podsrl"):
+        make_updater(tiny_model(), True, *overrides)
+    warnings = [r.message for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["update: " + uncorrected_staleness(load_config(None, overrides))]
+    assert any(r.message.endswith("(algo.rollout_correction: none; sampler/trainer mismatch: staleness, precision)")
+               for r in caplog.records)
 
 
 def test_trl_names_map_to_the_keys():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from podsrl.engines.sampling import sample_with_uniforms
 from podsrl.models.logprobs import head_logprobs_and_entropy, token_logprobs_and_entropy
 from tests.conftest import device_under_test
 
@@ -81,3 +82,29 @@ def test_float32_output_for_low_precision_and_empty_inputs():
     assert empty[0].shape == empty[1].shape == (2, 0)
     assert head_logprobs_and_entropy(torch.zeros(0, 4), torch.zeros(8, 4), None, torch.zeros(0, dtype=torch.long))[
         0].shape == (0,)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_shared_prompt_plain_and_sampler_log_probs_agree_under_bfloat16_autocast(temperature):
+    """The three places a sampled token's log-prob is computed (the sampler, the plain path from the model's logits,
+    the shared-prompt path from hidden states and the output layer) see the same bfloat16 logits and divide them by
+    the temperature in float32. Folding 1 / T into the hidden states before the bfloat16 matmul instead rounded a
+    different product: 0.02 nats a token on average (max 0.1) at T = 0.7 on these inputs; agreement is ~1e-6."""
+    gen = torch.Generator().manual_seed(0)
+    rows, width, vocab = 64, 256, 4096
+    hidden = torch.randn(rows, width, generator=gen).to(DEV)
+    weight = (torch.randn(vocab, width, generator=gen) * 4 / width ** 0.5).to(DEV)  # logits of std ~4
+    bias = (0.1 * torch.randn(vocab, generator=gen)).to(DEV)
+    uniforms = torch.rand(rows, generator=gen).to(DEV)
+    with torch.autocast(DEV.type, dtype=torch.bfloat16):
+        logits = torch.nn.functional.linear(hidden, weight, bias)  # the plain path's and the decode step's logits
+        tokens, sampled = sample_with_uniforms(logits, uniforms, temperature)
+        plain, _ = token_logprobs_and_entropy(logits, tokens, temperature)
+        shared, _ = head_logprobs_and_entropy(hidden, weight, bias, tokens, temperature)
+    assert logits.dtype == torch.bfloat16
+    for name, logp in (("plain", plain), ("shared-prompt", shared)):
+        gap = (logp - sampled).abs()
+        print(f"T = {temperature}: {name} path vs sampler, mean {float(gap.mean()):.2e}, max {float(gap.max()):.2e}")
+    torch.testing.assert_close(plain, sampled, rtol=0, atol=1e-4)
+    torch.testing.assert_close(shared, sampled, rtol=0, atol=1e-4)
+    torch.testing.assert_close(shared, plain, rtol=0, atol=1e-4)
