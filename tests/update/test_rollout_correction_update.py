@@ -109,7 +109,9 @@ def test_the_trainers_own_fp32_module_as_sampler_leaves_the_update_unchanged():
 
 
 def test_a_run_with_the_correction_on_logs_its_metrics(tmp_path, warmup_cache, caplog):
-    overrides = tiny_overrides(tmp_path, warmup_cache, **{"algo.rollout_correction": "token_tis"})
+    # float32 compute on every device (auto is bfloat16 on CUDA, sampled from a bfloat16 copy): ratio 1 is expected
+    overrides = tiny_overrides(tmp_path, warmup_cache, **{"algo.rollout_correction": "token_tis",
+                                                          "model.compute_dtype": "float32"})
     with caplog.at_level(logging.INFO, logger="podsrl"):
         Trainer(load_config(None, overrides)).train()
     assert sum("rollout correction token_tis" in r.message for r in caplog.records) == 1
