@@ -173,6 +173,8 @@ class Trainer:
             self.generator.publish(self.step, self.generation_model)
             produced, waited = self.generator.take(self.step)
         kept = self.dist.agree_batch(produced.kept, self.update_rng)
+        if self.generator is None:  # the update's memory, not the engine's kept cache (train.async: in flight)
+            self.engine.release()
         t_upd = time.perf_counter()
         if faults.fire("loss", self.step + 1):  # injected numerical fault: a NaN loss and gradient
             kept.advantages = torch.full_like(kept.advantages, float("nan"))
@@ -361,6 +363,8 @@ class Trainer:
         metrics = evaluate(self.eval_engine, self.eval_tokenizer, self.eval_problems, self.verify,
                            cfg.rollout.max_new_tokens, cfg.eval.samples, cfg.rollout.temperature,
                            cfg.rollout.top_p, cfg.eval.batch_size)
+        if self.eval_engine is not self.engine:  # train.async: idle until the next eval, beside the update
+            self.eval_engine.release()
         # eval is outside the training clock (time/elapsed); its own cost is logged beside it
         record = {"step": self.step, "time/elapsed": self.elapsed, "time/eval": time.perf_counter() - t0, **metrics}
         record.update(self.accountant.total_metrics())
