@@ -334,13 +334,14 @@ def backward_transient(shape: ModelShape, mb: MicroBatch, work: Workload) -> dic
 
 def model_state(shape: ModelShape, work: Workload) -> dict[str, int]:
     """Resident through the update: master weights, gradients and AdamW's two moments of the trained parameters
-    (model.dtype; LoRA adapters stay float32), the reference model (a second copy, model.dtype) when beta > 0."""
+    (model.dtype; LoRA adapters stay float32), the reference model (a second copy, model.dtype) when beta > 0
+    without LoRA (with LoRA the reference is the policy with its adapters disabled: no copy)."""
     trained = shape.trained_params * (4 if shape.lora else work.p)
     return {
         "weights": shape.params * work.p,
         "gradients": trained,
         "optimizer": ADAM_STATES * trained,
-        "reference": shape.params * work.p if work.beta > 0 else 0,
+        "reference": shape.params * work.p if work.beta > 0 and not shape.lora else 0,
     }
 
 

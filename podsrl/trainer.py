@@ -101,7 +101,9 @@ class Trainer:
                                                 trainable=True)
         self.model.to(self.device)
         self.ref_model = None
-        if cfg.algo.beta > 0:  # frozen copy of the starting policy; not loaded at all when beta = 0
+        # frozen copy of the starting policy; not loaded at all when beta = 0, nor with LoRA (the policy with its
+        # adapters disabled is the starting policy: podsrl/update/updater.py reference_logprobs)
+        if cfg.algo.beta > 0 and cfg.model.lora_rank == 0:
             self.ref_model, _ = load_policy(cfg.model, self.base_path, seed=cfg.seed)
             self.ref_model.to(self.device).eval().requires_grad_(False)
         # torchrun: DDP-style, or FSDP2 which shards policy and reference in place (so before the optimiser) and

@@ -89,6 +89,15 @@ def test_model_shape_counts_the_real_parameters_and_lora_adapters():
         mp.model_shape(config, 4, ["gate_proj"])
 
 
+def test_a_reference_model_is_counted_without_lora_only():
+    """beta > 0 keeps a second copy of the weights; with LoRA the reference is the policy, its adapters disabled."""
+    config = qwen2()
+    work = mp.Workload(prompts=2, n=4, m=4, prompt_length=16, completion_length=16, beta=0.04)
+    full, lora = mp.model_shape(config), mp.model_shape(config, 4, ["q_proj", "v_proj"])
+    assert mp.model_state(full, work)["reference"] == full.params * 4
+    assert mp.model_state(lora, work)["reference"] == 0
+
+
 def test_terms_by_hand_for_a_1_5b_shaped_model():
     """Qwen2.5-1.5B's shape (28 layers, hidden 1536, 12/2 heads of 128, MLP 8960, vocabulary 151936), bf16 compute
     with float32 masters: the KV cache and the state by the formulas in the module docstring."""
@@ -132,6 +141,7 @@ def test_train_async_adds_the_generator_copy_and_overlaps_generation_with_the_up
     assert (sync.async_generator, in_process.async_generator, ray.async_generator) == ("none", "in_process", "ray")
     gen, gen_async = mp.generation_peak(shape, sync), mp.generation_peak(shape, in_process)
     assert gen["generator_weights"] == 0 and gen_async["generator_weights"] == shape.params * 2
+    assert gen_async["engine_weights"] == shape.params * 2  # the eval engine's copy of the learner's weights
     assert mp.generation_peak(shape, ray)["generator_weights"] == shape.params * 4
     upd, upd_async = (mp.update_peak(shape, w, rows=8, checkpointing=False) for w in (sync, in_process))
     assert "kv_cache" not in upd and upd_async["kv_cache"] == gen["kv_cache"]
