@@ -306,8 +306,8 @@ class FastEngine(RolloutEngine):
 
     def rows_in_flight(self, prompts: list[list[int]], counts: list[int], steps: int, top_p: float) -> int:
         """How many rows decode at once: rollout.engine_options.max_rows, else on CUDA as many as the memory plan
-        says fit the device's free memory (less its reserve), else all. Under buckets a power of two (the kept
-        state's rows are the bucket's)."""
+        says fit the device's free memory (less its reserve), else all. Under buckets the state's rows are the
+        bucket's (a power of two), kept within the budget."""
         rows = sum(counts)
         budget = self.max_rows
         if budget is None and model_device(self.model).type == "cuda":
@@ -315,8 +315,12 @@ class FastEngine(RolloutEngine):
                 self.shape = model_shape(self.model.config)
             kept = self.state.nbytes if self.state is not None else 0
             budget = plan_rows_in_flight(self.model, self.shape, prompts, counts, steps, top_p, kept)
-        limit = max(1, min(rows, budget or rows))
-        return limit if self.buckets.exact or limit == rows else 1 << (limit.bit_length() - 1)
+        if budget is None:
+            return rows
+        limit = max(1, min(rows, budget))
+        if self.buckets.rows(limit) > budget:  # the state holds a bucket's rows: no more than the budget
+            limit = 1 << (limit.bit_length() - 1)
+        return limit
 
     def _prefill_pieces(self, pieces, steps: int, stepped: bool, device):
         """Prefill of the pieces' prompts: (logits [rows, V], cache, prompt mask, expand (cache row of each row, or

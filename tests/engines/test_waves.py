@@ -28,7 +28,7 @@ SAMPLED = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.95, top_k=2
 
 def request():
     prompts = random_prompts([3, 7, 5, 2, 6], seed=3)
-    counts = [4, 4, 0, 4, 4]
+    counts = [4, 4, 0, 4, 2]
     return prompts, counts, torch.arange(sum(counts)) * 7919 + 5
 
 
@@ -43,20 +43,21 @@ def graphed(model, max_rows=None):
 
 def test_waves_give_the_tokens_of_all_rows_at_once():
     """One row at a time, one prompt group (4 rows), 6 rows (groups refilled into finished rows' places, a group
-    split when a wave is smaller) and all at once: the same tokens and log-probs; a step never runs more rows than
-    the wave (under buckets: the power of two at most max_rows)."""
+    split when a wave is smaller), 15 (all 14 would need a 16-row bucket) and all at once: the same tokens and
+    log-probs; neither a step nor the state kept for the graphs holds more rows than max_rows."""
     model = make_model("qwen", peak=3.0, eos_bias=2.0)
     prompts, counts, seeds = request()
     whole = FastEngine(model, Tok(), cuda_graphs=False).generate(prompts, counts, SAMPLED, seeds)
     lengths = whole.completion_mask.sum(1)
     assert lengths.min() < lengths.max()  # rows finish at different steps: places to refill
-    for max_rows in (1, 4, 6):
+    for max_rows in (1, 4, 6, 15):
         for engine in (FastEngine(model, Tok(), cuda_graphs=False, max_rows=max_rows), graphed(model, max_rows)):
             out = engine.generate(prompts, counts, SAMPLED, seeds)
             assert torch.equal(out.completion_ids, whole.completion_ids), max_rows
             assert torch.equal(out.completion_mask, whole.completion_mask)
             assert (out.logprobs - whole.logprobs).abs().max() <= LOGPROB_TOL
             assert max(rows for rows, _, _ in engine.runner.visited) <= max_rows
+            assert engine.state is None or engine.state.rows <= max_rows
 
 
 def test_max_rows_is_a_positive_integer():
