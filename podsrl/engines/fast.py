@@ -5,6 +5,8 @@ Where the time goes in GRPO rollouts (many samples of few prompts, varied length
   across its group instead of re-encoding the prompt counts[i] times;
 - finished-row compaction: rows that emitted a stop token leave the batch (cache rows index-selected), so the cost
   of a step follows the live rows, not the longest one;
+- waves: at most max_rows rows decode at once (each at its own cache column); the rows of waiting prompt groups
+  are prefilled into the places finished rows leave, so a step larger than the device runs in its memory;
 - a pre-allocated KV cache written in place (no per-step concatenation of the whole cache), attending only over the
   filled prefix;
 - counter-based per-row sampling (see sampling.py): no multinomial, no global RNG, and a row's completion depends
