@@ -44,14 +44,17 @@ def graphed(model, max_rows=None):
 def test_waves_give_the_tokens_of_all_rows_at_once():
     """One row at a time, one prompt group (4 rows), 6 rows (groups refilled into finished rows' places, a group
     split when a wave is smaller), 15 (all 14 would need a 16-row bucket) and all at once: the same tokens and
-    log-probs; neither a step nor the state kept for the graphs holds more rows than max_rows."""
+    log-probs, also without compaction (rows are refilled whenever some finished) and without the shared prefill;
+    neither a step nor the state kept for the graphs holds more rows than max_rows."""
     model = make_model("qwen", peak=3.0, eos_bias=2.0)
     prompts, counts, seeds = request()
     whole = FastEngine(model, Tok(), cuda_graphs=False).generate(prompts, counts, SAMPLED, seeds)
     lengths = whole.completion_mask.sum(1)
     assert lengths.min() < lengths.max()  # rows finish at different steps: places to refill
     for max_rows in (1, 4, 6, 15):
-        for engine in (FastEngine(model, Tok(), cuda_graphs=False, max_rows=max_rows), graphed(model, max_rows)):
+        for engine in (FastEngine(model, Tok(), cuda_graphs=False, max_rows=max_rows), graphed(model, max_rows),
+                       FastEngine(model, Tok(), cuda_graphs=False, max_rows=max_rows, compaction=False,
+                                  shared_prefill=False)):
             out = engine.generate(prompts, counts, SAMPLED, seeds)
             assert torch.equal(out.completion_ids, whole.completion_ids), max_rows
             assert torch.equal(out.completion_mask, whole.completion_mask)
