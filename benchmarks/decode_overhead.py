@@ -104,8 +104,9 @@ def step_call(model: torch.nn.Module, rows: int, filled: int, compile: bool | st
     sampler = Sampler(greedy=False, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
     stack.begin(filled)
     state = StepState(rows, filled, vocab, torch.device("cpu"), stack)
-    state.start(torch.ones(1, filled - 1, dtype=torch.long), torch.zeros(rows, dtype=torch.long), rows,
-                torch.arange(rows), 1, [1], sampler)
+    state.begin([1])
+    state.admit(0, torch.ones(1, filled - 1, dtype=torch.long), torch.zeros(rows, dtype=torch.long), rows,
+                torch.arange(rows), 1, sampler)
     state.advance(torch.randint(2, vocab, (rows,)), torch.zeros(rows, dtype=torch.bool))
 
     def call():

@@ -174,6 +174,9 @@ class ShardedEngine(RolloutEngine):
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.inner.sync_weights(model)
 
+    def release(self) -> None:
+        self.inner.release()
+
     def close(self) -> None:
         self.inner.close()
 

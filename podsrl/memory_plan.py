@@ -8,12 +8,13 @@ meet). Notation: L layers, D hidden, I MLP width, H query heads, Hkv key/value h
 the compute dtype's bytes, p the master (model.dtype) bytes; G prompts and b rows in a micro-batch, Lp prompt and Lc
 completion tokens, N = G Lp + b (Lc - 1) packed tokens, T = b Lc predicting positions.
 
-Generation (the fast engine; all P x n rows in flight at once):
+Generation (the fast engine; a wave of rows in flight, by default as many as fit beside the resident state):
     resident state (master weights; in a training run also their AdamW state; a reference model)
   + the engine's weights copy in the compute dtype when it is narrower than the masters (podsrl/build.py)
   + fused q/k/v and gate/up weights (DecodeStack binds them per generate call and keeps them), unless the engine
     has that copy: its projections are then views of the fused tensors (models/llama.py share_fused_storage)
-  + KV cache  L x 2 x Hkv x d x (Lp + Lc) x (rows + P) x bytes  (static buffers of full capacity)
+  + KV cache  L x 2 x Hkv x d x ((Lp + Lc) x rows + Lp x P) x bytes  (static buffers of full capacity, the
+    prefill's cache of the wave's distinct prompts)
   + the larger of the prefill's and a decode step's workspace (logits and sampling over [rows, V] in float32)
   + the runtime's own growth (calibrated per device).
 Update (the shared-prompt path of podsrl/models/packed.py, one micro-batch of b rows):
@@ -24,7 +25,7 @@ Update (the shared-prompt path of podsrl/models/packed.py, one micro-batch of b 
   + the largest transient on top of them: the log-prob head's backward (a [V, D] weight gradient and one
     update.logits_chunk x V float32 chunk twice) or a layer's attention or MLP backward
   + in a training run the fast engine's weights copy and fused weights, kept from the last generate call; the
-    runtime's growth.
+    runtime's growth. Its KV cache and step state are not kept: the trainer releases them before the update.
 
 What a CUDA device adds (context, allocator fragmentation, cuBLAS and attention workspaces) is not calibrated: the
 CPU's counterpart is (benchmarks/memory_plan_check.py), a GPU run measures it (benchmarks/gpu_suite.sh) and
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from podsrl.errors import UserError
@@ -49,6 +50,8 @@ ADAM_STATES = 2  # exp_avg and exp_avg_sq, each in the parameter's dtype (torch.
 # workspaces and the caching allocator's fragmentation are not calibrated yet (benchmarks/gpu_suite.sh will
 # measure them): 0 here, and --reserve keeps a share of the device for them.
 RUNTIME_BYTES = {"cpu": {"update": 17 * 2**20, "generation": 14 * 2**20}, "cuda": {"update": 0, "generation": 0}}
+RESERVE = 0.1  # share of the device kept free by default (--reserve; the fast engine's default rows in flight)
+CACHE_BLOCK = 64  # the fast engine's default cache_block: on CUDA its kept positions are a multiple of it
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # the layer podsrl runs itself (podsrl/models/llama.py)
 _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -183,6 +186,11 @@ class Workload:
     # train.async: "in_process" (a generator thread with its own weights copy in the engine's dtype, sampling while
     # the update runs on the same device), "ray" (the actors sample elsewhere; the generator's full copy stays here)
     async_generator: str = "none"
+    rows_in_flight: int = 0  # rows the fast engine decodes at once (one wave; 0: all P x n)
+
+    @property
+    def generation_rows(self) -> int:
+        return min(self.rows_in_flight or self.prompts * self.n, self.prompts * self.n)
 
     @property
     def e(self) -> int:
@@ -326,13 +334,14 @@ def backward_transient(shape: ModelShape, mb: MicroBatch, work: Workload) -> dic
 
 def model_state(shape: ModelShape, work: Workload) -> dict[str, int]:
     """Resident through the update: master weights, gradients and AdamW's two moments of the trained parameters
-    (model.dtype; LoRA adapters stay float32), the reference model (a second copy, model.dtype) when beta > 0."""
+    (model.dtype; LoRA adapters stay float32), the reference model (a second copy, model.dtype) when beta > 0
+    without LoRA (with LoRA the reference is the policy with its adapters disabled: no copy)."""
     trained = shape.trained_params * (4 if shape.lora else work.p)
     return {
         "weights": shape.params * work.p,
         "gradients": trained,
         "optimizer": ADAM_STATES * trained,
-        "reference": shape.params * work.p if work.beta > 0 else 0,
+        "reference": shape.params * work.p if work.beta > 0 and not shape.lora else 0,
     }
 
 
@@ -369,7 +378,9 @@ def update_peak(shape: ModelShape, work: Workload, rows: int, checkpointing: boo
 
 
 def engine_weights(shape: ModelShape, work: Workload) -> int:
-    """The fast engine's own copy of the weights: made when the compute dtype is narrower than the masters."""
+    """The fast engine's own copy of the weights: made when the compute dtype is narrower than the masters. Under
+    train.async it is the eval engine's (podsrl/async_generation.py: it samples the learner's current weights, which
+    the generator's older copy, generator_weights, does not hold), kept beside the generator's."""
     return shape.params * work.e if work.compute_dtype != work.dtype else 0
 
 
@@ -387,27 +398,51 @@ def generator_weights(shape: ModelShape, work: Workload) -> int:
 
 
 def generation_in_flight(shape: ModelShape, work: Workload) -> dict[str, int]:
-    """What a generate call allocates for its rows (see generation_peak): the KV cache and the larger workspace."""
-    rows, length = work.prompts * work.n, work.prompt_length + work.completion_length
+    """What a generate call allocates for its rows in flight, one wave of work.generation_rows (see
+    generation_peak): the step's KV cache and state, the prefill's cache, and the larger workspace."""
+    rows, length = work.generation_rows, kept_positions(work)
     e, v = work.engine_e, shape.vocab
-    kv_row = shape.layers * 2 * shape.kv_heads * shape.head_dim * length * e
+    kv_position = shape.layers * 2 * shape.kv_heads * shape.head_dim * e
+    prompts = min(work.prompts, rows)  # distinct prompts prefilled at once (a wave's)
+    state = rows * length * (1 + 4) + rows * 8 * 4  # valid (bool) and uniforms (float32) per column; row vectors
     sampling = rows * v * (e + (4 if e < 4 else 0) + 4 * 3 + (4 * 2 + 8 if work.top_p < 1 else 0))
     decode_attention = 2 * rows * shape.heads * length * 4
-    prefill_tokens = work.prompts * work.prompt_length
-    prefill = (2 * work.prompts * shape.heads * work.prompt_length**2 * 4
+    prefill_tokens = prompts * work.prompt_length
+    prefill = (2 * prompts * shape.heads * work.prompt_length**2 * 4
                + prefill_tokens * (3 * shape.intermediate + shape.qkv_width + 2 * shape.hidden) * e)
-    return {"kv_cache": kv_row * (rows + work.prompts), "workspace": max(sampling + decode_attention, prefill)}
+    return {"kv_cache": kv_position * (rows * length + prefill_tokens) + state,
+            "workspace": max(sampling + decode_attention, prefill)}
+
+
+def kept_positions(work: Workload) -> int:
+    """Cache positions of a row: prompt + completion, on CUDA rounded up to the engine's cache block (its buckets)."""
+    length = work.prompt_length + work.completion_length
+    return -(-length // CACHE_BLOCK) * CACHE_BLOCK if work.device == "cuda" else length
+
+
+def rows_in_flight(shape: ModelShape, work: Workload, available: int) -> int:
+    """The most rows (at most P x n, at least 1) whose in-flight generation fits `available` bytes; on CUDA a power
+    of two (the fast engine's buckets keep that many rows). The fast engine's default max_rows."""
+    def fits(rows: int) -> bool:
+        return sum(generation_in_flight(shape, replace(work, rows_in_flight=rows)).values()) <= available
+
+    lo, hi = 1, work.prompts * work.n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return 1 << (lo.bit_length() - 1) if work.device == "cuda" else lo
 
 
 def generation_peak(shape: ModelShape, work: Workload) -> dict[str, int]:
-    """Terms of generation's peak (podsrl/engines/fast.py, all P x n rows at once):
+    """Terms of generation's peak (podsrl/engines/fast.py, work.generation_rows rows in flight):
     - the master weights; in a training run also the AdamW state (the trainer frees the gradients after each update:
       podsrl/trainer.py); the reference model;
     - the engine's weights copy in the compute dtype, when it differs from the master dtype;
     - the fused q/k/v and gate/up weights of every layer, unless the engine has its own copy (engine_fused_weights);
     - train.async's generator copy (generator_weights);
-    - the KV cache (models/static_cache.py SlotLayer): L x 2 x Hkv x d x (Lp + Lc) x rows x e, plus the distinct
-      prompts' rows it is expanded from;
+    - the KV cache (models/static_cache.py StepCache): L x 2 x Hkv x d x (Lp + Lc) x rows x e (on CUDA the
+      positions rounded up to the cache block), the step state's per-column tensors, plus the prefill cache of the
+      distinct prompts it is loaded from (SlotLayer, Lp positions);
     - the larger workspace: a decode step's logits [rows, V] (and their float32 copy), float32 log-softmax and the
       sampling's shifted exponentials and CDF (top-p adds a sort, its int64 order and probabilities), and its
       attention scores over the cache; or the prefill's [G, H, Lp, Lp] float32 scores twice and its MLP."""
@@ -456,9 +491,13 @@ def largest_micro_batch(shape: ModelShape, work: Workload, budget: int, checkpoi
     return lo
 
 
-def make_plan(shape: ModelShape, work: Workload, memory: int, reserve: float = 0.1) -> MemoryPlan:
+def make_plan(shape: ModelShape, work: Workload, memory: int, reserve: float = RESERVE) -> MemoryPlan:
+    """The plan: generation's rows in flight are what the budget holds beside the resident state (the fast engine's
+    default max_rows), then the largest micro-batch of each update."""
     budget = int(memory * (1 - reserve))
+    resident = {k: v for k, v in generation_peak(shape, work).items() if k not in ("kv_cache", "workspace")}
+    if not work.rows_in_flight:
+        work = replace(work, rows_in_flight=rows_in_flight(shape, work, budget - sum(resident.values())))
     micro = {c: largest_micro_batch(shape, work, budget, c) for c in (False, True)}
     update = {c: update_peak(shape, work, max(1, micro[c]), c) for c in (False, True)}
     return MemoryPlan(shape, work, memory, reserve, generation_peak(shape, work), update, micro)
-

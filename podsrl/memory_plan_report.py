@@ -11,6 +11,7 @@ from pathlib import Path
 from podsrl.errors import UserError
 from podsrl.memory_plan import (
     GIB,
+    RESERVE,
     MemoryPlan,
     Workload,
     load_model_config,
@@ -45,7 +46,7 @@ def render(plan: MemoryPlan, model: str) -> str:
         "|---" * (len(_TERMS) + 4) + "|",
     ]
     gen = plan.generation
-    lines.append(_row(f"generation ({w.prompts * w.n} rows)", gen, plan.budget))
+    lines.append(_row(f"generation ({w.generation_rows} of {w.prompts * w.n} rows at once)", gen, plan.budget))
     for c in (False, True):
         rows = plan.micro_batch[c]
         label = f"update, {'' if c else 'no '}checkpointing, micro-batch {max(rows, 1)}"
@@ -62,8 +63,10 @@ def render(plan: MemoryPlan, model: str) -> str:
                          f"optim.micro_batch_size={rows} ({count} micro-batch{'es' if count > 1 else ''} for "
                          f"{w.trained_rows} trained rows)")
     if sum(gen.values()) > plan.budget:
-        lines.append("generation does not fit: the fast engine generates all P x n rows at once; lower "
-                     "rollout.prompts_per_step, rollout.n or the lengths")
+        lines.append(f"generation does not fit even {w.generation_rows} row(s) at a time: lower the lengths")
+    elif w.generation_rows < w.prompts * w.n:
+        lines.append(f"generation: the fast engine decodes {w.generation_rows} rows at a time, refilling finished "
+                     "rows from the queue (its default rollout.engine_options.max_rows on this device)")
     return "\n".join(lines) + "\n"
 
 
@@ -111,7 +114,7 @@ def add_memory_arguments(parser) -> None:
     group.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                        help="how attention runs there (default cuda: scaled_dot_product_attention; cpu: matmuls "
                        "and a float32 softmax)")
-    group.add_argument("--reserve", type=float, default=0.1,
+    group.add_argument("--reserve", type=float, default=RESERVE,
                        help="share of the device kept free for what is not predicted: CUDA context, allocator "
                        "fragmentation, kernel workspaces (default 0.1, until a GPU run calibrates them)")
 
@@ -131,6 +134,7 @@ def workload_from_config(cfg, prompt_length: int, device: str) -> Workload:
         beta=cfg.algo.beta, logits_chunk=cfg.update.logits_chunk, top_p=cfg.rollout.top_p, device=device,
         async_generator=("none" if not cfg.train.asynchronous.enabled
                          else "ray" if cfg.rollout.engine == "ray" else "in_process"),
+        rows_in_flight=int(cfg.rollout.engine_options.get("max_rows") or 0),  # 0: what the device holds
     )
 
 

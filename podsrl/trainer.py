@@ -102,7 +102,9 @@ class Trainer:
                                                 trainable=True)
         self.model.to(self.device)
         self.ref_model = None
-        if cfg.algo.beta > 0:  # frozen copy of the starting policy; not loaded at all when beta = 0
+        # frozen copy of the starting policy; not loaded at all when beta = 0, nor with LoRA (the policy with its
+        # adapters disabled is the starting policy: podsrl/update/updater.py reference_logprobs)
+        if cfg.algo.beta > 0 and cfg.model.lora_rank == 0:
             self.ref_model, _ = load_policy(cfg.model, self.base_path, seed=cfg.seed)
             self.ref_model.to(self.device).eval().requires_grad_(False)
         # torchrun: DDP-style, or FSDP2 which shards policy and reference in place (so before the optimiser) and
@@ -174,6 +176,8 @@ class Trainer:
             self.generator.publish(self.step, self.generation_model)
             produced, waited = self.generator.take(self.step)
         kept = self.dist.agree_batch(produced.kept, self.update_rng)
+        if self.generator is None:  # the update's memory, not the engine's kept cache (train.async: in flight)
+            self.engine.release()
         t_upd = time.perf_counter()
         if faults.fire("loss", self.step + 1):  # injected numerical fault: a NaN loss and gradient
             kept.advantages = torch.full_like(kept.advantages, float("nan"))
@@ -364,6 +368,8 @@ class Trainer:
         metrics = evaluate(self.eval_engine, self.eval_tokenizer, self.eval_problems, self.verify,
                            cfg.rollout.max_new_tokens, cfg.eval.samples, cfg.rollout.temperature,
                            cfg.rollout.top_p, cfg.eval.batch_size)
+        if self.eval_engine is not self.engine:  # train.async: idle until the next eval, beside the update
+            self.eval_engine.release()
         # eval is outside the training clock (time/elapsed); its own cost is logged beside it
         record = {"step": self.step, "time/elapsed": self.elapsed, "time/eval": time.perf_counter() - t0, **metrics}
         record.update(self.accountant.total_metrics())

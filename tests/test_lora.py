@@ -88,3 +88,29 @@ def test_all_linear_tied_embeddings_and_errors(tmp_path):
         apply_lora(tiny_base(), rank=0)
     with pytest.raises(UserError, match="not a saved LoRA adapter"):
         load_adapter(tiny_base(), tmp_path)
+
+
+def test_lora_reference_is_the_policy_with_its_adapters_disabled(tmp_path, warmup_cache):
+    """LoRA with algo.beta > 0 loads no second model: the reference log-probs are the policy's with its adapters
+    disabled, equal to those of the starting policy loaded on its own (the second copy it replaces), while the
+    adapters (moved off their zero start) do change the policy's."""
+    from podsrl.config import load_config
+    from podsrl.models.loading import load_policy
+    from podsrl.trainer import Trainer
+    from tests.conftest import device_under_test, tiny_overrides
+
+    overrides = tiny_overrides(tmp_path, warmup_cache, **{"rollout.n": 8, "pods.m": 4, "model.lora_rank": 4,
+                                                          "algo.beta": 0.04})
+    trainer = Trainer(load_config("podsrl/configs/pods.yaml", overrides))
+    assert trainer.ref_model is None
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if "lora_" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    batch = trainer.produce_batch(0).kept
+    reference = trainer.updater.reference_logprobs(batch)
+    base, _ = load_policy(trainer.cfg.model, trainer.base_path, seed=trainer.cfg.seed)
+    base.to(device_under_test()).eval()
+    updater = trainer.updater
+    assert torch.allclose(reference, updater._precompute(base, batch), atol=1e-5)
+    assert not torch.allclose(reference, updater._precompute(trainer.model, batch), atol=1e-3)

@@ -60,3 +60,27 @@ def test_same_seed_same_metrics(tmp_path, warmup_cache):
         return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in _steps(tmp_path / name)]
 
     assert run("a") == run("b")
+
+
+def test_the_engine_releases_its_kept_cache_before_each_update(tmp_path, warmup_cache, monkeypatch):
+    """Generation's KV cache (kept between calls under CUDA graphs) is freed before the update, not beside it."""
+    from podsrl.engines.fast import FastEngine
+    from podsrl.update import PolicyUpdater
+
+    events = []
+    release, update = FastEngine.release, PolicyUpdater.update
+
+    def spy_release(engine):
+        events.append("release")
+        release(engine)
+
+    def spy_update(updater, *args, **kwargs):
+        events.append("update")
+        return update(updater, *args, **kwargs)
+
+    monkeypatch.setattr(FastEngine, "release", spy_release)
+    monkeypatch.setattr(PolicyUpdater, "update", spy_update)
+    overrides = tiny_overrides(tmp_path, warmup_cache, **{"rollout.n": 8, "pods.m": 4})
+    Trainer(load_config("podsrl/configs/pods.yaml", overrides)).train()
+    updates = [i for i, event in enumerate(events) if event == "update"]
+    assert len(updates) == 2 and all(events[i - 1] == "release" for i in updates)

@@ -69,6 +69,9 @@ class RolloutEngine(ABC):
     def sync_weights(self, model: torch.nn.Module) -> None:  # noqa: B027 (optional hook)
         """Called after each update. In-process engines share the trainer's module, so nothing to do."""
 
+    def release(self) -> None:  # noqa: B027 (optional hook)
+        """Frees what the engine keeps on the device between calls (the trainer calls it before the update)."""
+
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release workers, processes, GPU memory."""
 

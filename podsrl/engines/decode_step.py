@@ -6,7 +6,7 @@ replay CUDA graphs of a static-shape step instead; this module gives the step th
   block (`Buckets`); a bucket's rows past the live ones compute padding that nobody reads;
 - every per-row input in tensors of fixed shape and address (`StepState`): the last tokens, each row's left padding
   (a token's position is its cache column minus it), key validity, the uniforms of every position, the finished
-  flags, the cache column written (a [1] tensor) and the stop tokens (a vocabulary lookup);
+  flags, the cache column each row writes next and the stop tokens (a vocabulary lookup);
 - no host synchronisation inside: a step is the forward, the sampling (top-k/top-p exact, sampling.sample_next) and
   the finished flags; compaction and the bucket choice happen between steps (fast.py).
 `decode_step` is a pure function of the state but for its one write, the step's keys and values at the state's
@@ -73,47 +73,61 @@ class StepState:
         # the uniform of the token sampled from the logits at each column
         self.uniforms = torch.zeros((rows, positions), dtype=torch.float32, device=device)
         self.finished = torch.ones(rows, dtype=torch.bool, device=device)
-        self.column = torch.zeros(1, dtype=torch.long, device=device)  # the column the next step writes
+        self.column = torch.zeros(rows, dtype=torch.long, device=device)  # the column each row's next step writes
         self.is_stop = torch.zeros(vocab, dtype=torch.bool, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the state's tensors, its cache included."""
+        tensors = [self.tokens, self.left_pad, self.valid, self.uniforms, self.finished, self.column, self.is_stop]
+        if self.cache is not None:
+            tensors += [*self.cache.keys, *self.cache.values]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def fits(self, rows: int, positions: int, vocab: int, device: torch.device) -> bool:
         return (rows <= self.rows and positions <= self.positions and vocab == self.is_stop.numel()
                 and device == self.tokens.device)
 
-    def start(self, prefill_mask: Tensor, expand: Tensor | None, rows: int, seeds: Tensor, steps: int,
-              stops: list[int], sampler: Sampler) -> None:
-        """Sets up rows [:rows] after the prefill of `prefill_mask` [P, width] (`expand`: prefill row of each row)."""
-        device, width = self.tokens.device, prefill_mask.shape[1]
-        # rows past `rows` are a bucket's padding: an earlier call's values there (a left padding wider than this
-        # call's columns: a negative position) must not index out of range
-        self.left_pad[rows:] = 0
-        self.finished[rows:] = True
+    def begin(self, stops: list[int]) -> None:
+        """A generate call's start: no row admitted yet. Rows never admitted are a bucket's padding: an earlier
+        call's values there (a left padding wider than a column: a negative position) must not index out of range."""
+        self.left_pad.zero_()
+        self.column.zero_()
+        self.finished.fill_(True)
+        self.is_stop.zero_()
+        self.is_stop[torch.tensor(stops, dtype=torch.long, device=self.tokens.device)] = True
+
+    def admit(self, start: int, prefill_mask: Tensor, expand: Tensor | None, rows: int, seeds: Tensor, steps: int,
+              sampler: Sampler) -> None:
+        """Sets up rows [start:start + rows] after the prefill of `prefill_mask` [P, width] (`expand`: prefill row of
+        each row); each row's column is its own, so rows admitted later decode beside earlier ones."""
+        device, width, end = self.tokens.device, prefill_mask.shape[1], start + rows
         mask = prefill_mask.to(device).bool()
         if expand is not None:
             mask = mask[expand]
-        self.valid[:rows, :width] = mask
-        self.valid[:rows, width:] = True  # generated positions are always valid; a step reads up to its column
-        self.left_pad[:rows] = width - mask.sum(1)
+        self.valid[start:end, :width] = mask
+        self.valid[start:end, width:] = True  # generated positions are always valid; a step reads up to its column
+        self.left_pad[start:end] = width - mask.sum(1)
         if not sampler.greedy:  # every position's uniform hashed at once, not one hash per step
             positions = torch.arange(steps, device=device)[None]
-            self.uniforms[:rows, width - 1 : width - 1 + steps] = row_uniforms(seeds.long().to(device)[:, None],
-                                                                               positions)
-        self.is_stop.zero_()
-        self.is_stop[torch.tensor(stops, dtype=torch.long, device=device)] = True
-        self.finished[:rows] = False
-        self.column.fill_(width - 1)  # the prefill's last column: its logits give the first token
+            self.uniforms[start:end, width - 1 : width - 1 + steps] = row_uniforms(
+                seeds.long().to(device)[:, None], positions)
+        self.finished[start:end] = False
+        self.column[start:end] = width - 1  # the prefill's last column: its logits give the first token
 
     def advance(self, tokens: Tensor, finished: Tensor) -> None:
-        """After a step over the leading rows: its tokens are the next step's input, one column on."""
-        self.tokens[: tokens.numel()].copy_(tokens)
-        self.finished[: finished.numel()].copy_(finished)
-        self.column += 1
+        """After a step over the leading rows: its tokens are the next step's input, one column on for the rows
+        still decoding (a finished row stays put: it never writes past its last column)."""
+        rows = tokens.numel()
+        self.tokens[:rows].copy_(tokens)
+        self.finished[:rows].copy_(finished)
+        self.column[:rows] += ~finished
 
     def fill_holes(self, holes: Tensor, sources: Tensor, filled: int) -> None:
         """Rows `sources` into rows `holes` (static_cache.compaction_moves), the cache's first `filled` columns."""
         if self.cache is not None:
             self.cache.fill_holes(holes, sources, filled)
-        for row_tensor in (self.tokens, self.left_pad, self.valid, self.uniforms, self.finished):
+        for row_tensor in (self.tokens, self.left_pad, self.valid, self.uniforms, self.finished, self.column):
             row_tensor[holes] = row_tensor[sources]
 
 
@@ -122,8 +136,8 @@ def decode_step(stack: DecodeStack, state: StepState, rows: int, length: int,
     """(tokens, log-probs, finished) [rows] of the next position: the forward of rows [:rows] of the state's last
     tokens, attending over cache columns [:length] up to the one it writes, then sample_next. Static shapes for
     static (rows, length, sampler); no host synchronisation."""
-    column = state.column
-    allowed = state.valid[:rows, :length] & (torch.arange(length, device=column.device) <= column)
+    column = state.column[:rows]
+    allowed = state.valid[:rows, :length] & (torch.arange(length, device=column.device) <= column[:, None])
     positions = column - state.left_pad[:rows]
     cache = state.cache
     logits = stack.forward(state.tokens[:rows, None], allowed[:, None, None], positions[:, None],
@@ -132,11 +146,12 @@ def decode_step(stack: DecodeStack, state: StepState, rows: int, length: int,
                        sampler.pad_token_id, sampler.temperature, sampler.top_k, sampler.top_p)
 
 
-def step_uniforms(state: StepState, rows: int, sampler: Sampler) -> Tensor | None:
-    """Rows [:rows]' uniforms at the state's column (None: greedy)."""
+def step_uniforms(state: StepState, rows: int, sampler: Sampler, start: int = 0) -> Tensor | None:
+    """Rows [start:start + rows]' uniforms at their columns (None: greedy)."""
     if sampler.greedy:
         return None
-    return state.uniforms[:rows].gather(1, state.column.expand(rows)[:, None])[:, 0]
+    end = start + rows
+    return state.uniforms[start:end].gather(1, state.column[start:end, None])[:, 0]
 
 
 def cached_step(forward, cache, state: StepState, rows: int, filled: int,
@@ -144,7 +159,7 @@ def cached_step(forward, cache, state: StepState, rows: int, filled: int,
     """`decode_step` through a transformers cache (models the stack cannot drive, the dynamic cache): eager, exact
     shapes, the cache appended to by `forward.logits`; `filled` columns after its write."""
     logits = forward.logits(state.tokens[:rows, None], state.valid[:rows, None, None, :filled],
-                            (state.column - state.left_pad[:rows])[:, None], cache)
+                            (state.column[:rows] - state.left_pad[:rows])[:, None], cache)
     return sample_next(logits, step_uniforms(state, rows, sampler), state.finished[:rows], state.is_stop,
                        sampler.pad_token_id, sampler.temperature, sampler.top_k, sampler.top_p)
 

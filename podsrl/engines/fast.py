@@ -5,6 +5,8 @@ Where the time goes in GRPO rollouts (many samples of few prompts, varied length
   across its group instead of re-encoding the prompt counts[i] times;
 - finished-row compaction: rows that emitted a stop token leave the batch (cache rows index-selected), so the cost
   of a step follows the live rows, not the longest one;
+- waves: at most max_rows rows decode at once (each at its own cache column); the rows of waiting prompt groups
+  are prefilled into the places finished rows leave, so a step larger than the device runs in its memory;
 - a pre-allocated KV cache written in place (no per-step concatenation of the whole cache), attending only over the
   filled prefix;
 - counter-based per-row sampling (see sampling.py): no multinomial, no global RNG, and a row's completion depends
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections import deque
 from typing import Any
 
 import torch
@@ -41,6 +44,7 @@ from podsrl.engines.rows import (
 )
 from podsrl.engines.sampling import sample_next
 from podsrl.errors import ConfigError
+from podsrl.memory_plan import RESERVE, ModelShape, Workload, model_shape, rows_in_flight
 from podsrl.models.decode import (
     DecodeStack,
     ModelForward,
@@ -68,10 +72,13 @@ class FastEngine(RolloutEngine):
       wait until a fraction f of the batch has finished);
     - layer_loop (True: drive the decoder layers of Llama/Mistral/Qwen2/Qwen3 models from their submodules, see the
       module docstring); cache ("static" pre-allocated buffers or "dynamic" transformers DynamicCache);
+    - max_rows (None): rows decoded at once (the layer loop with the static cache); the rows of the other prompt
+      groups wait in a queue and take the places of finished rows. None: on CUDA as many as the memory plan fits in
+      the device's free memory (podsrl/memory_plan.py rows_in_flight), elsewhere all. The tokens do not depend on it;
     - cuda_graphs (None: on when the model is on a CUDA device and the layer loop runs with the static cache):
       capture one CUDA graph of the decode step per bucket and replay it. The engine then keeps its KV cache and
-      step state between calls (sized for the largest call so far, rows to a power of two, positions to a multiple
-      of cache_block): the graphs replay at those addresses;
+      step state between calls (max_rows rows, a power of two, positions to a multiple of cache_block) until
+      `release` (the trainer calls it before each update): the graphs replay at those addresses;
     - compile (False): run the step under torch.compile(fullgraph=True, dynamic=False), one compilation per bucket
       (True: inductor; a string: that backend); with cuda_graphs the compiled step is what is captured;
     - cache_block (64): with cuda_graphs or compile, a step attends over the filled cache rounded up to a multiple of
@@ -99,12 +106,18 @@ class FastEngine(RolloutEngine):
         compile: bool | str = False,
         cache_block: int = 64,
         weights_dtype: torch.dtype | str | None = None,
+        max_rows: int | None = None,
         **options: Any,
     ) -> None:
         if cache not in ("static", "dynamic"):
             raise ValueError(f"FastEngine: cache must be 'static' or 'dynamic', got {cache!r}")
         if cache_block < 1:
             raise ConfigError(f"rollout.engine_options.cache_block: must be >= 1, got {cache_block}")
+        if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
+            raise ConfigError(f"rollout.engine_options.max_rows: an integer >= 1 (rows decoded at once), got "
+                              f"{max_rows!r}")
+        self.max_rows = max_rows
+        self.shape: ModelShape | None = None  # the memory plan's view of the model, for the default max_rows
         model = base_model(model)  # a peft wrapper's base model: its layers carry the adapters in place
         self.copy = compute_copy(model, weights_dtype)
         model = self.copy or model
@@ -173,13 +186,9 @@ class FastEngine(RolloutEngine):
         if rows == 0 or params.max_new_tokens <= 0:
             return no_token_output(prompts, counts, rows, self.pad_token_id, params.return_logprobs)
         group_index, prompt_ids, prompt_mask = row_prompts(prompts, counts, self.pad_token_id)
-        if self.shared_prefill:
-            prefill_ids, prefill_mask, expand = self._distinct_prompts(prompts, counts)
-        else:
-            prefill_ids, prefill_mask, expand = prompt_ids, prompt_mask, None
         stops = stop_ids(self.eos_ids, params)
         with torch.inference_mode(), eval_mode(self.model):
-            tokens, logprobs = self._decode(prefill_ids, prefill_mask, expand, rows, params, seeds, stops)
+            tokens, logprobs = self._decode(prompts, counts, rows, params, seeds, stops)
         mask, truncated = completion_mask(tokens, stops)
         return GenerationOutput(
             group_index=group_index,
@@ -190,6 +199,14 @@ class FastEngine(RolloutEngine):
             truncated=truncated,
             logprobs=logprobs * mask if params.return_logprobs else None,
         )
+
+    def release(self) -> None:
+        """Frees what the engine keeps between calls (the step state and KV cache, the graphs that read them): the
+        trainer calls it before the update, so generation's cache never sits beside the update's activations."""
+        self.state = None
+        self.captured_with = None
+        if self.runner is not None:
+            self.runner.reset()
 
     def _distinct_prompts(self, prompts: list[list[int]], counts: list[int]):
         """Left-padded distinct prompts and the row -> distinct prompt index that expands them to rows."""
@@ -210,62 +227,119 @@ class FastEngine(RolloutEngine):
         expand = torch.repeat_interleave(torch.tensor(per_used), torch.tensor(used_counts))
         return ids, mask, expand
 
-    def _decode(self, prefill_ids, prefill_mask, expand, rows: int, params: SamplingParams, seeds, stops):
-        """Tokens [R, Lc] (pad after a row's stop) and sampled-token log-probs [R, Lc]."""
+    def _decode(self, prompts: list[list[int]], counts: list[int], rows: int, params: SamplingParams, seeds,
+                stops: list[int]):
+        """Tokens [R, Lc] (pad after a row's stop) and sampled-token log-probs [R, Lc], decoded in waves: at most
+        `rows_in_flight` rows at once, the rows freed by finished completions refilled from the queue of waiting
+        prompt groups (each row's tokens depend only on its prompt, seed and the weights, not on its wave)."""
         device = model_device(self.model)
-        width, steps = prefill_ids.shape[1], params.max_new_tokens
+        steps = params.max_new_tokens
         sampler = Sampler(greedy=params.greedy or params.temperature <= 0, temperature=float(params.temperature),
                           top_k=int(params.top_k), top_p=float(params.top_p), pad_token_id=self.pad_token_id)
         stepped = self.runner is not None
+        width = max(len(p) for p, c in zip(prompts, counts) if c > 0)
         positions = self.buckets.length(width + steps) if stepped else width + steps
-        if stepped and self.state is not None and self.state.fits(rows, positions, self.state.is_stop.numel(), device):
+        limit = self.rows_in_flight(prompts, counts, steps, params.top_p) if stepped else rows
+        if stepped and self.state is not None and self.state.fits(limit, positions, self.state.is_stop.numel(), device):
             positions = self.state.positions  # the kept state's tables: the same tensors the graphs read
         self.forward.begin(positions)
-        logits, prefill_cache = self._prefill(prefill_ids, prefill_mask, width if stepped else width + steps)
+        queue = deque(_pieces(prompts, counts, limit))
+        state = cache = None
+        live = emitted = tokens = torch.zeros(0, dtype=torch.long, device=device)
+        logprobs = torch.zeros(0, dtype=torch.float32, device=device)
+        finished = was_finished = torch.zeros(0, dtype=torch.bool, device=device)
+        out_tokens = torch.full((rows, steps + 1), self.pad_token_id, dtype=torch.long, device=device)
+        out_logprobs = torch.zeros((rows, steps + 1), dtype=torch.float32, device=device)
+        lengths = torch.zeros(rows, dtype=torch.long, device=device)
+        n = top = 0  # live rows; the largest column among them
+        while True:
+            if n == 0:  # every row finished: the next wave starts from the queue
+                step = (tokens, logprobs, finished)
+            elif stepped:
+                step = self.runner(self.forward, state, self.buckets.rows(n), self.buckets.length(top + 2), sampler)
+            else:
+                step = cached_step(self.forward, cache, state, n, top + 2, sampler)
+            tokens, logprobs, finished = (t[:n] for t in step)
+            admitted = []
+            while queue and n + sum(piece[2] for piece in admitted) + queue[0][2] <= limit:
+                admitted.append(queue.popleft())
+            if admitted:
+                logits, prefill_cache, mask, expand, out_rows = self._prefill_pieces(admitted, steps, stepped, device)
+                if state is None:
+                    state = self._step_state(limit, positions, logits.shape[-1], device)
+                    state.begin(stops)
+                k = out_rows.numel()
+                state.admit(n, mask, expand, k, seeds[out_rows.cpu()], steps, sampler)
+                if stepped:
+                    state.cache.load(prefill_cache, expand, k, n)
+                else:  # one admission (limit = rows): the prefill's cache is the decode cache
+                    cache = prefill_cache
+                    if expand is not None:
+                        cache.batch_select_indices(expand)
+                new = sample_next(logits, step_uniforms(state, k, sampler, n), state.finished[n : n + k],
+                                  state.is_stop, self.pad_token_id, sampler.temperature, sampler.top_k, sampler.top_p)
+                tokens, logprobs, finished = (torch.cat([old, more]) for old, more in zip((tokens, logprobs, finished),
+                                                                                         new))
+                live = torch.cat([live, out_rows])
+                emitted = torch.cat([emitted, torch.zeros(k, dtype=torch.long, device=device)])
+                was_finished = torch.cat([was_finished, torch.zeros(k, dtype=torch.bool, device=device)])
+                n += k
+            out_tokens[live, emitted] = tokens
+            out_logprobs[live, emitted] = logprobs
+            emitted = emitted + ~was_finished  # a finished row's padding lands one past its stop token
+            lengths[live] = emitted
+            finished = finished | (emitted >= steps)
+            n_finished, top = (int(x) for x in torch.stack([finished.sum(), state.column[:n].max()]).tolist())
+            if n_finished == n and not queue:
+                break
+            state.advance(tokens, finished)
+            was_finished = finished
+            if n_finished and (queue or (self.compaction and n_finished > self.compact_fraction * n)):
+                holes, sources, order = compaction_moves(finished, n_finished)
+                state.fill_holes(holes, sources, top + 1)
+                if cache is not None:
+                    compact(cache, holes, sources, order)
+                live, emitted, was_finished = live[order], emitted[order], was_finished[order]
+                n = live.numel()
+        if self.buckets.exact or not stepped:
+            self.state = None  # eager decoding keeps no buffers between calls
+        used = int(lengths.max())
+        return out_tokens[:, :used].cpu(), out_logprobs[:, :used].cpu()
+
+    def rows_in_flight(self, prompts: list[list[int]], counts: list[int], steps: int, top_p: float) -> int:
+        """How many rows decode at once: rollout.engine_options.max_rows, else on CUDA as many as the memory plan
+        says fit the device's free memory (less its reserve), else all. Under buckets the state's rows are the
+        bucket's (a power of two), kept within the budget."""
+        rows = sum(counts)
+        budget = self.max_rows
+        if budget is None and model_device(self.model).type == "cuda":
+            if self.shape is None:
+                self.shape = model_shape(self.model.config)
+            kept = self.state.nbytes if self.state is not None else 0
+            budget = plan_rows_in_flight(self.model, self.shape, prompts, counts, steps, top_p, kept)
+        if budget is None:
+            return rows
+        limit = max(1, min(rows, budget))
+        if self.buckets.rows(limit) > budget:  # the state holds a bucket's rows: no more than the budget
+            limit = 1 << (limit.bit_length() - 1)
+        return limit
+
+    def _prefill_pieces(self, pieces, steps: int, stepped: bool, device):
+        """Prefill of the pieces' prompts: (logits [rows, V], cache, prompt mask, expand (cache row of each row, or
+        None), output rows [rows])."""
+        prompts, counts = [p for p, _, _ in pieces], [c for _, _, c in pieces]
+        out_rows = torch.cat([torch.arange(start, start + c) for _, start, c in pieces]).to(device)
+        if self.shared_prefill:
+            ids, mask, expand = self._distinct_prompts(prompts, counts)
+        else:
+            ids, mask = left_pad([p for p, c in zip(prompts, counts) for _ in range(c)], self.pad_token_id)
+            expand = None
+        width = ids.shape[1]
+        logits, cache = self._prefill(ids, mask, width if stepped else width + steps)
         if expand is not None:
             expand = expand.to(device)
             logits = logits[expand]
-        state = self._step_state(rows, positions, logits.shape[-1], device)
-        state.start(prefill_mask, expand, rows, seeds, steps, stops, sampler)
-        if stepped:
-            state.cache.load(prefill_cache, expand, rows)
-            cache = None
-        else:
-            cache = prefill_cache
-            if expand is not None:
-                cache.batch_select_indices(expand)
-        tokens, logprobs, finished = sample_next(logits, step_uniforms(state, rows, sampler), state.finished[:rows],
-                                                 state.is_stop, self.pad_token_id, sampler.temperature,
-                                                 sampler.top_k, sampler.top_p)
-        live = torch.arange(rows, device=device)  # output row of each batch row
-        out_tokens = torch.full((rows, steps), self.pad_token_id, dtype=torch.long, device=device)
-        out_logprobs = torch.zeros((rows, steps), dtype=torch.float32, device=device)
-        used = steps
-        for t in range(steps):
-            n = live.numel()
-            out_tokens[live, t] = tokens[:n]
-            out_logprobs[live, t] = logprobs[:n]
-            n_finished = int(finished[:n].sum())
-            if t == steps - 1 or n_finished == n:
-                used = t + 1
-                break
-            state.advance(tokens, finished)
-            filled = width + t + 1  # cache columns after the next step writes its input token's keys
-            if self.compaction and n_finished > self.compact_fraction * n:
-                holes, sources, order = compaction_moves(finished[:n], n_finished)
-                state.fill_holes(holes, sources, filled - 1)
-                if cache is not None:
-                    compact(cache, holes, sources, order)
-                live = live[order]
-                n = live.numel()
-            if stepped:
-                tokens, logprobs, finished = self.runner(self.forward, state, self.buckets.rows(n),
-                                                         self.buckets.length(filled), sampler)
-            else:
-                tokens, logprobs, finished = cached_step(self.forward, cache, state, n, filled, sampler)
-        if self.buckets.exact or not stepped:
-            self.state = None  # eager decoding keeps no buffers between calls
-        return out_tokens[:, :used].cpu(), out_logprobs[:, :used].cpu()
+        return logits, cache, mask, expand, out_rows
 
     def _prefill(self, ids, mask, capacity: int):
         """Last-position logits of the left-padded prompts and their cache (static: `capacity` positions)."""
@@ -286,6 +360,7 @@ class FastEngine(RolloutEngine):
         the graphs are dropped whenever the state or the stack's binding they read is not the one they captured."""
         stack = self.forward if self.runner is not None else None
         if self.state is None or not self.state.fits(rows, positions, vocab, device):
+            self.release()  # the old state's memory is free before the new one is allocated
             self.state = StepState(self.buckets.rows(rows), positions, vocab, device, stack)
         if self.runner is not None:
             now = (self.forward.binding, id(self.state))
@@ -296,6 +371,32 @@ class FastEngine(RolloutEngine):
 
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def _pieces(prompts: list[list[int]], counts: list[int], limit: int) -> list[tuple[list[int], int, int]]:
+    """The queue of a generate call: (prompt, first output row, rows) per prompt group, a group of more than
+    `limit` rows split into pieces of at most `limit` (a piece is admitted whole: its rows share a prefill)."""
+    pieces, start = [], 0
+    for prompt, count in zip(prompts, counts):
+        for offset in range(0, count, limit):
+            pieces.append((prompt, start + offset, min(limit, count - offset)))
+        start += count
+    return pieces
+
+
+def plan_rows_in_flight(model: torch.nn.Module, shape: ModelShape, prompts: list[list[int]], counts: list[int],
+                        steps: int, top_p: float, kept: int) -> int:
+    """The memory plan's rows in flight for this call on the model's CUDA device: what its free memory (less
+    memory_plan.RESERVE of the device, plus the engine's own kept state, `kept` bytes) holds."""
+    device = model_device(model)
+    free, total = torch.cuda.mem_get_info(device)
+    reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    available = min(free + reusable, int(total * (1 - RESERVE)) - torch.cuda.memory_allocated(device)) + kept
+    used = [len(p) for p, c in zip(prompts, counts) if c > 0]
+    dtype = str(next(model.parameters()).dtype).split(".")[-1]
+    work = Workload(prompts=len(used), n=-(-sum(counts) // len(used)), m=1, prompt_length=max(used),
+                    completion_length=steps, dtype=dtype, compute_dtype=dtype, top_p=top_p, device="cuda")
+    return rows_in_flight(shape, work, available)
 
 
 def compute_copy(model: torch.nn.Module, dtype: torch.dtype | str | None) -> torch.nn.Module | None:

@@ -108,25 +108,26 @@ class StepCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
 
-    def load(self, prefill, expand: torch.Tensor | None, rows: int) -> None:
-        """Copies a prefill cache's layers (`SlotLayer`s) into the leading `rows` rows, prefill row `expand[r]` into
-        row r (None: row r)."""
+    def load(self, prefill, expand: torch.Tensor | None, rows: int, start: int = 0) -> None:
+        """Copies a prefill cache's layers (`SlotLayer`s) into rows [start:start + rows], prefill row `expand[r]`
+        into row start + r (None: row r)."""
         for layer, keys, values in zip(prefill.layers, self.keys, self.values):
             width = layer.length
             for source, target in ((layer.keys, keys), (layer.values, values)):
                 if expand is None:
-                    target[:rows, :, :width].copy_(source)
+                    target[start : start + rows, :, :width].copy_(source)
                 else:
-                    torch.index_select(source, 0, expand, out=target[:rows, :, :width])
+                    torch.index_select(source, 0, expand, out=target[start : start + rows, :, :width])
 
     def write(self, index: int, k: torch.Tensor, v: torch.Tensor, column: torch.Tensor,
               length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes layer `index`'s k/v [B, kv_heads, 1, d] at `column` ([1] long) of rows [:B]; returns its keys and
-        values over rows [:B] and columns [:length]."""
+        """Writes layer `index`'s k/v [B, kv_heads, 1, d] of rows [:B], each at its `column` ([B] long); returns
+        their keys and values over columns [:length]."""
         rows = k.shape[0]
         keys, values = self.keys[index][:rows], self.values[index][:rows]
-        keys.index_copy_(2, column, k)
-        values.index_copy_(2, column, v)
+        at = column[:, None, None, None].expand_as(k)
+        keys.scatter_(2, at, k)
+        values.scatter_(2, at, v)
         return keys[:, :, :length], values[:, :, :length]
 
     def fill_holes(self, holes: torch.Tensor, sources: torch.Tensor, filled: int) -> None:

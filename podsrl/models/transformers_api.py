@@ -41,6 +41,16 @@ def base_model(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") and hasattr(model, "peft_config") else model
 
 
+def has_adapters(model: torch.nn.Module) -> bool:
+    """Whether `model` is a peft wrapper (LoRA adapters that `adapters_disabled` can switch off)."""
+    return base_model(model) is not model
+
+
+def adapters_disabled(model: torch.nn.Module):
+    """A context in which a peft wrapper runs its base model alone (the adapters bypassed in place, no copy)."""
+    return model.disable_adapter()
+
+
 def cache_argument(model: torch.nn.Module) -> str | None:
     """The name under which `model.forward` takes a KV cache in the installed transformers (None: it takes none)."""
     parameters = inspect.signature(model.forward).parameters

@@ -25,6 +25,7 @@ from podsrl.batch import RolloutBatch
 from podsrl.config import Config
 from podsrl.models.packed import packed_forward_problem
 from podsrl.models.precision import compute_autocast, describe_precision, resolve_compute_dtype
+from podsrl.models.transformers_api import adapters_disabled, has_adapters
 from podsrl.update.plain import enable_activation_checkpointing, plain_logprobs
 from podsrl.update.shared_prompt import SharedPromptForward
 
@@ -38,6 +39,8 @@ class PolicyUpdater:
                  modulation: Callable | None = None, data_parallel=None) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.cfg, self.device, self.ref_model = cfg, device, ref_model
+        if cfg.algo.beta > 0 and ref_model is None and not has_adapters(model):
+            raise ValueError("algo.beta > 0: a reference model, or LoRA adapters to disable for one")
         self.modulation = modulation  # f(advantages, log_ratio, logprobs, entropy, mask) -> (factor, metrics)
         # podsrl.distributed.DataParallel (or any implementation of its interface): splits each mini-batch across
         # ranks, sums what they computed; None in one process
@@ -112,6 +115,14 @@ class PolicyUpdater:
             self.dp.all_reduce_(out)
         return out
 
+    def reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """[R, Lc] log-probs under the reference: its own model, or with LoRA the policy with its adapters disabled
+        (the frozen base is the starting policy: no second copy of the weights, as TRL does)."""
+        if self.ref_model is not None:
+            return self._precompute(self.ref_model, batch)
+        with adapters_disabled(self.model):
+            return self._precompute(self.model, batch)
+
     def update(self, batch: RolloutBatch, generator: torch.Generator) -> dict:
         cfg, model = self.cfg, self.model
         passes = cfg.optim.epochs * cfg.optim.mini_batches
@@ -131,7 +142,7 @@ class PolicyUpdater:
                 correction = self._correction(old_logprobs, batch.sampler_logprobs, batch.completion_mask)
             else:  # filled by the micro-steps with their (detached) log-probs, for the step's metrics
                 self._trainer_logprobs = torch.zeros_like(batch.completion_mask)
-        ref_logprobs = self._precompute(self.ref_model, batch) if cfg.algo.beta > 0 else None
+        ref_logprobs = self.reference_logprobs(batch) if cfg.algo.beta > 0 else None
         sums: dict[str, float] = defaultdict(float)
         weight_sums: dict[str, float] = defaultdict(float)
         skipped = 0

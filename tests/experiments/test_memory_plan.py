@@ -89,6 +89,15 @@ def test_model_shape_counts_the_real_parameters_and_lora_adapters():
         mp.model_shape(config, 4, ["gate_proj"])
 
 
+def test_a_reference_model_is_counted_without_lora_only():
+    """beta > 0 keeps a second copy of the weights; with LoRA the reference is the policy, its adapters disabled."""
+    config = qwen2()
+    work = mp.Workload(prompts=2, n=4, m=4, prompt_length=16, completion_length=16, beta=0.04)
+    full, lora = mp.model_shape(config), mp.model_shape(config, 4, ["q_proj", "v_proj"])
+    assert mp.model_state(full, work)["reference"] == full.params * 4
+    assert mp.model_state(lora, work)["reference"] == 0
+
+
 def test_terms_by_hand_for_a_1_5b_shaped_model():
     """Qwen2.5-1.5B's shape (28 layers, hidden 1536, 12/2 heads of 128, MLP 8960, vocabulary 151936), bf16 compute
     with float32 masters: the KV cache and the state by the formulas in the module docstring."""
@@ -98,13 +107,16 @@ def test_terms_by_hand_for_a_1_5b_shaped_model():
     assert 1.5e9 < shape.params < 1.6e9
     work = mp.Workload(prompts=8, n=16, m=16, prompt_length=256, completion_length=1024, compute_dtype="bfloat16")
     gen = mp.generation_peak(shape, work)  # the engine samples from a bfloat16 copy of the float32 masters
-    assert gen["kv_cache"] == 28 * 2 * 2 * 128 * (256 + 1024) * (8 * 16 + 8) * 2
+    # the step's cache of every row at 1,280 positions, the prefill's of the 8 prompts at 256; the state's valid
+    # flags and uniforms per position and its row vectors
+    assert gen["kv_cache"] == 28 * 2 * 2 * 128 * 2 * (1280 * 128 + 256 * 8) + 128 * 1280 * 5 + 128 * 32
     assert gen["engine_weights"] == shape.params * 2
     assert gen["fused_weights"] == 0  # the copy's projections are views of the fused tensors
     assert gen["weights"] == shape.params * 4 and gen["optimizer"] == 2 * shape.params * 4
     assert gen["gradients"] == 0  # the update frees them when it ends
     same = mp.generation_peak(shape, dataclasses.replace(work, compute_dtype="float32"))  # no copy, fp32 cache
-    assert same["engine_weights"] == 0 and same["kv_cache"] == gen["kv_cache"] * 2
+    state = 128 * 1280 * 5 + 128 * 32
+    assert same["engine_weights"] == 0 and same["kv_cache"] - state == (gen["kv_cache"] - state) * 2
     assert same["fused_weights"] == 28 * shape.fused_weights * 4  # sampled from the masters: concatenated copies
     upd = mp.update_peak(shape, work, rows=4, checkpointing=False)
     assert upd["gradients"] == shape.params * 4  # 32 micro-batches: the earlier ones' gradients are there
@@ -129,6 +141,7 @@ def test_train_async_adds_the_generator_copy_and_overlaps_generation_with_the_up
     assert (sync.async_generator, in_process.async_generator, ray.async_generator) == ("none", "in_process", "ray")
     gen, gen_async = mp.generation_peak(shape, sync), mp.generation_peak(shape, in_process)
     assert gen["generator_weights"] == 0 and gen_async["generator_weights"] == shape.params * 2
+    assert gen_async["engine_weights"] == shape.params * 2  # the eval engine's copy of the learner's weights
     assert mp.generation_peak(shape, ray)["generator_weights"] == shape.params * 4
     upd, upd_async = (mp.update_peak(shape, w, rows=8, checkpointing=False) for w in (sync, in_process))
     assert "kv_cache" not in upd and upd_async["kv_cache"] == gen["kv_cache"]
@@ -137,6 +150,30 @@ def test_train_async_adds_the_generator_copy_and_overlaps_generation_with_the_up
     assert "kv_cache" not in mp.update_peak(shape, ray, rows=8, checkpointing=False)
     budget = 72 * 2**30
     assert mp.largest_micro_batch(shape, in_process, budget, False) < mp.largest_micro_batch(shape, sync, budget, False)
+
+
+def test_the_default_pods_step_at_1_5b_generates_in_waves_that_fit():
+    """32 prompts x 64 rollouts, 256 + 1,024 tokens, bf16 compute over float32 masters, 80 GiB: all 2,048 rows at
+    once would not fit; the plan's generation is one wave, the most rows (a power of two, the engine's bucket) that
+    fit beside the resident state, and the update's recommended micro-batches fit too."""
+    from podsrl.config import load_config
+    from podsrl.memory_plan_report import workload_from_config
+
+    config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
+    shape = mp.model_shape(config)
+    work = workload_from_config(load_config("podsrl/configs/pods.yaml", ["rollout.max_new_tokens=1024"]), 256, "cuda")
+    assert (work.prompts, work.n, work.compute_dtype) == (32, 64, "bfloat16")
+    plan = mp.make_plan(shape, work, 80 * 2**30)
+    rows = plan.work.generation_rows
+    assert sum(mp.generation_peak(shape, work).values()) > plan.budget  # all at once
+    assert rows & (rows - 1) == 0 and rows < 2048 and sum(plan.generation.values()) <= plan.budget
+    twice = dataclasses.replace(work, rows_in_flight=2 * rows)
+    assert sum(mp.generation_peak(shape, twice).values()) > plan.budget
+    assert all(sum(plan.update[c].values()) <= plan.budget and plan.micro_batch[c] > 0 for c in (False, True))
+    fixed = workload_from_config(load_config("podsrl/configs/pods.yaml", ["rollout.engine_options={max_rows: 256}"]),
+                                 256, "cuda")
+    assert mp.make_plan(shape, fixed, 80 * 2**30).work.generation_rows == 256
 
 
 def test_largest_micro_batch_fits_and_one_more_does_not():
