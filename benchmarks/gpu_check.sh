@@ -70,10 +70,12 @@ machine() {
     echo "machine: written -> machine.txt" | tee -a "$summary"
 }
 
-# The tests where the device matters: the engines (CUDA graphs vs eager, log-probs vs a fresh forward, stop tokens),
+# The tests where the device matters: the engines (CUDA graphs vs eager, log-probs vs a fresh forward, stop tokens,
+# waves and the state kept between calls),
 # the two update paths and precision, the rollout correction, log-probs at any temperature, train.async (graphs on
 # its generator thread), and what an engine keeps between calls.
 device_tests=(tests/engines/test_engines.py tests/engines/test_decode_graph.py tests/engines/test_fused_storage.py
+              tests/engines/test_waves.py
               tests/update/test_shared_prompt.py tests/update/test_precision.py tests/models/test_logprobs.py
               tests/update/test_activation_checkpointing.py tests/algo/test_grad_noise.py tests/update/test_kl.py
               tests/update/test_rollout_correction_update.py tests/benchmarks/test_rollout_mismatch.py
