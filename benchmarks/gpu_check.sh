@@ -71,9 +71,9 @@ machine() {
 }
 
 # The tests where the device matters: the engines (CUDA graphs vs eager, log-probs vs a fresh forward, stop tokens,
-# waves and the state kept between calls),
-# the two update paths and precision, the rollout correction, log-probs at any temperature, train.async (graphs on
-# its generator thread), and what an engine keeps between calls.
+# waves and the state kept between calls), the two update paths, precision and checkpointing, log-probs at any
+# temperature, the KL term, the rollout correction (and its mismatch script), train.async (graphs captured on its
+# generator thread beside the learner).
 device_tests=(tests/engines/test_engines.py tests/engines/test_decode_graph.py tests/engines/test_fused_storage.py
               tests/engines/test_waves.py
               tests/update/test_shared_prompt.py tests/update/test_precision.py tests/models/test_logprobs.py
