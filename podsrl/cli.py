@@ -82,7 +82,9 @@ def cmd_warmup(args) -> int:
     if not needs_warmup(cfg):
         print("nothing to do: warm-up applies to model.name_or_path=tiny with warmup.steps > 0")
         return 0
-    print(run_warmup(cfg, progress=cfg.log.progress))
+    # this machine's own warm-up, trained unless cached; runs use the shipped one of the same key unless
+    # warmup.shipped=false
+    print(run_warmup(cfg, progress=cfg.log.progress, use_shipped=False))
     return 0
 
 

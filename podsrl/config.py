@@ -95,6 +95,10 @@ class WarmupConfig:
     lr: float = _f(1e-3, "Warm-up learning rate (AdamW, 50 linear warm-up steps, then constant).")
     cache_dir: str = _f(".cache/podsrl/warmup", "Where warmed-up base checkpoints are cached, keyed by config.")
     seed: int = _f(0, "Warm-up seed; the same for every RL run so they start from the same checkpoint.")
+    shipped: bool = _f(True, "Start from the warm-up shipped with podsrl when one matches this config's key (the "
+                       "default run's): the same weights on every machine, where a warm-up trained here stops at a "
+                       "threshold whose crossing depends on the CPU's rounding. false: this machine's own, trained "
+                       "once and cached (`podsrl warmup` builds it).")
 
 
 @dataclass
@@ -109,7 +113,7 @@ class RolloutConfig:
     engine_options: dict[str, Any] = _f({}, (
         "Engine-specific options, each listed in its engine's docstring (podsrl/engines). fast: cuda_graphs (default "
         "on when the model is on a CUDA device: the decode step is captured as one CUDA graph per (rows, cache "
-        "length) bucket on first use and replayed; built, not yet run on a GPU), compile, cache_block, "
+        "length) bucket on first use and replayed; measured on an H200 in docs/results.md), compile, cache_block, "
         "weights_dtype and more; ray: num_workers, address and more; vllm: gpu_memory_utilization and more. Every "
         "engine: "
         "eos_token_id (default: the tokenizer's EOS and every eos id of the model's generation config; given, it "

@@ -40,12 +40,24 @@ def warmup_key(cfg: Config) -> str:
     for key in ("eval_fraction", "max_prompt_length", "overlong_prompts"):  # no effect on the warm-up: keep caches
         task.pop(key)
     shaping = {"version": WARMUP_VERSION, "tiny": to_dict(cfg.model.tiny), "task": task, "warmup": to_dict(cfg.warmup)}
-    shaping["warmup"].pop("cache_dir")
+    for key in ("cache_dir", "shipped"):  # where the weights are found, not what they are
+        shaping["warmup"].pop(key)
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# Warm-ups shipped with the package, one directory per key: the default run's, so every machine starts RL from the
+# same weights (tests/test_shipped_warmup.py checks the key and shapes against the current code).
+SHIPPED = Path(__file__).parent / "warmups"
 
 
 def warmup_path(cfg: Config) -> Path:
     return Path(cfg.warmup.cache_dir) / warmup_key(cfg)
+
+
+def shipped_warmup(cfg: Config) -> Path | None:
+    """The shipped warm-up of this config's key, if there is one and warmup.shipped allows it."""
+    path = SHIPPED / warmup_key(cfg)
+    return path if cfg.warmup.shipped and (path / "config.json").is_file() else None
 
 
 def needs_warmup(cfg: Config) -> bool:
@@ -92,8 +104,13 @@ def greedy_accuracy(model, tokenizer, task, problems, max_new_tokens: int = 8) -
     return sum(task.is_correct(t, p) for t, p in zip(texts, problems)) / len(problems)
 
 
-def run_warmup(cfg: Config, progress: bool = True) -> Path:
-    """Train (or reuse) the warmed-up base checkpoint and return its directory."""
+def run_warmup(cfg: Config, progress: bool = True, use_shipped: bool = True) -> Path:
+    """The warmed-up base checkpoint's directory: the shipped one of this key (unless warmup.shipped is false or
+    `use_shipped` is False: `podsrl warmup` builds this machine's own), else the cached one, else trained and
+    cached."""
+    shipped = shipped_warmup(cfg) if use_shipped else None
+    if shipped is not None:
+        return shipped
     out = warmup_path(cfg)
     if (out / "config.json").is_file():
         return out
