@@ -26,29 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.timing import machine_line, peak_memory_during
+from benchmarks.timing import machine_line, memory_levels
 
 PROMPT = 64
 MIB = 2**20
-
-
-def measure(call, device: str) -> dict[str, int]:
-    """The phase's level before, peak and level after (bytes); on CUDA also the reserved peak."""
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        call()
-        torch.cuda.synchronize()
-        return {"before": before, "peak": torch.cuda.max_memory_allocated(),
-                "reserved": torch.cuda.max_memory_reserved(), "after": torch.cuda.memory_allocated()}
-    from benchmarks.memory_plan_check import _rss
-
-    before = _rss()
-    peak = before + peak_memory_during(call, device)
-    return {"before": before, "peak": peak, "reserved": peak, "after": _rss()}
 
 
 def run_sequence(args, checkpointing: bool) -> list[dict]:
@@ -63,7 +44,7 @@ def run_sequence(args, checkpointing: bool) -> list[dict]:
     from podsrl.update import PolicyUpdater
 
     device, compute = args.device, getattr(torch, args.compute_dtype)
-    zero = measure(lambda: None, device)["before"]
+    zero = memory_levels(lambda: None, device)["before"]
     model, _, _ = build_model(args.model, device, torch.float32)
     model.train()
     vocab = model.config.vocab_size
@@ -88,7 +69,7 @@ def run_sequence(args, checkpointing: bool) -> list[dict]:
     def record(phase: str, step: int, call) -> object:
         """Run `call` as phase `phase` of step `step`, measured; its result."""
         result = []
-        levels = measure(lambda: result.append(call()), device)
+        levels = memory_levels(lambda: result.append(call()), device)
         out.append({"phase": phase, "step": step, **{k: v - zero for k, v in levels.items()}})
         return result[0]
 

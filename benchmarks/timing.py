@@ -95,9 +95,10 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def peak_memory_during(call: Callable[[], object], device: str = "cpu") -> int:
-    """Bytes above the level before `call` at its peak: the CUDA allocator's peak, or on CPU the resident set size
-    sampled every 0.2 ms by a thread (run with MALLOC_MMAP_THRESHOLD_ set so freed tensors leave the RSS)."""
+def memory_levels(call: Callable[[], object], device: str = "cpu") -> dict[str, int]:
+    """Bytes in use before `call`, at its peak and after it, and the peak reserved: the CUDA allocator's
+    (max_memory_allocated / max_memory_reserved), or on CPU the resident set size sampled every 0.2 ms by a thread
+    (run with MALLOC_MMAP_THRESHOLD_ set so freed tensors leave the RSS; reserved is the peak there)."""
     import torch
 
     if device.startswith("cuda"):
@@ -106,7 +107,8 @@ def peak_memory_during(call: Callable[[], object], device: str = "cpu") -> int:
         before = torch.cuda.memory_allocated()
         call()
         torch.cuda.synchronize()
-        return max(torch.cuda.max_memory_allocated() - before, 0)
+        return {"before": before, "peak": torch.cuda.max_memory_allocated(),
+                "reserved": torch.cuda.max_memory_reserved(), "after": torch.cuda.memory_allocated()}
     before, peak, done = _rss_bytes(), [0], threading.Event()
 
     def sample() -> None:
@@ -119,4 +121,12 @@ def peak_memory_during(call: Callable[[], object], device: str = "cpu") -> int:
     call()
     done.set()
     sampler.join()
-    return max(peak[0], _rss_bytes(), before) - before
+    after = _rss_bytes()
+    top = max(peak[0], after, before)
+    return {"before": before, "peak": top, "reserved": top, "after": after}
+
+
+def peak_memory_during(call: Callable[[], object], device: str = "cpu") -> int:
+    """Bytes above the level before `call` at its peak (memory_levels)."""
+    levels = memory_levels(call, device)
+    return max(levels["peak"] - levels["before"], 0)
