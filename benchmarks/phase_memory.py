@@ -4,8 +4,8 @@ Where benchmarks/memory_plan_check.py measures each phase alone in a fresh proce
 does, in one process, so whatever a phase leaves behind is in the next one's peak: one eval call first (greedy, as
 many rows as eval.batch_size: the engine may keep its cache from it), then two steps of generation (P prompts x n
 rollouts, sampled in the compute dtype from the engine's copy of float32 masters) and the update (the shared-prompt
-path, AdamW; the first step allocates its state, the second is the steady state), the gradients freed after each
-update as the trainer does. Every rollout runs to the full length (the EOS logit is biased far down). Each phase's
+path, AdamW; the first step allocates its state, the second is the steady state), as the trainer does it: the
+engine's kept decode state released before each update, the gradients freed after it. Every rollout runs to the full length (the EOS logit is biased far down). Each phase's
 peak is the CUDA allocator's (`max_memory_allocated`, and `max_memory_reserved`: what the process really holds),
 its level before and after, and the plan's terms for a training run (podsrl/memory_plan.py) beside them. On the CPU
 the peak is the resident set (`--device cpu`: the plumbing at tiny sizes; the CPU's own validation is
@@ -90,9 +90,11 @@ def run_sequence(args, checkpointing: bool) -> list[dict]:
 
 
 def train_step(updater, optimizer, engine, model, batch, step: int) -> None:
-    """As the trainer: the update, the gradients freed (their memory is free for generation), the engine synced."""
+    """As the trainer (podsrl/trainer.py train_step): the engine's kept decode state released, the update, the
+    gradients freed (their memory is free for generation), the engine synced."""
     import torch
 
+    engine.release()
     updater.update(batch, torch.Generator().manual_seed(step))
     optimizer.zero_grad(set_to_none=True)
     engine.sync_weights(model)
