@@ -110,7 +110,7 @@ def save_policy(model: torch.nn.Module, path: str) -> None:
         model.save_pretrained(path, safe_serialization=True)
 
 
-INSTALL = ("Install: pip install 'podsrl[all,vllm]' in a new environment (vLLM 0.33 brings torch 2.14.0; README.md, "
+INSTALL = ("Install: pip install 'podsrl[tasks,trl,vllm]' in a new environment (vLLM 0.33 brings torch 2.14.0; README.md, "
            "'Installing on a GPU machine').")
 
 

@@ -254,7 +254,7 @@ def test_process_wide_generators_untouched(vllm, tmp_path):
 
 def test_missing_vllm_points_to_the_install_commands(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
-    with pytest.raises(ConfigError, match=r"vLLM is not installed here\. Install: pip install 'podsrl\[all,vllm\]'"
+    with pytest.raises(ConfigError, match=r"vLLM is not installed here\. Install: pip install 'podsrl\[tasks,trl,vllm\]'"
                                           r".*README\.md, 'Installing on a GPU machine'"):
         engine(tiny_model())
 
