@@ -166,9 +166,15 @@ def load_sharded_tensors(template: dict, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     class Reader(dcp.FileSystemReader):
+        refused: pickle.UnpicklingError | None = None  # torch 2.11 reports a failed read only as "metadata is None"
+
         def read_metadata(self, *args, **kwargs):
             with open(Path(self.path) / ".metadata", "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
+                try:
+                    metadata = _MetadataUnpickler(f).load()
+                except pickle.UnpicklingError as e:
+                    self.refused = e
+                    raise
             if getattr(metadata, "storage_meta", None) is None:
                 from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -178,10 +184,12 @@ def load_sharded_tensors(template: dict, path: Path) -> None:
 
     from torch.distributed.checkpoint.api import CheckpointException
 
+    reader = Reader(str(path))
     try:
-        dcp.load(template, storage_reader=Reader(str(path)))
+        dcp.load(template, storage_reader=reader)
     except (CheckpointException, RuntimeError, OSError) as e:
-        raise UserError(f"checkpoint {path}: cannot load the sharded state ({_last_error_line(e)[:300]})") from None
+        cause = _last_error_line(reader.refused or e)
+        raise UserError(f"checkpoint {path}: cannot load the sharded state ({cause[:300]})") from None
 
 
 def _last_error_line(e: BaseException) -> str:

@@ -16,10 +16,15 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "math_verify": ("math-verify", "tasks"),
     "datasets": ("datasets", "tasks"),
     "pyarrow": ("pyarrow", "tasks"),
-    "reasoning_gym": ("reasoning-gym", "tasks"),
+    "reasoning_gym": ("reasoning-gym", "reasoning-gym"),
     "peft": ("peft", "tasks"),
     "wandb": ("wandb", "wandb"),
     "trackio": ("trackio", "trackio"),
+}
+# why an extra is not part of `tasks`/`all`, said where it is missing
+BUILDS_FROM_SOURCE = {
+    "reasoning_gym": "reasoning-gym has an extra of its own because its dependency pycosat publishes no Linux "
+                     "wheel and is compiled at install (a C compiler is needed)",
 }
 
 
@@ -28,5 +33,6 @@ def require(module: str, needed_for: str) -> None:
     if sys.modules.get(module, False) is not None and (module in sys.modules or importlib.util.find_spec(module)):
         return
     dist, extra = EXTRAS[module]
+    why = f"; {BUILDS_FROM_SOURCE[module]}" if module in BUILDS_FROM_SOURCE else ""
     raise UserError(f"{needed_for} needs the optional package {dist!r}, which is not installed: "
-                    f"pip install 'podsrl[{extra}]' (or pip install {dist})")
+                    f"pip install 'podsrl[{extra}]' (or pip install {dist}){why}")

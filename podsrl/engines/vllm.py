@@ -111,6 +111,10 @@ def save_policy(model: torch.nn.Module, path: str) -> None:
         model.save_pretrained(path, safe_serialization=True)
 
 
+INSTALL = ("Install: pip install 'podsrl[tasks,trl,vllm]' in a new environment (vLLM 0.33 brings torch 2.14.0; README.md, "
+           "'Installing on a GPU machine').")
+
+
 class VLLMEngine(RolloutEngine):
     """vLLM generation colocated with the trainer; see the module docstring."""
 
@@ -124,10 +128,12 @@ class VLLMEngine(RolloutEngine):
         try:
             import vllm
         except ImportError as e:
-            raise ConfigError("rollout.engine: 'vllm' needs vLLM and a CUDA GPU (pip install 'podsrl[vllm]'); it is "
-                              "not installed here. Use rollout.engine=fast (one process) or ray (actor pool)") from e
+            raise ConfigError(f"rollout.engine: 'vllm' needs vLLM and a CUDA GPU; vLLM is not installed here. {INSTALL} "
+                              "Or use rollout.engine=fast (one process) or ray (actor pool)") from e
         if not torch.cuda.is_available():
-            raise ConfigError("rollout.engine: 'vllm' needs a CUDA GPU; none is visible")
+            build = "a CPU build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise ConfigError(f"rollout.engine: 'vllm' needs a CUDA GPU; torch {torch.__version__} ({build}) sees "
+                              f"none. {INSTALL}")
         if tensor_parallel_size != 1:
             raise ConfigError(
                 f"rollout.engine_options.tensor_parallel_size: {tensor_parallel_size} is not supported; the vllm "

@@ -43,6 +43,7 @@ from podsrl.models.transformers_api import (
     check_fast_path,
     is_llama_family,
     llama_layout_problem,
+    own_layer_checkpointing_off,
 )
 
 
@@ -98,14 +99,16 @@ class PackedForward:
     def _routed(self) -> Iterator[None]:
         """While open, calling the root runs `_model_forward` and calling a decoder layer runs `_layer_forward`
         (instance attributes shadow the class's `forward`; the previous state is restored on exit). Nothing else
-        calls the model while an update runs (generation is not concurrent with it)."""
+        calls the model while an update runs (generation is not concurrent with it). The layers checkpoint here
+        (`_layer_forward`), not in transformers (which may also wrap them when the plain path turned its own on)."""
         swapped = [(self.root, self._model_forward)]
         swapped += [(layer, functools.partial(self._layer_forward, i)) for i, layer in enumerate(self.layers)]
         saved = [(module, module.__dict__.get("forward")) for module, _ in swapped]
         try:
             for module, forward in swapped:
                 module.forward = forward
-            yield
+            with own_layer_checkpointing_off(self.layers):
+                yield
         finally:
             for module, previous in saved:
                 if previous is None:

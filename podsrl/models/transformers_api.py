@@ -2,7 +2,8 @@
 
 Everything that is not a public, stable entry point (`from_pretrained`, `generate`, the model's forward as a plain
 call) goes through here: the name of forward's KV-cache argument (`past_key_values` up to 5.23, `cache` from 5.24),
-the cache classes the fast engine builds on, and the peft wrapper's base model. A release that renames something is
+the cache classes the fast engine builds on, the per-layer activation checkpointing (its switch's name and where it
+wraps a layer, both changed in 5.24), and the peft wrapper's base model. A release that renames something is
 then absorbed in this file and nowhere else; `check_fast_path` turns what cannot be absorbed into one line naming the
 installed version.
 """
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import transformers
@@ -67,6 +69,36 @@ def forward_with_cache(model: torch.nn.Module, cache, **inputs):
 
 def new_dynamic_cache(model: torch.nn.Module):
     return DynamicCache(config=model.config)
+
+
+def enable_layer_checkpointing(model: torch.nn.Module) -> None:
+    """transformers' own per-layer activation checkpointing, non-reentrant (`activation_checkpointing_enable` from
+    5.24, `gradient_checkpointing_enable` before)."""
+    base = base_model(model)
+    enable = getattr(base, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+@contextmanager
+def own_layer_checkpointing_off(layers: list[torch.nn.Module]) -> Iterator[None]:
+    """While open, transformers' per-layer checkpointing leaves `layers` alone, for a caller that replaces their
+    forward and checkpoints it itself. From 5.24 transformers wraps the class's `forward`, which an instance's
+    `forward` already shadows; before, it wraps the module call, which would nest a second checkpoint around the
+    caller's (and its recompute then saves different tensors than the forward did)."""
+    saved = [layer.__dict__.get("gradient_checkpointing") for layer in layers]
+    try:
+        for layer in layers:
+            layer.gradient_checkpointing = False
+        yield
+    finally:
+        for layer, previous in zip(layers, saved):
+            if previous is None:
+                layer.__dict__.pop("gradient_checkpointing", None)
+            else:
+                layer.gradient_checkpointing = previous
 
 
 def is_llama_family(model: torch.nn.Module) -> bool:

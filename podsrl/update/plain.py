@@ -11,7 +11,7 @@ from torch import Tensor
 from podsrl.batch import RolloutBatch
 from podsrl.errors import ConfigError
 from podsrl.models.logprobs import token_logprobs_and_entropy
-from podsrl.models.transformers_api import base_model
+from podsrl.models.transformers_api import base_model, enable_layer_checkpointing
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:
@@ -23,11 +23,7 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     if not getattr(base, "supports_gradient_checkpointing", False):
         raise ConfigError(f"update.activation_checkpointing: {type(base).__name__} does not support transformers' "
                           "activation checkpointing; set update.activation_checkpointing=false")
-    enable = getattr(base, "activation_checkpointing_enable", None)  # transformers >= 5.24; the older name before
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_layer_checkpointing(base)
 
 
 def plain_logprobs(model: torch.nn.Module, batch: RolloutBatch, rows: Tensor, width: int, device: torch.device,

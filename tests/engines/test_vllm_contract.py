@@ -4,6 +4,7 @@ and LoRA-merged names), sleep mode and the process-wide generators. Nothing here
 
 import copy
 import random
+import re
 import sys
 from types import SimpleNamespace
 
@@ -265,3 +266,17 @@ def test_process_wide_generators_untouched(vllm, tmp_path):
     vllm.LLM(model=str(tmp_path))
     after = rng_states()
     assert after[0] != before[0] and after[1] != before[1] and not torch.equal(after[2], before[2])
+
+
+def test_missing_vllm_points_to_the_install_commands(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ConfigError, match=r"vLLM is not installed here\. Install: pip install 'podsrl\[tasks,trl,vllm\]'"
+                                          r".*README\.md, 'Installing on a GPU machine'"):
+        engine(tiny_model())
+
+
+def test_no_visible_gpu_names_the_torch_build(vllm, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(ConfigError, match=rf"torch {re.escape(torch.__version__)} \(a CPU build\) sees none\. Install: "):
+        engine(tiny_model())

@@ -1,9 +1,10 @@
 import logging
+import sys
 
 import pytest
 import torch
 
-from podsrl.errors import ConfigError
+from podsrl.errors import ConfigError, UserError
 from podsrl.rewards import TaskVerifierReward, build_reward_manager
 from podsrl.tasks.reasoning_gym import ReasoningGymTask, extract_completion_answer
 
@@ -79,3 +80,14 @@ def test_config_errors():
         ReasoningGymTask("chain_sum", size=5, bogus=1)
     with pytest.raises(ConfigError, match="max_terms"):
         ReasoningGymTask("chain_sum", size=5, min_terms=5, max_terms=2)
+
+
+def test_missing_reasoning_gym_names_its_own_extra(monkeypatch):
+    """reasoning-gym is not in `tasks` (its pycosat compiles at install): the refusal names the extra that has it."""
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)
+    with pytest.raises(UserError) as refused:
+        ReasoningGymTask("chain_sum", size=10)
+    assert str(refused.value) == (
+        "the reasoning_gym task 'chain_sum' needs the optional package 'reasoning-gym', which is not installed: "
+        "pip install 'podsrl[reasoning-gym]' (or pip install reasoning-gym); reasoning-gym has an extra of its own "
+        "because its dependency pycosat publishes no Linux wheel and is compiled at install (a C compiler is needed)")
