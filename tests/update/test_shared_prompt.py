@@ -75,10 +75,12 @@ def make_batch(sizes: list[int], vocab: int, seed: int = 0, max_prompt: int = 9,
 
 
 def make_updater(model, shared: bool, *overrides: str, ref=None, modulation=None) -> PolicyUpdater:
-    # float32 compute on every device (`auto` is bfloat16 on CUDA): the two paths are compared at float32 tolerance
+    # float32 compute on every device unless a test sets the precision (`auto` is bfloat16 on CUDA): the two paths
+    # are compared at float32 tolerance
+    precision = [] if any(o.startswith(("model.dtype=", "model.compute_dtype=")) for o in overrides) else [
+        "model.compute_dtype=float32"]
     cfg = load_config(None, [f"update.shared_prompt={str(shared).lower()}", "update.logits_chunk=7",
-                             "rollout.max_new_tokens=12", "rollout.temperature=0.8", "model.compute_dtype=float32",
-                             *overrides])
+                             "rollout.max_new_tokens=12", "rollout.temperature=0.8", *precision, *overrides])
     device = device_under_test()
     model.to(device)  # in place: the caller's model is the one updated
     if ref is not None:
