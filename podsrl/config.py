@@ -396,7 +396,8 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults <- YAML file <- `key=value` overrides, then validated."""
+    """Defaults <- YAML file <- `key=value` overrides, then validated. TRL's names are taken from either (a
+    command-line one overrides the file's podsrl key)."""
     tree: dict = {}
     if path is not None:
         path = Path(path)
@@ -412,16 +413,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of config keys")
         tree = loaded
+    command_line: dict = {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key=value (e.g. rollout.n=16)")
         key, text = item.split("=", 1)
-        _set_dotted(tree, key.strip(), _parse_scalar(text))
-    # Shorthand: `model: tiny` / `model=path`.
-    if isinstance(tree.get("model"), str):
-        tree["model"] = {"name_or_path": tree["model"]}
+        _set_dotted(command_line, key.strip(), _parse_scalar(text))
+    for source in (tree, command_line):  # shorthand: `model: tiny` / `model=path`
+        if isinstance(source.get("model"), str):
+            source["model"] = {"name_or_path": source["model"]}
+    tree = translate_trl_names(tree, command_line)
     reject_removed_keys(tree)
-    cfg = _build(Config, translate_trl_names(tree))
+    cfg = _build(Config, tree)
     if not cfg.name and path is not None:
         cfg.name = Path(path).stem
     validate(cfg)
