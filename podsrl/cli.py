@@ -158,8 +158,22 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line; `key=value` overrides may also come after the options (`podsrl plan grpo --memory
+    --gpu-memory 80GiB rollout.n=8`), where argparse alone stops taking positionals."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    late = [item for item in rest if "=" in item and not item.startswith("-")]
+    if late and hasattr(args, "overrides"):
+        args.overrides = [*args.overrides, *late]
+        rest = [item for item in rest if item not in late]
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     # transformers' per-file bars ("Loading weights", "Writing model shards") would interleave with podsrl's own

@@ -273,7 +273,8 @@ class CoreConfig:
 
     name: str = _f("", "Label of this configuration in comparisons (default: the config file's stem).")
     seed: int = _f(0, "Seed of the RL run (sampling, prompt order, selection).")
-    output_dir: str = _f("runs/default", "Run directory: config, metrics, checkpoints, plots.")
+    output_dir: str = _f("runs/default", "Run directory: config, metrics, checkpoints, plots. Not set in the file "
+                         "or on the command line: runs/<name> (e.g. runs/grpo for --config grpo).")
     method: str = _f("grpo", f"The method (podsrl.methods.METHODS): {', '.join(METHODS)}; its options are in the "
                      "section of the same name.")
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -427,12 +428,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     cfg = _build(Config, tree)
     if not cfg.name and path is not None:
         cfg.name = Path(path).stem
+    if "output_dir" not in tree and cfg.name:  # presets run one after another must not share a run directory
+        cfg.output_dir = f"runs/{cfg.name}"
     validate(cfg)
     return cfg
 
 
 def config_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    """The config as YAML with the chosen method's section only: the other methods' sections are not read."""
+    tree = to_dict(cfg)
+    for name in METHODS:
+        if name != cfg.method:
+            tree.pop(name, None)
+    return yaml.safe_dump(tree, sort_keys=False)
 
 
 def dump_config(cfg: Config, path: Path) -> None:
