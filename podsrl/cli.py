@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_config(sub.add_parser("train", help="RL training (warm-up first if the built-in model needs it)"))
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest good checkpoint")
     p.add_argument("--print-config", action="store_true",
-                   help="print the resolved config (preset, file and overrides, validated) as YAML and exit")
+                   help="print the resolved config (preset, file and overrides, validated; of the method's sections, "
+                   "the chosen one's) as YAML and exit")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("presets", help="list the bundled presets (--config NAME) and what each is for")
     p.set_defaults(func=cmd_presets)
