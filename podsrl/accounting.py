@@ -1,9 +1,9 @@
 """Compute accounting shared by every method, so that all methods compare on the same ledger.
 
-FLOPs are the usual dense-transformer estimates (METHODS.md §3): ≈2·params per generated token (one forward) and
-≈6·params per trained token per update pass (forward + backward). They ignore attention's quadratic term, the
-prompt tokens, and the extra forward passes for old / reference log-probs: an estimate to compare methods run on
-the same model, not a profiler reading.
+FLOPs are the usual dense-transformer estimates (docs/methods.md#cost-accounting): ≈2·params per generated token
+(one forward) and ≈6·params per trained token per update pass (forward + backward). They ignore attention's
+quadratic term, the prompt tokens, and the extra forward passes for old / reference log-probs: an estimate to
+compare methods run on the same model, not a profiler reading.
 """
 
 from __future__ import annotations

@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_config(sub.add_parser("train", help="RL training (warm-up first if the built-in model needs it)"))
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest good checkpoint")
     p.add_argument("--print-config", action="store_true",
-                   help="print the resolved config (preset, file and overrides, validated) as YAML and exit")
+                   help="print the resolved config (preset, file and overrides, validated; of the method's sections, "
+                   "the chosen one's) as YAML and exit")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("presets", help="list the bundled presets (--config NAME) and what each is for")
     p.set_defaults(func=cmd_presets)
@@ -160,8 +161,22 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line; `key=value` overrides may also come after the options (`podsrl plan grpo --memory
+    --gpu-memory 80GiB rollout.n=8`), where argparse alone stops taking positionals."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    late = [item for item in rest if "=" in item and not item.startswith("-")]
+    if late and hasattr(args, "overrides"):
+        args.overrides = [*args.overrides, *late]
+        rest = [item for item in rest if item not in late]
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     # transformers' per-file bars ("Loading weights", "Writing model shards") would interleave with podsrl's own

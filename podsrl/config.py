@@ -277,7 +277,8 @@ class CoreConfig:
 
     name: str = _f("", "Label of this configuration in comparisons (default: the config file's stem).")
     seed: int = _f(0, "Seed of the RL run (sampling, prompt order, selection).")
-    output_dir: str = _f("runs/default", "Run directory: config, metrics, checkpoints, plots.")
+    output_dir: str = _f("runs/default", "Run directory: config, metrics, checkpoints, plots. Not set in the file "
+                         "or on the command line: runs/<name> (e.g. runs/grpo for --config grpo).")
     method: str = _f("grpo", f"The method (podsrl.methods.METHODS): {', '.join(METHODS)}; its options are in the "
                      "section of the same name.")
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -400,7 +401,8 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults <- YAML file <- `key=value` overrides, then validated."""
+    """Defaults <- YAML file <- `key=value` overrides, then validated. TRL's names are taken from either (a
+    command-line one overrides the file's podsrl key)."""
     tree: dict = {}
     if path is not None:
         path = Path(path)
@@ -416,24 +418,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of config keys")
         tree = loaded
+    command_line: dict = {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key=value (e.g. rollout.n=16)")
         key, text = item.split("=", 1)
-        _set_dotted(tree, key.strip(), _parse_scalar(text))
-    # Shorthand: `model: tiny` / `model=path`.
-    if isinstance(tree.get("model"), str):
-        tree["model"] = {"name_or_path": tree["model"]}
+        _set_dotted(command_line, key.strip(), _parse_scalar(text))
+    for source in (tree, command_line):  # shorthand: `model: tiny` / `model=path`
+        if isinstance(source.get("model"), str):
+            source["model"] = {"name_or_path": source["model"]}
+    tree = translate_trl_names(tree, command_line)
     reject_removed_keys(tree)
-    cfg = _build(Config, translate_trl_names(tree))
+    cfg = _build(Config, tree)
     if not cfg.name and path is not None:
         cfg.name = Path(path).stem
+    if "output_dir" not in tree and cfg.name:  # presets run one after another must not share a run directory
+        cfg.output_dir = f"runs/{cfg.name}"
     validate(cfg)
     return cfg
 
 
 def config_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    """The config as YAML with the chosen method's section only: the other methods' sections are not read."""
+    tree = to_dict(cfg)
+    for name in METHODS:
+        if name != cfg.method:
+            tree.pop(name, None)
+    return yaml.safe_dump(tree, sort_keys=False)
 
 
 def dump_config(cfg: Config, path: Path) -> None:

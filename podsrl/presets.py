@@ -17,15 +17,15 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
 
-def preset_path(name: str) -> Path:
-    """A bundled preset by name (e.g. 'grpo'), or a path to a YAML file."""
+def preset_path(name: str, option: str = "--config") -> Path:
+    """A bundled preset by name (e.g. 'grpo'), or a path to a YAML file; `option` names the argument in errors."""
     path = Path(name)
     if path.suffix in (".yaml", ".yml") or path.exists():
         return path
     bundled = PRESET_DIR / f"{name}.yaml"
     if bundled.is_file():
         return bundled
-    raise UserError(f"--config: no file {name!r} and no bundled preset of that name; presets: "
+    raise UserError(f"{option}: no file {name!r} and no bundled preset of that name; presets: "
                     f"{', '.join(preset_names())} (`podsrl presets` says what each is for)")
 
 

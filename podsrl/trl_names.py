@@ -22,6 +22,7 @@ class Row:
     accepted: bool = False  # podsrl takes the TRL name in a config, meaning the same
     values: dict[Any, Any] | None = None  # TRL value -> podsrl value, where the spelling differs
     fills: tuple[str, ...] = field(default=())  # further keys set when the user has not set them
+    refusal: str = ""  # a row without podsrl keys: what to do instead of a TRL value podsrl does not take
 
 
 ROWS: tuple[Row, ...] = (
@@ -39,6 +40,15 @@ ROWS: tuple[Row, ...] = (
     Row("gradient_checkpointing", True, ("update.activation_checkpointing",), "**differs**: on in TRL, off in "
         "podsrl (its default models fit without it; it costs about one more forward); the same per-layer "
         "non-reentrant recomputation", accepted=True),
+    Row("use_vllm", False, ("rollout.engine",), "same: `true` = the `vllm` engine (colocated, next row), `false` = "
+        "`hf` (transformers' `generate`, what TRL uses without vLLM); podsrl's default `fast` engine is its own",
+        accepted=True, values={True: "vllm", False: "hf"}),
+    Row("vllm_mode", "colocate", (), "same for `colocate`: podsrl's `vllm` engine runs in the trainer's process, on "
+        "its GPU; `server` (a separate `trl vllm-serve` process) has no counterpart", accepted=True,
+        values={"colocate": None}, refusal="set rollout.engine=vllm, which runs vLLM colocated with the trainer"),
+    Row("vllm_gpu_memory_utilization", 0.3, ("rollout.engine_options.gpu_memory_utilization",), "**differs**: "
+        "the share of the GPU's memory vLLM may take (weights, activations, CUDA graphs and KV cache), an option of "
+        "the `vllm` engine (refused by the others)", accepted=True),
     Row("vllm_importance_sampling_correction", True, ("algo.rollout_correction",), "**differs** in where it "
         "applies: TRL corrects vLLM-sampled rollouts; podsrl's `auto` corrects with TRL's default mode for the "
         "vllm engine and asynchronous generation from older weights, with `token_tis` for a precision-only "
@@ -118,10 +128,9 @@ def _set(tree: dict, dotted: str, value: Any) -> None:
     tree[last] = value
 
 
-def translate_trl_names(tree: dict) -> dict:
-    """Move top-level TRL names (`num_generations: 8`, `learning_rate=1e-6` on the command line) to their podsrl
-    keys. A TRL name and its podsrl key both given, a TRL value with no podsrl counterpart, or a TRL name whose
-    meaning differs (`per_device_train_batch_size`) is a ConfigError saying what to set instead."""
+def _translate(tree: dict) -> list[tuple[str, Any]]:
+    """Move the TRL names of one source (the config file, or the command line) to their podsrl keys in place; a
+    TRL name and its podsrl key both in this source is an error. Returns the keys a name fills where unset."""
     for name in tree:
         row = next((r for r in ROWS if r.trl == name and not r.accepted), None)
         if row is not None:
@@ -134,15 +143,40 @@ def translate_trl_names(tree: dict) -> dict:
         row, value = ACCEPTED[name], tree.pop(name)
         if row.values is not None:
             if value not in row.values:
+                instead = row.refusal or f"set {row.podsrl[0]}"
                 raise ConfigError(f"{name}: {value!r} has no podsrl counterpart; use one of "
-                                  f"{', '.join(map(str, row.values))} (or set {row.podsrl[0]})")
+                                  f"{', '.join(map(str, row.values))} (or {instead})")
             value = row.values[value]
         for key in row.podsrl:
             if _get(tree, key) is not None:
                 raise ConfigError(f"{name}: TRL's name for {key}, which is also set; give one of them")
             _set(tree, key, value)
         filled += [(key, value) for key in row.fills]
-    for key, value in filled:
+    return filled
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """`over`'s keys win, section by section."""
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+def translate_trl_names(*sources: dict) -> dict:
+    """Move top-level TRL names (`num_generations: 8`, `learning_rate=1e-6` on the command line) to their podsrl
+    keys and merge the sources, later ones winning: a TRL name on the command line overrides the podsrl key a
+    config file (a preset) sets. Within one source, a TRL name and its podsrl key both given, a TRL value with no
+    podsrl counterpart, or a TRL name whose meaning differs (`per_device_train_batch_size`) is a ConfigError
+    saying what to set instead."""
+    tree: dict = {}
+    filled = []
+    for source in sources:
+        filled += _translate(source)
+        _merge(tree, source)
+    for key, value in filled:  # e.g. `epsilon` sets the upper clip too, unless any source set it
         if _get(tree, key) is None:
             _set(tree, key, value)
     return tree

@@ -6,11 +6,20 @@ from __future__ import annotations
 from typing import Any
 
 from podsrl.config import config_help
+from podsrl.engines import engine_option_default
 from podsrl.trl_names import ROWS
+
+ENGINE_OPTION = "rollout.engine_options."  # TRL's vllm_* settings map to options of podsrl's vllm engine
 
 
 def _cell(value: Any) -> str:
     return f"`{value}`" if isinstance(value, str) else f"`{value!r}`"
+
+
+def _podsrl_default(key: str, defaults: dict[str, str]) -> Any:
+    if key.startswith(ENGINE_OPTION):
+        return engine_option_default("vllm", key.removeprefix(ENGINE_OPTION))
+    return defaults[key]
 
 
 def trl_table_markdown() -> str:
@@ -20,7 +29,7 @@ def trl_table_markdown() -> str:
              "|---|---|---|---|---|---|"]
     for row in ROWS:
         keys = ", ".join(f"`{k}`" for k in row.podsrl) or "none"
-        podsrl_default = ", ".join(f"`{defaults[k]}`" for k in row.podsrl) or "none"
+        podsrl_default = ", ".join(f"`{_podsrl_default(k, defaults)}`" for k in row.podsrl) or "none"
         lines.append(f"| `{row.trl}` | {_cell(row.trl_default)} | {keys} | {podsrl_default} | "
                      f"{'yes' if row.accepted else 'no'} | {row.note} |")
     return "\n".join(lines) + "\n"

@@ -4,10 +4,12 @@ a bad task.args.eval_path stops the run with one line naming the field (exit 2).
 
 import json
 
+import pytest
 import yaml
 
-from podsrl.cli import main
+from podsrl.cli import main, parse_args
 from podsrl.config import load_config, to_dict
+from podsrl.methods import METHODS
 from podsrl.presets import PRESET_DIR, preset_names
 
 RECIPES = ("gsm8k_qwen_grpo", "gsm8k_qwen_pods", "math_qwen_grpo", "math_qwen_pods")
@@ -37,7 +39,10 @@ def test_print_config_prints_the_resolved_config_and_trains_nothing(tmp_path, ca
     overrides = ["rollout.n=32", f"output_dir={run}"]
     assert main(["train", "--config", "math_qwen_pods", "--print-config", *overrides]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed == to_dict(load_config(PRESET_DIR / "math_qwen_pods.yaml", overrides))
+    others = set(METHODS) - {"pods"}  # the other methods' sections are not read: not printed
+    resolved = to_dict(load_config(PRESET_DIR / "math_qwen_pods.yaml", overrides))
+    assert "pods" in printed and not others & set(printed)
+    assert printed == {key: value for key, value in resolved.items() if key not in others}
     assert printed["rollout"]["n"] == 32 and printed["name"] == "math_qwen_pods" and printed["optim"]["lr"] == 1e-5
     assert not run.exists()
 
@@ -60,3 +65,21 @@ def test_bad_eval_path_is_one_line_naming_the_field(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith("podsrl: error: task.args.eval_path: ") and "missing.jsonl: file not found" in err
+
+
+def test_each_preset_has_its_own_run_directory():
+    """Presets run one after another (gsm8k_qwen_grpo, then gsm8k_qwen_pods) must not write into one folder."""
+    dirs = {name: load_config(PRESET_DIR / f"{name}.yaml").output_dir for name in preset_names()}
+    assert dirs["gsm8k_qwen_grpo"] == "runs/gsm8k_qwen_grpo" and dirs["default"] == "runs/default"
+    assert len(set(dirs.values())) == len(dirs)
+    assert load_config(PRESET_DIR / "grpo.yaml", ["output_dir=elsewhere"]).output_dir == "elsewhere"
+
+
+def test_plan_takes_overrides_after_its_options(capsys):
+    argv = ["plan", "grpo", "--memory", "--gpu-memory", "80GiB", "--prompt-length", "16", "rollout.n=8"]
+    assert parse_args(argv).overrides == ["rollout.n=8"]
+    assert main(argv) == 0
+    assert "256 of 256 rows" in capsys.readouterr().out  # 32 prompts x the overridden 8 rollouts, not the preset's 16
+    assert parse_args(["train", "--config", "grpo", "--print-config", "rollout.n=8"]).overrides == ["rollout.n=8"]
+    with pytest.raises(SystemExit):  # anything else left over is still an error
+        parse_args(["plan", "grpo", "--memory", "stray"])

@@ -53,7 +53,7 @@ def aero_advantages(
     scale: str = "group",
 ) -> torch.Tensor:
     """[R] float32 advantages of AERO's kept rows: posterior treatment for dead groups, GRPO over the kept rows
-    otherwise (METHODS.md §3).
+    otherwise (docs/methods.md#aero).
 
     Dead groups, with ũ = posterior_mean[group]:
     - "baseline": (x − ũ) / sqrt(ũ(1−ũ)), denominator clamped to >= epsilon. x is the correctness bit, not the

@@ -1,4 +1,4 @@
-"""How many rollouts each prompt of a step gets (METHODS.md §4, DynaMO sequence-level allocation).
+"""How many rollouts each prompt of a step gets (docs/methods.md#dynamo, DynaMO sequence-level allocation).
 
 Under a fixed step budget B = Σ n_i, the gradient-estimate variance is minimised by n_i ∝ σ_i. σ_i is
 proxied from each prompt's run-long success history (successes k_i out of G_i attempts, see

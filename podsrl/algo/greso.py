@@ -1,4 +1,4 @@
-"""GRESO: skip prompts predicted to give a zero-variance group, before rolling them out (METHODS.md §6).
+"""GRESO: skip prompts predicted to give a zero-variance group, before rolling them out (docs/methods.md#greso).
 
 A prompt whose last z_e visits were all-correct is skipped as "easy" with probability 1 − max(p_easy^z_e, floor);
 otherwise one whose last z_h visits were all-wrong is skipped as "hard" with probability 1 − max(p_hard^z_h, floor).

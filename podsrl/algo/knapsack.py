@@ -1,4 +1,4 @@
-"""Knapsack-RL: a step's rollout budget split over prompts as a knapsack (METHODS.md §7).
+"""Knapsack-RL: a step's rollout budget split over prompts as a knapsack (docs/methods.md#knapsack-rl).
 
 Each prompt i with estimated success rate p_i is worth V(p, N) = (1 − p^N − (1−p)^N) · p(1−p)² when given N
 rollouts: the chance that its group has both outcomes (a non-zero gradient) times an information gain. Under
@@ -103,7 +103,7 @@ def knapsack_allocation(
     alpha: float = 0.9,
     ref_quirks: bool = False,
 ) -> KnapsackResult:
-    """Rollouts per prompt with Σ = budget (METHODS.md §7).
+    """Rollouts per prompt with Σ = budget (docs/methods.md#knapsack-rl).
 
     - Initial: an invalid prompt (too little history) gets n; effective (0 < p̂ < 1) min_n; p̂ = 0 negative_n;
       p̂ = 1 positive_n. r = budget − Σ initial.

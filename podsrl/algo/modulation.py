@@ -1,4 +1,4 @@
-"""Token-level advantage modulation (METHODS.md §4, DynaMO); its entropy comes from podsrl.models.logprobs.
+"""Token-level advantage modulation (docs/methods.md#dynamo, DynaMO); its entropy comes from podsrl.models.logprobs.
 
 The trainer calls a modulation once per micro-batch, after the forward pass, and multiplies the advantages
 by the returned factor before the clipped policy loss: A_final = A * factor. Factors are computed under

@@ -1,5 +1,5 @@
 """Reinforce-Ada: sample in rounds until a prompt's pool has signal, then train on a balanced group
-(METHODS.md §8).
+(docs/methods.md#reinforce-ada).
 
 Each round draws M rollouts for every still-active prompt. A rollout is positive iff its reward > τ. After the round
 a prompt exits when its pool passes the exit test (`balanced`: ⌊n/2⌋ positives and n − ⌊n/2⌋ negatives;

@@ -1,10 +1,10 @@
 """Selection kernels: which generated rollouts enter the update, vectorised over groups (no Python loop per group).
 
-- PODS down-sampling (METHODS.md §2): keep m of each group's n rollouts by a rule. Rows arrive flat with an explicit
-  `group_index` (groups may be unequal and interleaved). `pack_groups` turns them into a padded [P, n_max] table in
-  generation order; the rules work on that table and return a keep mask; `select_rollouts` maps the mask back to
-  sorted row indices.
-- AERO selective rejection (METHODS.md §3): `aero_select` keeps all successes and k times as many failures of a
+- PODS down-sampling (docs/methods.md#pods): keep m of each group's n rollouts by a rule. Rows arrive flat with an
+  explicit `group_index` (groups may be unequal and interleaved). `pack_groups` turns them into a padded
+  [P, n_max] table in generation order; the rules work on that table and return a keep mask; `select_rollouts` maps
+  the mask back to sorted row indices.
+- AERO selective rejection (docs/methods.md#aero): `aero_select` keeps all successes and k times as many failures of a
   minority-success group, and `keep_dead` rollouts of an all-same group.
 """
 

@@ -39,6 +39,11 @@ def engine_options(name: str) -> list[str]:
     return own + list(SPECIAL_ID_OPTIONS)
 
 
+def engine_option_default(name: str, option: str) -> Any:
+    """The default of one of the engine `name`'s options (its keyword's default)."""
+    return inspect.signature(engine_class(name).__init__).parameters[option].default
+
+
 def check_engine_options(name: str, options: dict[str, Any], key: str = "rollout.engine_options") -> None:
     """ConfigError naming the first option `name` does not take (a misspelling would otherwise be ignored)."""
     known = engine_options(name)
@@ -57,4 +62,5 @@ def build_engine(name: str, model: torch.nn.Module, tokenizer, **options) -> Rol
 
 
 __all__ = ["ENGINES", "GenerationOutput", "RolloutEngine", "SamplingParams", "build_engine", "check_engine_options",
+           "engine_option_default",
            "engine_options"]

@@ -36,6 +36,7 @@ from rich.progress import (
 
 from podsrl.errors import UserError
 from podsrl.experiments.report import HEADER_FILE, add_analysis_arguments, build_report, verdict_lines
+from podsrl.presets import preset_path
 from podsrl.run_lock import LOCK_FILE, RunLock
 
 _POLL_SECONDS = 0.5
@@ -367,7 +368,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         "items",
         nargs="+",
         metavar="CONFIG_OR_OVERRIDE",
-        help="config YAML files, then key=value overrides applied to every run",
+        help="config YAML files or bundled preset names (`podsrl presets`), then key=value overrides applied to "
+        "every run",
     )
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="seeds (default: 1 2 3)")
     parser.add_argument("--out", default="runs/compare", help="output folder (default: runs/compare)")
@@ -387,10 +389,10 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
 
 def compare_main(args: argparse.Namespace) -> int:
     """`podsrl compare`: returns 0 when every run finished and the report was written, else 1."""
-    configs = [i for i in args.items if "=" not in i]
+    configs = [preset_path(i, "podsrl compare") for i in args.items if "=" not in i]
     overrides = [i for i in args.items if "=" in i]
     if not configs:
-        raise UserError("podsrl compare: give at least one config YAML file")
+        raise UserError("podsrl compare: give at least one config YAML file or preset name")
     result = run_compare(
         configs,
         args.seeds,

@@ -1,4 +1,4 @@
-"""AERO (METHODS.md §3): adaptive rollouts in rounds, selective rejection, Bayesian posterior for dead zones.
+"""AERO (docs/methods.md#aero): adaptive rollouts in rounds, selective rejection, Bayesian posterior for dead zones.
 
 One step: `collect` explores every prompt with aero.n_explore rollouts and rescues all-fail prompts aero.n_extra at a
 time up to aero.n_max (each round one batched generate call); the loop then records the outcomes in the run-long

@@ -1,4 +1,4 @@
-"""DynaMO (METHODS.md §4): the step's budget P * rollout.n is allocated across prompts by their success-rate
+"""DynaMO (docs/methods.md#dynamo): the step's budget P * rollout.n is allocated across prompts by their success-rate
 variance (algo/allocation.py), and, with dynamo.modulation, token advantages are modulated by entropy in the update
 (algo/modulation.py).
 

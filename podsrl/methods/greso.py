@@ -1,5 +1,5 @@
-"""GRESO (METHODS.md §6): skip prompts predicted to give a zero-variance group before rolling them out, on top of
-zero-variance filtering with bounded refill (DAPO dynamic sampling, the generic `filter.*`).
+"""GRESO (docs/methods.md#greso): skip prompts predicted to give a zero-variance group before rolling them out, on
+top of zero-variance filtering with bounded refill (DAPO dynamic sampling, the generic `filter.*`).
 
 collect: each prompt whose newest visits were all correct (all wrong) is skipped with a probability that grows
 with the streak; a skipped prompt is replaced by the sampler's next one (bounded by `greso.max_scan`), and the

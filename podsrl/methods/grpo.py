@@ -1,5 +1,5 @@
-"""GRPO (METHODS.md §1): rollout.n rollouts per prompt, all trained with group-normalised advantages. The protocol's
-defaults are exactly this, so the method is the base class under its name."""
+"""GRPO (docs/methods.md#grpo): rollout.n rollouts per prompt, all trained with group-normalised advantages. The
+protocol's defaults are exactly this, so the method is the base class under its name."""
 
 from __future__ import annotations
 

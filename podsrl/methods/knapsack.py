@@ -1,4 +1,5 @@
-"""Knapsack-RL (METHODS.md §7): the step's rollout budget B = P · rollout.n split over prompts as a knapsack.
+"""Knapsack-RL (docs/methods.md#knapsack-rl): the step's rollout budget B = P · rollout.n split over prompts as a
+knapsack.
 
 collect: each prompt's success rate p̂ comes from PromptStats (the last visit if it had >= `window` rollouts, else
 the newest `window` outcomes); prompts with fewer than `min_history` rollouts so far get rollout.n; the rest is

@@ -1,4 +1,4 @@
-"""PODS (METHODS.md §2): generate rollout.n per prompt, train on the pods.m chosen by a rule (max-variance by
+"""PODS (docs/methods.md#pods): generate rollout.n per prompt, train on the pods.m chosen by a rule (max-variance by
 default), with GRPO advantages over the kept subset or the whole group."""
 
 from __future__ import annotations

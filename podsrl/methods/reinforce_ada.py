@@ -1,5 +1,5 @@
-"""Reinforce-Ada (METHODS.md §8): sample in rounds until each prompt's pool has signal, then train on a balanced
-group of rollout.n with the pool mean as baseline.
+"""Reinforce-Ada (docs/methods.md#reinforce-ada): sample in rounds until each prompt's pool has signal, then train
+on a balanced group of rollout.n with the pool mean as baseline.
 
 collect: round r draws `round_repeat` rollouts for every active prompt; after the round, prompts whose pool passes
 the exit test stop; at most `max_rounds` rounds. The returned batch is the whole pool (every round, so the loop

@@ -11,7 +11,7 @@ EPS_LOW, EPS_HIGH = 0.2, 0.28
 
 
 def loop_reference(adv, log_ratio, logp, ent, mask, lam=0.6, gamma=50.0, tau=0.99, mu=1.2):
-    """The METHODS.md §4 formulas token by token with Python floats."""
+    """The docs/methods.md#dynamo formulas token by token with Python floats."""
     b_n, t_n = len(mask), len(mask[0])
     dh = [[0.0] * t_n for _ in range(b_n)]
     for b in range(b_n):

@@ -17,8 +17,16 @@ import yaml
 from rich.console import Console
 
 from podsrl.errors import UserError
+from podsrl.experiments import runner
 from podsrl.experiments.report import add_report_arguments, report_main
-from podsrl.experiments.runner import add_compare_arguments, compare_main, run_compare, train_argv
+from podsrl.experiments.runner import (
+    CompareResult,
+    add_compare_arguments,
+    compare_main,
+    run_compare,
+    train_argv,
+)
+from podsrl.presets import PRESET_DIR
 from podsrl.run_lock import RunLock
 
 FAKE_TRAINER = textwrap.dedent('''
@@ -198,3 +206,14 @@ def test_train_argv():
         "train.max_rollouts=1000",
         "a=1",
     ]
+
+
+def test_compare_takes_preset_names_as_train_does(tmp_path, monkeypatch):
+    taken = []
+    monkeypatch.setattr(runner, "run_compare", lambda configs, *a, **k: taken.extend(configs) or CompareResult())
+    parser = argparse.ArgumentParser()
+    add_compare_arguments(parser)
+    assert compare_main(parser.parse_args(["grpo", "pods", "rollout.n=8", "--out", str(tmp_path)])) == 0
+    assert taken == [PRESET_DIR / "grpo.yaml", PRESET_DIR / "pods.yaml"]
+    with pytest.raises(UserError, match=r"^podsrl compare: no file 'gpro' and no bundled preset of that name"):
+        compare_main(parser.parse_args(["gpro", "--out", str(tmp_path)]))

@@ -1,4 +1,4 @@
-"""GRESO pre-rollout skipping (METHODS.md §6): skip probabilities, decisions, adaptation, refill estimate."""
+"""GRESO pre-rollout skipping (docs/methods.md#greso): skip probabilities, decisions, adaptation, refill estimate."""
 
 import pytest
 import torch

@@ -1,4 +1,5 @@
-"""Knapsack-RL allocation (METHODS.md §7): worked examples, the greedy solver against brute force, invariants."""
+"""Knapsack-RL allocation (docs/methods.md#knapsack-rl): worked examples, the greedy solver against brute force,
+invariants."""
 
 import itertools
 import math

@@ -1,4 +1,4 @@
-"""Reinforce-Ada rounds, balanced keep and pool-baseline advantages (METHODS.md §8)."""
+"""Reinforce-Ada rounds, balanced keep and pool-baseline advantages (docs/methods.md#reinforce-ada)."""
 
 import pytest
 import torch
