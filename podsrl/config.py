@@ -103,7 +103,8 @@ class WarmupConfig:
 
 @dataclass
 class RolloutConfig:
-    prompts_per_step: int = _f(32, "Prompts drawn per step (P).")
+    prompts_per_step: int = _f(32, "Prompts drawn per step (P), for the whole job: under torchrun the ranks share "
+                               "them (each generates and trains its share of the groups).")
     n: int = _f(16, "Rollouts generated per prompt (TRL: num_generations).")
     temperature: float = _f(1.0, "Sampling temperature; log-probs are of the temperature-scaled policy.")
     top_p: float = _f(1.0, "Nucleus sampling threshold.")
@@ -168,7 +169,8 @@ class OptimConfig:
     warmup_steps: int = _f(0, "Linear LR warm-up steps.")
     epochs: int = _f(1, "Passes over each step's batch (mu; TRL: num_iterations, verl: ppo_epochs).")
     mini_batches: int = _f(1, "Optimiser steps per pass; the batch is split into this many mini-batches.")
-    micro_batch_size: int = _f(256, "Rollouts per forward/backward (gradient accumulation); memory knob only.")
+    micro_batch_size: int = _f(256, "Rollouts per forward/backward on each rank (gradient accumulation); memory "
+                               "knob only (`podsrl plan --memory` sizes it per rank).")
 
 
 @dataclass

@@ -27,6 +27,15 @@ Update (the shared-prompt path of podsrl/models/packed.py, one micro-batch of b 
   + in a training run the fast engine's weights copy and fused weights, kept from the last generate call; the
     runtime's growth. Its KV cache and step state are not kept: the trainer releases them before the update.
 
+Per rank (torchrun, `world_size` N): generation is sharded by prompt groups (podsrl/distributed.py ShardedEngine),
+so a rank decodes ceil(P/N) prompts' rows; the update gives each rank ceil(P m / N) rows of a step
+(DataParallel.micro_batches), and optim.micro_batch_size is a rank's micro-batch. train.strategy=ddp replicates
+the state above on every rank; fsdp (podsrl/fsdp.py, N > 1) shards the master weights, gradients, AdamW state and
+reference over N, adds the layers it gathers to run (the root module's embeddings, norm and head, the layer in use
+and the next one prefetched, in the compute dtype; in the backward a layer's unsharded gradient in float32 before
+its reduce-scatter), and keeps one unsharded generation copy in the compute dtype that the engine samples from;
+train.cpu_offload moves the sharded state to host memory (`host_memory`).
+
 What a CUDA device adds (context, allocator fragmentation, cuBLAS and attention workspaces) is not calibrated: the
 CPU's counterpart is (benchmarks/memory_plan_check.py), a GPU run measures it (benchmarks/gpu_suite.sh) and
 `--reserve` keeps that share of the device free meanwhile.
@@ -36,6 +45,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -53,6 +63,7 @@ RUNTIME_BYTES = {"cpu": {"update": 17 * 2**20, "generation": 14 * 2**20}, "cuda"
 RESERVE = 0.1  # share of the device kept free by default (--reserve; the fast engine's default rows in flight)
 CACHE_BLOCK = 64  # the fast engine's default cache_block: on CUDA its kept positions are a multiple of it
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # the layer podsrl runs itself (podsrl/models/llama.py)
+LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # what LoRA may wrap
 _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -81,13 +92,23 @@ class ModelShape:
     params: int  # distinct parameters (tied embeddings once)
     trained_params: int  # all of them, or the LoRA adapters'
     qkv_bias: bool
-    lora_rank: int  # 0: no adapters
-    lora_qkv: bool  # LoRA wraps a q/k/v projection: they run one by one, not as one fused matmul
-    lora_modules: int  # adapted linear layers per decoder layer
+    lora_rank: int = 0  # 0: no adapters
+    lora_targets: tuple[str, ...] = ()  # the adapted projections of each decoder layer (LINEAR_MODULES)
+    layer_params: int = 0  # parameters of one decoder layer (what FSDP2 gathers per layer)
 
     @property
     def lora(self) -> bool:
         return self.lora_rank > 0
+
+    @property
+    def lora_qkv(self) -> bool:
+        """LoRA wraps a q/k/v projection: they run one by one, not as one fused matmul."""
+        return bool(set(self.lora_targets) & {"q_proj", "k_proj", "v_proj"})
+
+    @property
+    def lora_gate_up(self) -> bool:
+        """LoRA wraps gate_proj or up_proj: they run one by one, not as one fused matmul."""
+        return bool(set(self.lora_targets) & {"gate_proj", "up_proj"})
 
     @property
     def qkv_width(self) -> int:
@@ -96,10 +117,21 @@ class ModelShape:
     @property
     def fused_weights(self) -> int:
         """Elements of one layer's q/k/v and gate/up weights concatenated (podsrl/models/llama.py fused_qkv and
-        fused_gate_up: rebuilt by every update forward and generate call; LoRA-wrapped projections are not fused;
-        LoRA on gate/up is not predicted, `model_shape` refuses it)."""
-        qkv = 0 if self.lora_qkv else self.qkv_width * (self.hidden + self.qkv_bias)
-        return qkv + 2 * self.intermediate * self.hidden
+        fused_gate_up: rebuilt by every update forward and generate call; LoRA-wrapped projections are not fused)."""
+        return (0 if self.lora_qkv else self.qkv_elements) + (0 if self.lora_gate_up else self.gate_up_elements)
+
+    @property
+    def qkv_elements(self) -> int:
+        return self.qkv_width * (self.hidden + self.qkv_bias)
+
+    @property
+    def gate_up_elements(self) -> int:
+        return 2 * self.intermediate * self.hidden
+
+    @property
+    def root_params(self) -> int:
+        """Parameters outside the decoder layers: embeddings, final norm, an untied head."""
+        return self.params - self.layers * self.layer_params
 
 
 def load_model_config(name_or_path: str):
@@ -132,7 +164,7 @@ def _first_line(e: Exception) -> str:
 
 def model_shape(config, lora_rank: int = 0, lora_targets: list[str] | tuple[str, ...] = ()) -> ModelShape:
     """The shape of `config`'s model, its parameters counted on a meta-device build (with LoRA adapters applied as
-    podsrl/lora.py applies them, when lora_rank > 0: model.lora_target_modules, attention projections only)."""
+    podsrl/lora.py applies them, when lora_rank > 0, on model.lora_target_modules)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -141,10 +173,11 @@ def model_shape(config, lora_rank: int = 0, lora_targets: list[str] | tuple[str,
         raise UserError(f"model type {model_type!r}: the memory plan knows the layer podsrl runs itself "
                         f"({', '.join(LLAMA_FAMILY)}) only")
     targets = set(lora_targets) if lora_rank > 0 else set()
-    if targets - {"q_proj", "k_proj", "v_proj", "o_proj"}:
-        raise UserError(f"model.lora_target_modules {sorted(targets)}: the memory plan predicts LoRA on the "
-                        "attention projections (q_proj, k_proj, v_proj, o_proj) only")
-    with torch.device("meta"):
+    if targets - set(LINEAR_MODULES):
+        raise UserError(f"model.lora_target_modules {sorted(targets)}: the memory plan predicts LoRA on the decoder "
+                        f"layers' linear projections ({', '.join(LINEAR_MODULES)})")
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # peft asks the model a deprecated question; not ours to act on
         model = AutoModelForCausalLM.from_config(config)
         if lora_rank > 0:
             from podsrl.lora import apply_lora
@@ -152,6 +185,7 @@ def model_shape(config, lora_rank: int = 0, lora_targets: list[str] | tuple[str,
             model = apply_lora(model, rank=lora_rank, alpha=2 * lora_rank, dropout=0.0,
                                target_modules=sorted(targets))
     params = sum(p.numel() for p in model.parameters())
+    layer = next(m for name, m in model.named_modules() if re.search(r"layers\.0$", name))
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -161,7 +195,8 @@ def model_shape(config, lora_rank: int = 0, lora_targets: list[str] | tuple[str,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
         vocab=config.vocab_size, params=params, trained_params=trained,
         qkv_bias=bool(getattr(config, "attention_bias", model_type == "qwen2")), lora_rank=lora_rank,
-        lora_qkv=bool(targets & {"q_proj", "k_proj", "v_proj"}), lora_modules=len(targets),
+        lora_targets=tuple(m for m in LINEAR_MODULES if m in targets),
+        layer_params=sum(p.numel() for p in layer.parameters()),
     )
 
 
@@ -186,11 +221,32 @@ class Workload:
     # train.async: "in_process" (a generator thread with its own weights copy in the engine's dtype, sampling while
     # the update runs on the same device), "ray" (the actors sample elsewhere; the generator's full copy stays here)
     async_generator: str = "none"
-    rows_in_flight: int = 0  # rows the fast engine decodes at once (one wave; 0: all P x n)
+    rows_in_flight: int = 0  # rows the fast engine decodes at once (one wave; 0: all of a rank's rows)
+    world_size: int = 1  # torchrun ranks (N)
+    strategy: str = "ddp"  # train.strategy
+    cpu_offload: bool = False  # train.cpu_offload (fsdp)
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 shards only over more than one rank (one process trains the whole model: podsrl/fsdp.py)."""
+        return self.strategy == "fsdp" and self.world_size > 1
+
+    @property
+    def offloaded(self) -> bool:
+        return self.sharded and self.cpu_offload
+
+    @property
+    def rank_prompts(self) -> int:
+        """Prompts whose rows one rank generates (ShardedEngine: whole groups, the first ranks one more)."""
+        return -(-self.prompts // self.world_size)
+
+    @property
+    def rank_rows(self) -> int:
+        return self.rank_prompts * self.n
 
     @property
     def generation_rows(self) -> int:
-        return min(self.rows_in_flight or self.prompts * self.n, self.prompts * self.n)
+        return min(self.rows_in_flight or self.rank_rows, self.rank_rows)
 
     @property
     def e(self) -> int:
@@ -208,7 +264,8 @@ class Workload:
 
     @property
     def trained_rows(self) -> int:
-        return self.prompts * self.m
+        """A rank's share of a step's trained rows (DataParallel.micro_batches: equal shares, one more for some)."""
+        return -(-self.prompts * self.m // self.world_size)
 
 
 # ---- the update ----
@@ -268,7 +325,8 @@ def attention_saved(shape: ModelShape, mb: MicroBatch, work: Workload) -> int:
     return total
 
 
-def layer_activations(shape: ModelShape, mb: MicroBatch, work: Workload, last: bool = False) -> int:
+def layer_activations(shape: ModelShape, mb: MicroBatch, work: Workload, last: bool = False,
+                      first: bool = False) -> int:
     """Bytes one decoder layer saves for its backward (podsrl/models/llama.py decoder_layer with the autograd
     functions of kernels.py), N packed tokens in, the last layer's MLP over the T predicting positions only:
     - each RMSNorm (kernels._RMSNorm, in the residual stream's dtype, the master dtype): its normalised input and
@@ -278,21 +336,53 @@ def layer_activations(shape: ModelShape, mb: MicroBatch, work: Workload, last: b
       matmuls that read them); under autocast every projection's compute-dtype copy (o and down too);
     - attention (`attention_saved`), its output (o_proj's input);
     - SwiGLU (kernels._SwiGLU): the gate/up projection [2I] and silu(gate) [I]; its output [I] (down's input);
-    - LoRA (not fused): each adapter's [N, r] down-projection, and the unfused rotation's queries and keys with their
-      rolled copies (kernels.rotate)."""
-    e, r, n = work.e, work.p, mb.tokens
+    - LoRA (not fused): each adapter's [N, r] down-projection (the unfused rotation, kernels.rotate, saves only the
+      shared cos and sin); LoRA-wrapped gate/up run as the module's down(act(gate(x)) * up(x)), which
+      saves gate(x), act(gate(x)), up(x) and the product: the same 4I per token as the fused SwiGLU.
+    With LoRA the base is frozen, so autograd keeps only what a gradient flows through: a projection's input only
+    where an adapter reads it (each adapter its own compute-dtype copy under autocast), and in the first layer
+    (`first`: its input, the embeddings' output, needs no gradient) nothing upstream of the first adapter. Not
+    modelled: the first layer with adapters on only some of q/k/v or of gate/up, or on down_proj alone, saves less
+    than counted (a frozen partner's output needs no gradient), so its count is an upper bound there."""
+    e, r, n, d = work.e, work.p, mb.tokens, shape.head_dim
     autocast = e < r
     mlp_tokens = mb.predicted if last else n
-    norm = shape.hidden * r + r + shape.hidden * (e if autocast else r)
-    attention = n * norm + attention_saved(shape, mb, work) + n * shape.heads * shape.head_dim * e
-    if shape.lora:
-        attention += n * shape.lora_rank * shape.lora_modules * e
-        attention += 2 * n * (shape.heads + shape.kv_heads) * shape.head_dim * e if shape.lora_qkv else 0
-    mlp = mlp_tokens * (norm + 4 * shape.intermediate * e)
-    weights = shape.fused_weights
-    if autocast:  # o_proj and down_proj cast too
-        weights += shape.heads * shape.head_dim * shape.hidden + shape.intermediate * shape.hidden
-    return attention + mlp + weights * e
+    adapted = set(shape.lora_targets)
+    frozen = shape.lora
+    # where a gradient flows: into the layer's input, out of q/k/v, out of the attention block, out of gate/up
+    live_in = not (frozen and first)
+    live_qkv = live_in or shape.lora_qkv
+    live_attention = live_qkv or "o_proj" in adapted
+    live_gate_up = live_attention or shape.lora_gate_up
+
+    def norm(tokens: int, live: bool, readers: list[str]) -> int:
+        """A norm's own saved tensors (when a gradient flows into its input) and its output as the projections
+        read it: one (fused) read when they train, else one per adapter (autocast casts each read anew)."""
+        own = tokens * (shape.hidden * r + r) if live else 0
+        reads = 1 if not frozen else sum(m in adapted for m in readers) if autocast else int(
+            any(m in adapted for m in readers))
+        return own + reads * tokens * shape.hidden * (e if autocast else r)
+
+    total = norm(n, live_in, ["q_proj", "k_proj", "v_proj"])
+    qkv_weights = 0 if shape.lora_qkv else shape.qkv_elements  # the fused copy, or under autocast the casts
+    qkv_weights += shape.qkv_elements if shape.lora_qkv and autocast else 0
+    total += qkv_weights * e if live_in else 0
+    if live_qkv:
+        total += attention_saved(shape, mb, work)
+        total += shape.heads * d * shape.hidden * e if autocast else 0  # o_proj's cast weight
+    if not frozen or "o_proj" in adapted:
+        total += n * shape.heads * d * e
+    total += norm(mlp_tokens, live_attention, ["gate_proj", "up_proj"])
+    gate_up_weights = (0 if shape.lora_gate_up else shape.gate_up_elements) + (
+        shape.gate_up_elements if shape.lora_gate_up and autocast else 0)
+    total += gate_up_weights * e if live_attention else 0
+    if live_gate_up:
+        total += mlp_tokens * 3 * shape.intermediate * e + (shape.intermediate * shape.hidden * e if autocast else 0)
+    if not frozen or "down_proj" in adapted:
+        total += mlp_tokens * shape.intermediate * e
+    mlp_modules = {"gate_proj", "up_proj", "down_proj"}
+    total += shape.lora_rank * e * (n * len(adapted - mlp_modules) + mlp_tokens * len(adapted & mlp_modules))
+    return total
 
 
 def activations(shape: ModelShape, mb: MicroBatch, work: Workload, checkpointing: bool) -> dict[str, int]:
@@ -307,7 +397,9 @@ def activations(shape: ModelShape, mb: MicroBatch, work: Workload, checkpointing
     if checkpointing:
         layers = L * mb.tokens * shape.hidden * work.p
     else:
-        layers = (L - 1) * layer_activations(shape, mb, work) + layer_activations(shape, mb, work, last=True)
+        first, middle = layer_activations(shape, mb, work, first=True), layer_activations(shape, mb, work)
+        last = layer_activations(shape, mb, work, last=True, first=L == 1)
+        layers = last + (first + (L - 2) * middle if L > 1 else 0)
     return {"layers": layers, "shared": shared, "head": head}
 
 
@@ -333,16 +425,41 @@ def backward_transient(shape: ModelShape, mb: MicroBatch, work: Workload) -> dic
 
 
 def model_state(shape: ModelShape, work: Workload) -> dict[str, int]:
-    """Resident through the update: master weights, gradients and AdamW's two moments of the trained parameters
-    (model.dtype; LoRA adapters stay float32), the reference model (a second copy, model.dtype) when beta > 0
-    without LoRA (with LoRA the reference is the policy with its adapters disabled: no copy)."""
+    """Resident through the update on the device: master weights, gradients and AdamW's two moments of the trained
+    parameters (model.dtype; LoRA adapters stay float32), the reference model (a second copy, model.dtype) when
+    beta > 0 without LoRA (with LoRA the reference is the policy with its adapters disabled: no copy). FSDP2 holds
+    1/N of each; with train.cpu_offload none of it is on the device (`host_memory`)."""
+    if work.offloaded:
+        return dict.fromkeys(("weights", "gradients", "optimizer", "reference"), 0)
+    return sharded_state(shape, work)
+
+
+def sharded_state(shape: ModelShape, work: Workload) -> dict[str, int]:
+    """model_state's terms as a rank holds them, wherever they live: whole (ddp), or 1/N of each (fsdp)."""
     trained = shape.trained_params * (4 if shape.lora else work.p)
-    return {
+    whole = {
         "weights": shape.params * work.p,
         "gradients": trained,
         "optimizer": ADAM_STATES * trained,
         "reference": shape.params * work.p if work.beta > 0 and not shape.lora else 0,
     }
+    return {k: -(-v // work.world_size) for k, v in whole.items()} if work.sharded else whole
+
+
+def gathered_layers(shape: ModelShape, work: Workload) -> int:
+    """FSDP2's unsharded parameters during the update, in the compute dtype: the root module's (embeddings, norm,
+    head: gathered for the whole forward and backward), the layer running and the next one prefetched, and in the
+    backward one layer's full gradient in float32 (train.fsdp_reduce_dtype) before its reduce-scatter."""
+    if not work.sharded:
+        return 0
+    return (shape.root_params + 2 * shape.layer_params) * work.e + shape.layer_params * 4
+
+
+def host_memory(shape: ModelShape, work: Workload) -> dict[str, int]:
+    """Host (CPU) memory per rank: the model as loaded before it is sharded or moved (every rank reads the whole
+    model in the master dtype), and with train.cpu_offload the sharded state kept there."""
+    offloaded = sum(sharded_state(shape, work).values()) if work.offloaded else 0
+    return {"load": shape.params * work.p, "offloaded_state": offloaded}
 
 
 def update_peak(shape: ModelShape, work: Workload, rows: int, checkpointing: bool) -> dict[str, int]:
@@ -360,6 +477,8 @@ def update_peak(shape: ModelShape, work: Workload, rows: int, checkpointing: boo
                      "layer": layer + max(transient["attention"], transient["mlp"])}
     terms = {**{k: v for k, v in state.items() if k != "gradients"}, "activations": sum(act.values()),
              "transient": max(transient.values()), "runtime": RUNTIME_BYTES[work.device]["update"]}
+    if work.sharded:
+        terms["gathered"] = gathered_layers(shape, work)
     if work.training_run:  # the fast engine keeps its weights copy and the last call's fused weights
         terms["fused_weights"] = engine_fused_weights(shape, work)
         terms["engine_weights"] = engine_weights(shape, work)
@@ -378,17 +497,24 @@ def update_peak(shape: ModelShape, work: Workload, rows: int, checkpointing: boo
 
 
 def engine_weights(shape: ModelShape, work: Workload) -> int:
-    """The fast engine's own copy of the weights: made when the compute dtype is narrower than the masters. Under
-    train.async it is the eval engine's (podsrl/async_generation.py: it samples the learner's current weights, which
-    the generator's older copy, generator_weights, does not hold), kept beside the generator's."""
-    return shape.params * work.e if work.compute_dtype != work.dtype else 0
+    """The weights the engine samples from beside the masters, in the compute dtype: the fast engine's own copy,
+    made when the compute dtype is narrower than the masters; under FSDP2 the unsharded generation copy
+    (podsrl/fsdp.py), always. Under train.async it is the eval engine's (podsrl/async_generation.py: it samples the
+    learner's current weights, which the generator's older copy, generator_weights, does not hold)."""
+    return shape.params * work.e if work.compute_dtype != work.dtype or work.sharded else 0
+
+
+def engine_has_own_copy(work: Workload) -> bool:
+    """The fast engine copies the weights it samples when they are wider than the compute dtype (podsrl/build.py
+    sampling_dtype); FSDP2's generation copy is in the compute dtype already, so it samples that copy itself."""
+    return work.compute_dtype != work.dtype and not work.sharded
 
 
 def engine_fused_weights(shape: ModelShape, work: Workload) -> int:
     """The decode step's fused q/k/v and gate/up weights (models/decode.py DecodeStack.begin): concatenated copies
-    when the engine samples from the masters; nothing when it has its own copy, whose projections are views of the
-    fused tensors (models/llama.py share_fused_storage)."""
-    return 0 if engine_weights(shape, work) else shape.layers * shape.fused_weights * work.engine_e
+    when the engine samples weights it does not own; nothing when it has its own copy, whose projections are views
+    of the fused tensors (models/llama.py share_fused_storage)."""
+    return 0 if engine_has_own_copy(work) else shape.layers * shape.fused_weights * work.engine_e
 
 
 def generator_weights(shape: ModelShape, work: Workload) -> int:
@@ -403,7 +529,7 @@ def generation_in_flight(shape: ModelShape, work: Workload) -> dict[str, int]:
     rows, length = work.generation_rows, kept_positions(work)
     e, v = work.engine_e, shape.vocab
     kv_position = shape.layers * 2 * shape.kv_heads * shape.head_dim * e
-    prompts = min(work.prompts, rows)  # distinct prompts prefilled at once (a wave's)
+    prompts = min(work.rank_prompts, rows)  # distinct prompts prefilled at once (a wave's)
     state = rows * length * (1 + 4) + rows * 8 * 4  # valid (bool) and uniforms (float32) per column; row vectors
     sampling = rows * v * (e + (4 if e < 4 else 0) + 4 * 3 + (4 * 2 + 8 if work.top_p < 1 else 0))
     decode_attention = 2 * rows * shape.heads * length * 4
@@ -421,12 +547,12 @@ def kept_positions(work: Workload) -> int:
 
 
 def rows_in_flight(shape: ModelShape, work: Workload, available: int) -> int:
-    """The most rows (at most P x n, at least 1) whose in-flight generation fits `available` bytes; on CUDA a power
+    """The most rows (at most a rank's P x n / N, at least 1) whose in-flight generation fits `available` bytes; on CUDA a power
     of two (the fast engine's buckets keep that many rows). The fast engine's default max_rows."""
     def fits(rows: int) -> bool:
         return sum(generation_in_flight(shape, replace(work, rows_in_flight=rows)).values()) <= available
 
-    lo, hi = 1, work.prompts * work.n
+    lo, hi = 1, work.rank_rows
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
@@ -472,10 +598,16 @@ class MemoryPlan:
     generation: dict[str, int]
     update: dict[bool, dict[str, int]]  # checkpointing -> terms at the recommended (or smallest) micro-batch
     micro_batch: dict[bool, int]  # checkpointing -> largest micro-batch that fits (0: none)
+    host: dict[str, int]  # host memory per rank (host_memory)
 
     @property
     def budget(self) -> int:
         return int(self.memory * (1 - self.reserve))
+
+    @property
+    def fits(self) -> bool:
+        """Generation fits (at least one row at a time) and so does an update micro-batch of at least one row."""
+        return sum(self.generation.values()) <= self.budget and max(self.micro_batch.values()) > 0
 
 
 def largest_micro_batch(shape: ModelShape, work: Workload, budget: int, checkpointing: bool) -> int:
@@ -500,4 +632,20 @@ def make_plan(shape: ModelShape, work: Workload, memory: int, reserve: float = R
         work = replace(work, rows_in_flight=rows_in_flight(shape, work, budget - sum(resident.values())))
     micro = {c: largest_micro_batch(shape, work, budget, c) for c in (False, True)}
     update = {c: update_peak(shape, work, max(1, micro[c]), c) for c in (False, True)}
-    return MemoryPlan(shape, work, memory, reserve, generation_peak(shape, work), update, micro)
+    return MemoryPlan(shape, work, memory, reserve, generation_peak(shape, work), update, micro,
+                      host_memory(shape, work))
+
+
+def update_flops(plan: MemoryPlan) -> float:
+    """A step's matmul work on one rank, the cost the advice ranks settings by: 2 x parameters per token for a
+    forward; the backward twice that with every weight trained, once (input gradients only; the adapters' share is
+    small) with a frozen LoRA base; activation checkpointing one forward more. Generation: one forward per prompt
+    and completion token of the rank's rows. Host-device traffic of train.cpu_offload is not timed here."""
+    s, w = plan.shape, plan.work
+    checkpointing = plan.micro_batch[False] == 0
+    rows = plan.micro_batch[checkpointing]
+    mb = MicroBatch.of(min(rows, w.trained_rows), w.m, w)
+    tokens = math.ceil(w.trained_rows / rows) * mb.tokens
+    passes = 1 + (1 if s.lora else 2) + (1 if checkpointing else 0)
+    generated = w.rank_rows * w.completion_length + w.rank_prompts * w.prompt_length
+    return 2.0 * s.params * (passes * tokens + generated)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict
+import os
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from podsrl.errors import UserError
 from podsrl.memory_plan import (
     GIB,
+    LINEAR_MODULES,
     RESERVE,
     MemoryPlan,
     Workload,
@@ -18,7 +20,11 @@ from podsrl.memory_plan import (
     make_plan,
     model_shape,
     parse_memory,
+    update_flops,
 )
+
+ADVICE_LORA_RANK = 64  # the Qwen presets' rank, on all seven projections
+ADVICE_WORLD_SIZES = (2, 4, 8)  # FSDP2 over one node's GPUs
 
 
 def _gib(x: int) -> str:
@@ -39,6 +45,16 @@ def render(plan: MemoryPlan, model: str) -> str:
         f"step: {w.prompts} prompts x {w.n} generated, {w.m} trained per prompt; prompt {w.prompt_length} + "
         f"completion {w.completion_length} tokens; master {w.dtype}, compute {w.compute_dtype}; beta {w.beta}; "
         f"device {w.device}, {_gib(plan.memory)} GiB ({plan.reserve:.0%} kept free: {_gib(plan.budget)} GiB usable)",
+        f"per rank of {w.world_size}: train.strategy={w.strategy}"
+        + (" (one process: nothing sharded)" if w.strategy == "fsdp" and not w.sharded else "")
+        + f"; a rank generates {w.rank_prompts} prompts' {w.rank_rows} rows and trains {w.trained_rows} rows a step "
+        "(optim.micro_batch_size is per rank, rollout.prompts_per_step global)",
+        f"host memory per rank: {_gib(plan.host['load'])} GiB to load the model in {w.dtype} before it is moved"
+        + (" and sharded" if w.sharded else "")
+        + (f" ({_gib(w.world_size * plan.host['load'])} GiB for the {w.world_size} ranks)" if w.world_size > 1
+           else "")
+        + (f"; train.cpu_offload keeps {_gib(plan.host['offloaded_state'])} GiB of sharded weights, gradients and "
+           "AdamW state there (none on the device)" if w.offloaded else ""),
         *(["train.async: the update's rows include the next batch's generation, which runs meanwhile (its KV cache "
            "and workspace)"] if w.async_generator == "in_process" else []),
         "",
@@ -46,7 +62,7 @@ def render(plan: MemoryPlan, model: str) -> str:
         "|---" * (len(_TERMS) + 4) + "|",
     ]
     gen = plan.generation
-    lines.append(_row(f"generation ({w.generation_rows} of {w.prompts * w.n} rows at once)", gen, plan.budget))
+    lines.append(_row(f"generation ({w.generation_rows} of {w.rank_rows} rows at once)", gen, plan.budget))
     for c in (False, True):
         rows = plan.micro_batch[c]
         label = f"update, {'' if c else 'no '}checkpointing, micro-batch {max(rows, 1)}"
@@ -63,15 +79,57 @@ def render(plan: MemoryPlan, model: str) -> str:
                          f"optim.micro_batch_size={rows} ({count} micro-batch{'es' if count > 1 else ''} for "
                          f"{w.trained_rows} trained rows)")
     if sum(gen.values()) > plan.budget:
-        lines.append(f"generation does not fit even {w.generation_rows} row(s) at a time: lower the lengths")
-    elif w.generation_rows < w.prompts * w.n:
+        lines.append(f"generation does not fit even {w.generation_rows} row(s) at a time")
+    elif w.generation_rows < w.rank_rows:
         lines.append(f"generation: the fast engine decodes {w.generation_rows} rows at a time, refilling finished "
                      "rows from the queue (its default rollout.engine_options.max_rows on this device)")
     return "\n".join(lines) + "\n"
 
 
+def render_advice(options: list[tuple[list[str], MemoryPlan]], plan: MemoryPlan) -> str:
+    """What to change when nothing fits: each setting that would, as overrides, cheapest step first."""
+    if plan.fits:
+        return ""
+    if not options:
+        return ("nothing fits, and neither LoRA, FSDP2 over up to 8 ranks nor train.cpu_offload would: lower "
+                "rollout.max_new_tokens or the prompt length\n")
+    cheapest = update_flops(options[0][1])
+    lines = ["what would fit, cheapest predicted step first (matmul work per rank, relative to the first):"]
+    for overrides, option in options:
+        ckpt = option.micro_batch[False] == 0
+        lines.append(f"  {update_flops(option) / cheapest:5.2f}x  {' '.join(overrides)} "
+                     f"update.activation_checkpointing={str(ckpt).lower()} "
+                     f"optim.micro_batch_size={option.micro_batch[ckpt]}")
+    return "\n".join(lines) + "\n"
+
+
+def advice(config, cfg, work: Workload, memory: int, reserve: float) -> list[tuple[list[str], MemoryPlan]]:
+    """The settings that fit when the configured one does not, with their plans, ranked by update_flops (offload
+    after an equal-cost setting without it: its host transfers are not counted): LoRA of rank 64 on the seven
+    projections; FSDP2 over the world size given or the smallest of 2, 4, 8 ranks that fits; with train.cpu_offload."""
+    candidates: list[tuple[list[str], object, Workload]] = []
+    if cfg.model.lora_rank == 0:
+        modules = ",".join(LINEAR_MODULES)
+        candidates.append(([f"model.lora_rank={ADVICE_LORA_RANK}", f"model.lora_alpha={ADVICE_LORA_RANK}",
+                            f"model.lora_target_modules=[{modules}]"],
+                           model_shape(config, ADVICE_LORA_RANK, LINEAR_MODULES), work))
+    shape = model_shape(config, cfg.model.lora_rank, cfg.model.lora_target_modules)
+    sizes = (work.world_size,) if work.world_size > 1 else ADVICE_WORLD_SIZES
+    for offload in (False, True):
+        for n in sizes:
+            sharded = replace(work, strategy="fsdp", world_size=n, cpu_offload=offload, rows_in_flight=0)
+            if make_plan(shape, sharded, memory, reserve).fits or n == sizes[-1]:
+                launch = [] if n == work.world_size else [f"torchrun --nproc_per_node {n}:"]
+                candidates.append((launch + ["train.strategy=fsdp"] + (["train.cpu_offload=true"] if offload else []),
+                                   shape, sharded))
+                break
+    plans = [(overrides, make_plan(s, w, memory, reserve)) for overrides, s, w in candidates]
+    fitting = [(o, p) for o, p in plans if p.fits]
+    return sorted(fitting, key=lambda item: (update_flops(item[1]), item[1].work.offloaded))
+
+
 _TERMS = ("weights", "gradients", "optimizer", "reference", "engine_weights", "fused_weights", "generator_weights",
-          "kv_cache", "activations", "transient", "workspace", "runtime")
+          "gathered", "kv_cache", "activations", "transient", "workspace", "runtime")
 
 
 def _row(label: str, terms: dict[str, int], budget: int) -> str:
@@ -86,6 +144,7 @@ def to_json(plan: MemoryPlan) -> dict:
         "shape": asdict(plan.shape),
         "workload": asdict(plan.work),
         "memory_bytes": plan.memory,
+        "host_bytes": plan.host,
         "reserve": plan.reserve,
         "generation": plan.generation | {"peak": sum(plan.generation.values())},
         "update": {("checkpointing" if c else "no_checkpointing"): plan.update[c] | {
@@ -110,7 +169,11 @@ def add_memory_arguments(parser) -> None:
                        help="hub id (config in the local Hugging Face cache), model directory or config.json "
                        "(default: the config's model.name_or_path)")
     group.add_argument("--prompt-length", type=int, metavar="TOKENS",
-                       help="longest prompt in tokens (default: the config's task.max_prompt_length when set)")
+                       help="longest prompt in tokens (default: the config's task.max_prompt_length when set, else "
+                       "the task's longest prompt tokenized by the model's tokenizer)")
+    group.add_argument("--world-size", type=int, metavar="N",
+                       help="torchrun ranks the plan is per rank of (default: the WORLD_SIZE environment variable "
+                       "torchrun sets, else 1); with the config's train.strategy and train.cpu_offload")
     group.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                        help="how attention runs there (default cuda: scaled_dot_product_attention; cpu: matmuls "
                        "and a float32 softmax)")
@@ -119,7 +182,7 @@ def add_memory_arguments(parser) -> None:
                        "fragmentation, kernel workspaces (default 0.1, until a GPU run calibrates them)")
 
 
-def workload_from_config(cfg, prompt_length: int, device: str) -> Workload:
+def workload_from_config(cfg, prompt_length: int, device: str, world_size: int = 1) -> Workload:
     """P, n, m, lengths and precision of a podsrl config (m: what the method trains of each prompt at most)."""
     import torch
 
@@ -135,21 +198,59 @@ def workload_from_config(cfg, prompt_length: int, device: str) -> Workload:
         async_generator=("none" if not cfg.train.asynchronous.enabled
                          else "ray" if cfg.rollout.engine == "ray" else "in_process"),
         rows_in_flight=int(cfg.rollout.engine_options.get("max_rows") or 0),  # 0: what the device holds
+        world_size=world_size, strategy=cfg.train.strategy, cpu_offload=cfg.train.cpu_offload,
     )
 
 
-def shape_from_config(cfg, model: str):
-    """(shape, label) of `model` ('tiny': the built-in model as the config sizes it)."""
+def transformers_config(cfg, model: str):
+    """The transformers config of `model` ('tiny': the built-in model as the config sizes it)."""
     if model == "tiny":
         import torch
 
         from podsrl.models.loading import build_char_tokenizer, build_tiny_model
 
         with torch.device("meta"):
-            config = build_tiny_model(cfg.model.tiny, build_char_tokenizer()).config
+            return build_tiny_model(cfg.model.tiny, build_char_tokenizer()).config
+    return load_model_config(model)
+
+
+def shape_from_config(cfg, model: str):
+    return model_shape(transformers_config(cfg, model), cfg.model.lora_rank, cfg.model.lora_target_modules)
+
+
+def prompt_length_from_data(cfg, model: str) -> int:
+    """The longest prompt of the task's problems in tokens of the model's tokenizer (loaded from `model` locally,
+    nothing downloaded): what the plan sizes when task.max_prompt_length is unset."""
+    from podsrl.tasks import build_task
+    from podsrl.tasks.prompt_length import longest_prompt
+
+    hint = "set task.max_prompt_length or --prompt-length"
+    if model == "tiny":
+        from podsrl.models.loading import build_char_tokenizer
+
+        tokenizer = build_char_tokenizer()
     else:
-        config = load_model_config(model)
-    return model_shape(config, cfg.model.lora_rank, cfg.model.lora_target_modules)
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise UserError(f"task.max_prompt_length is unset and the tokenizer of {model!r} is not local, so the "
+                            f"longest prompt cannot be counted: {hint} ({str(e).strip().splitlines()[0]})") from None
+    try:
+        task = build_task(cfg.task, tokenizer)
+    except (OSError, UserError) as e:
+        raise UserError(f"task.max_prompt_length is unset and the task's data cannot be read, so the longest "
+                        f"prompt cannot be counted: {hint} ({str(e).strip().splitlines()[0]})") from None
+    return longest_prompt(task, tokenizer)
+
+
+def world_size_default() -> int:
+    """torchrun's WORLD_SIZE when the plan runs under it (or the user exported it), else 1."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise UserError(f"WORLD_SIZE={value!r} in the environment is not a number of ranks (or pass --world-size)")
+    return int(value)
 
 
 def memory_main(args, config: Path) -> int:
@@ -160,15 +261,21 @@ def memory_main(args, config: Path) -> int:
     memory = parse_memory(args.gpu_memory)
     if not 0 <= args.reserve < 1:
         raise UserError(f"--reserve: {args.reserve} is not a share in [0, 1)")
+    world_size = args.world_size if args.world_size is not None else world_size_default()
+    if world_size < 1:
+        raise UserError(f"--world-size: {world_size} is not a number of ranks (1 or more)")
+    if args.prompt_length is not None and args.prompt_length < 1:
+        raise UserError(f"--prompt-length: {args.prompt_length} is not a number of tokens (1 or more)")
     cfg = load_config(config, args.overrides)
-    prompt_length = args.prompt_length or cfg.task.max_prompt_length
-    if prompt_length < 1:
-        raise UserError("--prompt-length: give the longest prompt in tokens (the config's task.max_prompt_length "
-                        "is 0, i.e. unset)")
     model = args.model or cfg.model.name_or_path
-    shape = shape_from_config(cfg, model)
-    plan = make_plan(shape, workload_from_config(cfg, prompt_length, args.device), memory, args.reserve)
+    prompt_length = args.prompt_length or cfg.task.max_prompt_length or prompt_length_from_data(cfg, model)
+    config_obj = transformers_config(cfg, model)
+    shape = model_shape(config_obj, cfg.model.lora_rank, cfg.model.lora_target_modules)
+    work = workload_from_config(cfg, prompt_length, args.device, world_size)
+    plan = make_plan(shape, work, memory, args.reserve)
     print(render(plan, model), end="")
+    if not plan.fits:
+        print(render_advice(advice(config_obj, cfg, work, memory, args.reserve), plan), end="")
     if args.json:
         Path(args.json).write_text(dumps(plan), encoding="utf-8")
     return 0

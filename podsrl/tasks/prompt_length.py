@@ -44,6 +44,11 @@ def resolve_limit(max_prompt_length: int, max_new_tokens: int, context: int | No
     return max_prompt_length or room
 
 
+def token_lengths(tokenizer: Any, texts: list[str]) -> list[int]:
+    """Each prompt's tokens as the engines receive it (the chat template is already in the text)."""
+    return [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids] if texts else []
+
+
 @dataclass
 class PromptLimit:
     """Applies one policy to lists of problems."""
@@ -57,7 +62,7 @@ class PromptLimit:
             raise ConfigError(f"task.overlong_prompts: {self.policy!r} is not one of {', '.join(POLICIES)}")
 
     def _length(self, texts: list[str]) -> list[int]:
-        return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False).input_ids]
+        return token_lengths(self.tokenizer, texts)
 
     def _truncate(self, text: str) -> str:
         """The text of the last max_tokens tokens. Re-tokenising a cut text can merge differently at the cut, so
@@ -112,3 +117,14 @@ def limit_task_prompts(task: Any, tokenizer: Any, max_prompt_length: int, policy
     log.info("prompt length: limit %d tokens (%s), overlong prompts %s%s", limit, source,
              "filter" if policy == "filter" else policy, f"; {', '.join(done)}" if done else "; none overlong")
     return limit
+
+
+STREAM_SAMPLE = 2000  # training problems read from an unbounded stream (its eval set comes from the same generator)
+
+
+def longest_prompt(task: Any, tokenizer: Any) -> int:
+    """The longest prompt in tokens (as PromptLimit counts them) of the task's training problems (an unbounded
+    stream's first STREAM_SAMPLE) and its eval set."""
+    size = (len(task) if hasattr(task, "__len__") else 0) or STREAM_SAMPLE
+    texts = [task.problem(i).prompt for i in range(size)] + [p.prompt for p in task.eval_set()]
+    return max(token_lengths(tokenizer, texts), default=1)

@@ -28,11 +28,15 @@ def qwen2(hidden=64, layers=2, heads=4, kv_heads=2, vocab=500) -> Qwen2Config:
 
 
 def saved_bytes(config: Qwen2Config, prompts: int, m: int, prompt_length: int, completion_length: int,
-                compute: str = "float32") -> int:
+                compute: str = "float32", lora_targets: tuple[str, ...] = ()) -> int:
     """Bytes of the distinct tensors (parameters excepted) the real shared-prompt forward saves for its backward,
-    under autocast to `compute` as the updater runs it (float32 masters)."""
+    under autocast to `compute` as the updater runs it (float32 masters), with LoRA of rank 4 on `lora_targets`."""
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
+    if lora_targets:
+        from podsrl.lora import apply_lora
+
+        model = apply_lora(model, rank=4, alpha=8, dropout=0.0, target_modules=list(lora_targets))
     rows, vocab = prompts * m, config.vocab_size
     batch = RolloutBatch(
         problems=[Problem(uid=str(i), prompt="", answer="") for i in range(prompts)],
@@ -72,6 +76,20 @@ def test_saved_activations_match_what_the_layer_saves(config, prompts, m, lp, lc
     assert predicted == pytest.approx(saved_bytes(config, prompts, m, lp, lc, compute), rel=0.015)
 
 
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
+@pytest.mark.parametrize("targets", [("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                                     ("q_proj", "k_proj", "v_proj", "o_proj"), ("o_proj",), ("gate_proj", "up_proj")])
+def test_saved_activations_match_with_lora_on_any_modules(targets, compute):
+    """LoRA on the MLP too (the Qwen presets' seven projections): over a frozen base autograd keeps a projection's
+    input only where an adapter reads it, and the first layer nothing upstream of its first adapter; the unfused
+    gate/up and each adapter's down-projection; as the real forward saves them, within the same 1.5%."""
+    config, prompts, m, lp, lc = qwen2(), 2, 4, 16, 12
+    work = mp.Workload(prompts, m, m, lp, lc, compute_dtype=compute, device="cpu")
+    shape = mp.model_shape(config, 4, targets)
+    predicted = sum(mp.activations(shape, mp.MicroBatch.of(prompts * m, m, work), work, checkpointing=False).values())
+    assert predicted == pytest.approx(saved_bytes(config, prompts, m, lp, lc, compute, targets), rel=0.015)
+
+
 def test_model_shape_counts_the_real_parameters_and_lora_adapters():
     config = qwen2()
     real = Qwen2ForCausalLM(config)
@@ -85,8 +103,13 @@ def test_model_shape_counts_the_real_parameters_and_lora_adapters():
     lora = mp.model_shape(config, 4, ["q_proj", "v_proj"])
     assert lora.trained_params == sum(p.numel() for p in adapted.parameters() if p.requires_grad)
     assert lora.lora_qkv and lora.fused_weights == 2 * config.intermediate_size * config.hidden_size
-    with pytest.raises(UserError, match="attention projections"):
-        mp.model_shape(config, 4, ["gate_proj"])
+    seven = mp.model_shape(config, 4, mp.LINEAR_MODULES)  # the Qwen presets' LoRA: nothing is fused any more
+    everywhere = apply_lora(Qwen2ForCausalLM(config), rank=4, target_modules=list(mp.LINEAR_MODULES))
+    assert seven.trained_params == sum(p.numel() for p in everywhere.parameters() if p.requires_grad)
+    assert seven.lora_gate_up and seven.fused_weights == 0 and len(seven.lora_targets) == 7
+    assert shape.layer_params == sum(p.numel() for p in real.model.layers[0].parameters())
+    with pytest.raises(UserError, match="linear projections"):
+        mp.model_shape(config, 4, ["lm_head"])
 
 
 def test_a_reference_model_is_counted_without_lora_only():
@@ -230,3 +253,144 @@ def test_cli_bad_input_is_one_line_and_exit_2(extra, message, capsys, monkeypatc
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+# ---- per rank: world size, strategy, offload; every preset; the advice when nothing fits ----
+
+QWEN_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
+QWEN_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)
+
+
+def pods_work(overrides=(), world_size=1):
+    """PODS' default step (32 prompts x 64, 16 trained) at 256 + 1,024 tokens, bf16 compute over float32 masters."""
+    from podsrl.config import load_config
+    from podsrl.memory_plan_report import workload_from_config
+
+    cfg = load_config("podsrl/configs/pods.yaml", ["rollout.max_new_tokens=1024", *overrides])
+    return workload_from_config(cfg, 256, "cuda", world_size)
+
+
+def test_ddp_and_fsdp_terms_per_rank_by_hand():
+    """DDP: each rank generates its prompts' rows and trains its share, the state whole; FSDP2 over 8: master
+    weights, gradients and AdamW state 1/8 each, the gathered root module and two layers in the compute dtype and a
+    layer's float32 gradient, the whole generation copy in the compute dtype; train.cpu_offload moves the shards to
+    host memory; FSDP2 in one process is the one-process plan."""
+    shape = mp.model_shape(Qwen2Config(**QWEN_7B))
+    assert shape.root_params == 2 * 152064 * 3584 + 3584  # embeddings, untied head, final norm
+    one, ddp = pods_work(), pods_work(world_size=8)
+    assert (ddp.rank_prompts, ddp.rank_rows, ddp.trained_rows) == (4, 256, 64)
+    assert (one.rank_rows, one.trained_rows) == (2048, 512)
+    assert mp.model_state(shape, ddp) == mp.model_state(shape, one)
+    fsdp = pods_work(["train.strategy=fsdp"], world_size=8)
+    state = mp.model_state(shape, fsdp)
+    assert state["weights"] == -(-shape.params * 4 // 8) and state["optimizer"] == -(-2 * shape.params * 4 // 8)
+    upd = mp.update_peak(shape, fsdp, rows=8, checkpointing=False)
+    assert upd["gradients"] == state["gradients"] == -(-shape.params * 4 // 8)
+    assert upd["gathered"] == (shape.root_params + 2 * shape.layer_params) * 2 + shape.layer_params * 4
+    gen = mp.generation_peak(shape, fsdp)
+    assert gen["engine_weights"] == shape.params * 2 and gen["fused_weights"] == 28 * shape.fused_weights * 2
+    assert "gathered" not in gen
+    offload = pods_work(["train.strategy=fsdp", "train.cpu_offload=true"], world_size=8)
+    assert not any(mp.model_state(shape, offload).values())
+    host = mp.host_memory(shape, offload)
+    assert host == {"load": shape.params * 4, "offloaded_state": sum(state.values())}
+    single = pods_work(["train.strategy=fsdp"], world_size=1)
+    assert mp.make_plan(shape, single, 80 * 2**30).update == mp.make_plan(shape, one, 80 * 2**30).update
+
+
+@pytest.mark.parametrize("world_size", [1, 8])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("size", ["1.5B", "7B"])
+def test_the_readme_shapes_per_rank(size, strategy, world_size):
+    """Qwen2.5-1.5B and 7B full fine-tunes on 80 GiB ranks: the 1.5B fits everywhere; the 7B fits on 8 ranks under
+    FSDP2 only (its replicated state alone, 7.6B x 16 bytes, outgrows a rank), and the sharded peak is below the
+    replicated one."""
+    shape = mp.model_shape(Qwen2Config(**(QWEN_1_5B if size == "1.5B" else QWEN_7B)))
+    work = pods_work([f"train.strategy={strategy}"], world_size)
+    plan = mp.make_plan(shape, work, 80 * 2**30)
+    assert plan.fits == (size == "1.5B" or (strategy == "fsdp" and world_size == 8))
+    if strategy == "fsdp" and world_size == 8:
+        replicated = mp.make_plan(shape, pods_work(world_size=8), 80 * 2**30)
+        assert sum(plan.generation.values()) < sum(replicated.generation.values())
+        peak = (sum(mp.update_peak(shape, w, 4, True).values()) for w in (work, replicated.work))
+        assert next(peak) < next(peak)
+
+
+def test_a_7b_full_fine_tune_on_one_rank_is_advised_what_fits(tmp_path, capsys):
+    """Nothing fits one 80 GiB device: the advice names LoRA and FSDP2 (with and without offload) as overrides,
+    each of which the plan says fits, cheapest predicted step first; no "lower the lengths"."""
+    from podsrl.config import load_config
+    from podsrl.memory_plan_report import advice, update_flops
+
+    Qwen2Config(**QWEN_7B).save_pretrained(tmp_path / "7b")
+    args = ["plan", "pods", "rollout.max_new_tokens=1024", "--memory", "--gpu-memory", "80GiB", "--prompt-length",
+            "256", "--model", str(tmp_path / "7b"), "--world-size", "1"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "not even a micro-batch of 1 row fits" in text and "what would fit" in text and "lower" not in text
+    assert "model.lora_rank=64" in text and "train.strategy=fsdp" in text and "train.cpu_offload=true" in text
+    cfg = load_config("podsrl/configs/pods.yaml", ["rollout.max_new_tokens=1024"])
+    options = advice(Qwen2Config(**QWEN_7B), cfg, pods_work(), 80 * 2**30, mp.RESERVE)
+    assert len(options) == 3 and all(plan.fits for _, plan in options)
+    costs = [update_flops(plan) for _, plan in options]
+    assert costs == sorted(costs)
+
+
+def test_the_world_size_defaults_to_torchruns(monkeypatch, capsys):
+    args = ["plan", "grpo", "--memory", "--gpu-memory", "1GiB", "--model", "tiny", "--device", "cpu"]
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main(args) == 0
+    assert "per rank of 4: train.strategy=ddp; a rank generates 8 prompts' 128 rows" in capsys.readouterr().out
+    monkeypatch.setenv("WORLD_SIZE", "four")
+    assert main(args) == 2
+    assert "WORLD_SIZE" in capsys.readouterr().err
+
+
+def test_the_prompt_length_comes_from_the_data_when_unset(capsys):
+    """task.max_prompt_length unset: the task's longest prompt in the model's tokens (the built-in task with the
+    tiny model's character tokenizer: one token a character), not a refusal."""
+    from podsrl.config import load_config
+    from podsrl.tasks import build_task
+
+    cfg = load_config("podsrl/configs/grpo.yaml", [])
+    assert cfg.task.max_prompt_length == 0
+    task = build_task(cfg.task)
+    longest = max(len(p.prompt) for p in [*map(task.problem, range(2000)), *task.eval_set()])
+    assert main(["plan", "grpo", "--memory", "--gpu-memory", "1GiB", "--model", "tiny", "--device", "cpu"]) == 0
+    assert f"prompt {longest} + completion" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def stand_in(tmp_path_factory):
+    """A local model directory (the tiny model and its tokenizer) and a local data file for the presets that name a
+    hub model and dataset: the plan reads both, nothing from the hub."""
+    from podsrl.config import TinyModelConfig
+    from podsrl.models.loading import build_char_tokenizer, build_tiny_model
+
+    root = tmp_path_factory.mktemp("stand-in")
+    tokenizer = build_char_tokenizer()
+    build_tiny_model(TinyModelConfig(hidden_size=64, num_layers=2, intermediate_size=128,
+                                     max_position_embeddings=512), tokenizer).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    rows = [{"question": f"Tom has {a} apples and buys {b}. How many?", "answer": f"{a}+{b}\n#### {a + b}",
+             "problem": f"What is {a} + {b}?", "solution": f"\\boxed{{{a + b}}}"} for a in range(1, 7) for b in range(4)]
+    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+@pytest.mark.parametrize("world_size", [1, 8])
+def test_the_plan_runs_on_every_bundled_preset(stand_in, world_size, capsys):
+    from podsrl.config import load_config
+    from podsrl.presets import preset_names, preset_path
+
+    for preset in preset_names():
+        cfg = load_config(preset_path(preset), [])
+        local = [] if cfg.model.name_or_path == "tiny" else [
+            f"model.name_or_path={stand_in / 'model'}", f"task.args.path={stand_in / 'data.jsonl'}",
+            "task.args.eval_path=null", "task.args.eval_split=null", "task.args.eval_fraction=0.25",
+            "task.args.config=null", "task.args.prompt_mode=plain"]
+        args = ["plan", preset, *local, "--memory", "--gpu-memory", "80GiB", "--world-size", str(world_size)]
+        assert main(args) == 0, (preset, capsys.readouterr().err)
+        assert f"per rank of {world_size}: train.strategy=" in capsys.readouterr().out
