@@ -129,6 +129,8 @@ def init_distributed(device: torch.device, timeout_s: float = 3600.0) -> DistCon
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     cpu_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+    if dist.get_rank() != 0:  # rank 0 speaks for the job; the others only of what goes wrong
+        log.setLevel(logging.WARNING)
     return DistContext(device, dist.get_rank(), dist.get_world_size(), owns, cpu_group)
 
 

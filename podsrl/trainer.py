@@ -48,6 +48,7 @@ from podsrl.methods import METHODS, StepContext
 from podsrl.models.loading import count_parameters, load_policy, resolve_device
 from podsrl.plotting import plot_run
 from podsrl.prompt_stats import PromptStats
+from podsrl.run_description import describe_run
 from podsrl.run_lock import RunLock
 from podsrl.tracking import build_metrics_logger, build_progress, read_metrics
 from podsrl.trainer_state import restore_run, save_run
@@ -147,6 +148,7 @@ class Trainer:
             log.info("resumed %s at step %d", self.run_dir, self.step)
         if run_ahead.enabled:
             self._build_generator(in_flight)
+        log.info(describe_run(cfg, self.dist, self.generation_model, self.engine.name))
         if self.dist.is_main:
             dump_config(cfg, self.run_dir / "config.yaml")
         self.logger = (build_metrics_logger(cfg, self.run_dir, self.step if checkpoint is not None else None)

@@ -4,6 +4,7 @@ run continues exactly."""
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,9 +14,13 @@ import torch
 from podsrl.async_generation import ProducedBatch
 from podsrl.checkpoint import load_checkpoint_files, load_in_flight, load_sharded_tensors, save_checkpoint
 from podsrl.errors import UserError
+from podsrl.run_description import world_size_change
 
 if TYPE_CHECKING:
     from podsrl.trainer import Trainer
+
+
+log = logging.getLogger("podsrl")
 
 
 def save_run(trainer: Trainer) -> None:
@@ -31,6 +36,7 @@ def save_run(trainer: Trainer) -> None:
         "prompt_stats": t.stats.state_dict(), "accounting": t.accountant.state_dict(),
         "nonfinite_in_a_row": t.updater.nonfinite_in_a_row, "python_random": _py_random_state(),
         "method": t.method.state_dict(), "health": t.health.state_dict(), "dropped_batches": t.dropped_batches,
+        "world_size": t.dist.world_size,
     }
     optimizer_state = {"scheduler": t.scheduler.state_dict()}
     tensors = None
@@ -78,6 +84,9 @@ def restore_run(trainer: Trainer, path: Path) -> list[ProducedBatch]:
     if "cuda" in rng_state and torch.cuda.is_available() and len(rng_state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(rng_state["cuda"])
     t.dropped_batches = state.get("dropped_batches", 0)
+    written = state.get("world_size")  # absent from checkpoints of older versions: not known, nothing said
+    if written is not None and written != t.dist.world_size and t.dist.is_main:  # one line for the job
+        log.warning(world_size_change(written, t.dist.world_size))
     saved = load_in_flight(path)
     if saved and not t.cfg.train.asynchronous.enabled:
         raise UserError(f"checkpoint {path} holds {len(saved)} batches generated ahead by an asynchronous run "

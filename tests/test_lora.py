@@ -114,3 +114,25 @@ def test_lora_reference_is_the_policy_with_its_adapters_disabled(tmp_path, warmu
     updater = trainer.updater
     assert torch.allclose(reference, updater._precompute(base, batch), atol=1e-5)
     assert not torch.allclose(reference, updater._precompute(trainer.model, batch), atol=1e-3)
+
+
+def test_the_start_up_line_says_where_it_runs_and_what_trains(tmp_path, warmup_cache, caplog):
+    """One line: the device and world size, master and compute dtypes, LoRA's rank, modules and trainable
+    parameters (counted on the model), and the engine."""
+    import logging
+
+    from podsrl.config import load_config
+    from podsrl.trainer import Trainer
+    from tests.conftest import device_under_test, tiny_overrides
+
+    overrides = tiny_overrides(tmp_path, warmup_cache, **{"rollout.n": 8, "pods.m": 4, "model.lora_rank": 4})
+    with caplog.at_level(logging.INFO, logger="podsrl"):
+        trainer = Trainer(load_config("podsrl/configs/pods.yaml", overrides))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("run: ")]
+    trained = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in trainer.model.parameters())
+    device = device_under_test()
+    compute = "bfloat16" if device.type == "cuda" else "float32"
+    assert lines == [f"run: one process on {trainer.device}; master float32, compute {compute}; LoRA rank 4 on "
+                     f"{','.join(trainer.cfg.model.lora_target_modules)}: {trained / 1e6:.2f}M trainable (float32) "
+                     f"of {total / 1e6:.2f}M parameters; engine {trainer.engine.name}"]

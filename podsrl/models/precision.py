@@ -60,9 +60,16 @@ def resolve_dtype_name(name: str, param_dtype: torch.dtype, device: torch.device
 
 
 def describe_precision(model_cfg, device: torch.device | str) -> str:
-    """One line for the log: what is stored in which dtype and what the matmuls run in."""
+    """One line for the log: what is stored in which dtype and what the matmuls run in. With LoRA the adapters and
+    their AdamW state are float32 whatever model.dtype (peft keeps them in float32 and casts their input to it,
+    autocast aside), over a frozen base in model.dtype with no master copy."""
     params, compute = getattr(torch, model_cfg.dtype), resolve_compute_dtype(model_cfg, device)
     name = str(compute).removeprefix("torch.")
+    if model_cfg.lora_rank > 0:
+        return (f"LoRA: float32 adapters and their optimiser state over a frozen {model_cfg.dtype} base (no float32 "
+                f"master copy of it); matmuls in {name}"
+                + (" (autocast)" if compute != params else ", the adapters' in float32" if params != torch.float32
+                   else ""))
     if params != torch.float32:
         return f"pure {model_cfg.dtype}: weights and optimiser state in {model_cfg.dtype} (no float32 master copy)"
     if compute == params:

@@ -200,6 +200,12 @@ def test_micro_batches_split_evenly_with_equal_counts(strategy, cases):
 
 
 def _train(tmp: Path, name: str, ranks: int, steps: int, resume: bool = False) -> list[dict]:
+    proc = _launch(tmp, name, ranks, steps, resume)
+    assert len([line for line in proc.stdout.splitlines() if line.startswith("{")]) == 1  # rank 0 prints
+    return [json.loads(line) for line in (tmp / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def _launch(tmp: Path, name: str, ranks: int, steps: int, resume: bool = False) -> subprocess.CompletedProcess:
     run = tmp / name
     args = ["--resume", str(run), f"train.max_steps={steps}"] if resume else [
         "--config", "grpo", f"output_dir={run}", f"train.max_steps={steps}", "warmup.steps=0",
@@ -214,8 +220,7 @@ def _train(tmp: Path, name: str, ranks: int, steps: int, resume: bool = False) -
     proc = subprocess.run([*launcher, "-m", "podsrl", "train", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len([line for line in proc.stdout.splitlines() if line.startswith("{")]) == 1  # rank 0 prints
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return proc
 
 
 @pytest.mark.slow
@@ -232,3 +237,14 @@ def test_torchrun_two_ranks_with_resume_match_one_process(tmp_path):
         for k, v in a.items():
             if not k.startswith("time/") and isinstance(v, float):
                 assert b[k] == pytest.approx(v, rel=1e-4, abs=1e-5), (a["step"], k)
+
+
+@pytest.mark.slow
+def test_torchrun_logs_once_and_a_resume_says_the_world_size_changed(tmp_path):
+    """Rank 0 logs the start-up line and the info lines once; rank 1 only warnings and errors. A checkpoint of one
+    process resumed on two ranks says so, in one line."""
+    _launch(tmp_path, "run", 1, 1)
+    err = _launch(tmp_path, "run", 2, 2, resume=True).stderr
+    assert err.count("INFO run: 2 ranks (torchrun, gloo) on cpu, train.strategy=ddp; master float32") == 1
+    assert err.count("INFO precision: ") == 1
+    assert err.count("WARNING resuming a checkpoint written by 1 rank(s) on 2: each rank now") == 1

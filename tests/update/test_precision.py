@@ -43,6 +43,11 @@ def test_auto_is_bfloat16_on_cuda_float32_on_cpu_never_wider_than_the_weights():
     assert describe_precision(pure, "cuda").startswith("pure bfloat16: weights and optimiser state in bfloat16")
     assert describe_precision(model_cfg("model.compute_dtype=bfloat16"), "cpu").startswith("mixed precision")
     assert describe_precision(auto, "cpu").startswith("float32")
+    # the presets' LoRA over a bfloat16 base: the adapters and their AdamW state are float32, not "pure bfloat16"
+    lora = model_cfg("model.dtype=bfloat16", "model.lora_rank=8")
+    assert describe_precision(lora, "cuda") == ("LoRA: float32 adapters and their optimiser state over a frozen "
+                                                "bfloat16 base (no float32 master copy of it); matmuls in bfloat16, "
+                                                "the adapters' in float32")
 
 
 @pytest.mark.parametrize("overrides, words", [

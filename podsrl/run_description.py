@@ -1,0 +1,40 @@
+"""The start-up line that says where and how a run trains, and the note on a resume at another world size."""
+
+from __future__ import annotations
+
+import torch
+
+from podsrl.models.precision import resolve_compute_dtype
+
+
+def describe_run(cfg, ctx, model: torch.nn.Module, engine: str) -> str:
+    """Devices, world size, strategy, master and compute dtypes, what trains (LoRA's rank, modules and trainable
+    parameters, or the full model) and the rollout engine, in one line. `model` is unsharded (the generation copy
+    under FSDP2), so its counts are the whole model's."""
+    if ctx.world_size > 1:
+        where = (f"{ctx.world_size} ranks (torchrun, {'nccl' if ctx.device.type == 'cuda' else 'gloo'}) on "
+                 f"{ctx.device.type}{', each on cuda:LOCAL_RANK' if ctx.device.type == 'cuda' else ''}, "
+                 f"train.strategy={cfg.train.strategy}")
+    else:
+        where = f"one process on {ctx.device}"
+    compute = str(resolve_compute_dtype(cfg.model, ctx.device)).removeprefix("torch.")
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if cfg.model.lora_rank > 0:
+        what = (f"LoRA rank {cfg.model.lora_rank} on {','.join(cfg.model.lora_target_modules)}: "
+                f"{_count(trained)} trainable (float32) of {_count(total)} parameters")
+    else:
+        what = f"full fine-tune: {_count(trained)} trainable parameters"
+    return f"run: {where}; master {cfg.model.dtype}, compute {compute}; {what}; engine {engine}"
+
+
+def world_size_change(written: int, now: int) -> str:
+    """What a resume on `now` ranks of a checkpoint written by `written` changes."""
+    return (f"resuming a checkpoint written by {written} rank(s) on {now}: each rank now generates and trains "
+            f"1/{now} of a step's prompts and rows, so a rank's memory changes (optim.micro_batch_size is per rank; "
+            f"`podsrl plan --memory --world-size {now}` sizes it); rollout.prompts_per_step is global, so the step's "
+            "batch and its summed gradients are the same (with the fast engine's per-row seeds, the rollouts too)")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
