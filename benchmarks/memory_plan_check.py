@@ -13,6 +13,8 @@ Generation is measured on its first call with the model alone in the process (no
 
     OMP_NUM_THREADS=1 python benchmarks/memory_plan_check.py              # the table in docs/results.md
     OMP_NUM_THREADS=1 python benchmarks/memory_plan_check.py --checkpointing --phases update
+    OMP_NUM_THREADS=1 python benchmarks/memory_plan_check.py --phases update --world-size 2 --strategy fsdp
+                                                # per rank under torchrun (gloo): each rank's peak, the largest
     python benchmarks/memory_plan_check.py --device cuda --models 0.5B --compute-dtype bfloat16 --rounds 1
                                                 # on a GPU: the allocator's peaks (one round: they are exact)
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -64,19 +67,25 @@ def _level(device: str) -> int:
     return torch.cuda.memory_allocated() if device.startswith("cuda") else _rss()
 
 
-def measure_update(name: str, length: int, checkpointing: bool, compute: str, device: str) -> int:
+def measure_update(name: str, length: int, checkpointing: bool, compute: str, device: str,
+                   strategy: str = "ddp") -> int:
+    """The update's peak in this process; under torchrun this rank's, with the strategy's data-parallel object
+    (the process group is joined before the zero is taken: its buffers are not the plan's)."""
     import torch
     from transformers import Qwen2ForCausalLM
 
     from podsrl.batch import Problem, RolloutBatch
     from podsrl.config import load_config
+    from podsrl.distributed import init_distributed
+    from podsrl.fsdp import build_data_parallel
     from podsrl.update import PolicyUpdater
 
     prompts, m = UPDATE["prompts"], UPDATE["m"]
     rows = prompts * m
     overrides = [f"rollout.n={m}", "method=grpo", f"rollout.max_new_tokens={length}",
                  f"optim.micro_batch_size={UPDATE['micro_batch']}", f"model.compute_dtype={compute}",
-                 "algo.rollout_correction=none"]  # the synthetic batch has no sampler log-probs ([R, Lc]: negligible)
+                 "algo.rollout_correction=none",  # the synthetic batch has no sampler log-probs ([R, Lc]: negligible)
+                 f"train.strategy={strategy}"]
     if checkpointing:
         overrides.append("update.activation_checkpointing=true")
     cfg = load_config(None, overrides)
@@ -92,12 +101,14 @@ def measure_update(name: str, length: int, checkpointing: bool, compute: str, de
         rewards=torch.rand(rows, generator=gen),
     )
     batch.advantages = torch.randn(rows, generator=gen)
+    ctx = init_distributed(torch.device(device))
     zero = _level(device)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(qwen2_config(name)).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    data_parallel = build_data_parallel(ctx, model, None, cfg.train)  # FSDP2 shards `model` in place
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    updater = PolicyUpdater(model, optimizer, scheduler, cfg, torch.device(device))
+    updater = PolicyUpdater(model, optimizer, scheduler, cfg, torch.device(device), data_parallel=data_parallel)
     updater.update(batch, torch.Generator().manual_seed(0))  # AdamW's state exists from here on
     before = _level(device)
     return before - zero + peak_memory_during(lambda: updater.update(batch, torch.Generator().manual_seed(0)),
@@ -127,13 +138,13 @@ def measure_generation(name: str, length: int, compute: str, device: str) -> int
 
 
 def predict(name: str, length: int, phase: str, checkpointing: bool, compute: str = "float32",
-            device: str = "cpu") -> dict[str, int]:
+            device: str = "cpu", world_size: int = 1, strategy: str = "ddp") -> dict[str, int]:
     from podsrl.memory_plan import Workload, generation_peak, model_shape, update_peak
 
     shape = model_shape(qwen2_config(name))
     if phase == "update":
         work = Workload(UPDATE["prompts"], UPDATE["m"], UPDATE["m"], PROMPT, length, compute_dtype=compute,
-                        device=device, training_run=False)
+                        device=device, training_run=False, world_size=world_size, strategy=strategy)
         return update_peak(shape, work, UPDATE["micro_batch"], checkpointing)
     work = Workload(GENERATION["prompts"], GENERATION["n"], GENERATION["n"], PROMPT, length, compute_dtype=compute,
                     device=device, training_run=False)
@@ -150,15 +161,22 @@ def main() -> None:
                         help="model.compute_dtype over float32 masters (the update's autocast, the engine's copy)")
     parser.add_argument("--device", default="cpu", help="cpu (resident set) or cuda (the allocator's peak)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per case (median)")
+    parser.add_argument("--world-size", type=int, default=1,
+                        help="update only: torchrun ranks (gloo on CPU), each rank's peak measured, the largest kept")
+    parser.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp"], help="train.strategy (--world-size > 1)")
     parser.add_argument("--json", help="also write the rows as JSON")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         name, length, phase = args.child.split(",")
-        peak = (measure_update(name, int(length), args.checkpointing, args.compute_dtype, args.device)
+        peak = (measure_update(name, int(length), args.checkpointing, args.compute_dtype, args.device, args.strategy)
                 if phase == "update" else measure_generation(name, int(length), args.compute_dtype, args.device))
-        print(json.dumps({"peak": peak}))
+        print(json.dumps({"peak": peak}), flush=True)
         return
+    if args.world_size > 1 and args.phases != ["update"]:
+        parser.error("--world-size: the per-rank check is the update's (--phases update)")
+    launcher = [sys.executable] if args.world_size == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.world_size)]
     cases = [(name, length, phase) for name in args.models for length in args.lengths for phase in args.phases]
     print(machine_line() + " (each case in a child process)")
     measured: dict[tuple, list[int]] = {case: [] for case in cases}
@@ -166,23 +184,28 @@ def main() -> None:
         k = r % len(cases)
         for case in cases[k:] + cases[:k]:
             out = subprocess.run(
-                [sys.executable, __file__, "--child", ",".join(map(str, case))]
+                [*launcher, __file__, "--child", ",".join(map(str, case))]
                 + (["--checkpointing"] if args.checkpointing else [])
-                + ["--compute-dtype", args.compute_dtype, "--device", args.device],
+                + ["--compute-dtype", args.compute_dtype, "--device", args.device, "--strategy", args.strategy],
                 capture_output=True, text=True, check=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
-            measured[case].append(json.loads(out.stdout.strip().splitlines()[-1])["peak"])
+            ranks = [int(p) for p in re.findall(r'\{"peak": (\d+)\}', out.stdout)]  # ranks' lines may interleave
+            assert len(ranks) == args.world_size, out.stdout
+            measured[case].append(max(ranks))
     mib = 2**20
     ckpt = "with" if args.checkpointing else "without"
     print(f"\nupdate: {UPDATE['prompts']} prompts x {UPDATE['m']} rows, micro-batch {UPDATE['micro_batch']}, "
           f"{ckpt} activation checkpointing; generation: {GENERATION['prompts']} prompts x {GENERATION['n']} rows; "
           f"prompts {PROMPT} tokens; float32 masters, {args.compute_dtype} compute; {args.device}; {args.rounds} "
-          "interleaved rounds, median [min-max]\n")
+          "interleaved rounds, median [min-max]"
+          + (f"; per rank of {args.world_size} (train.strategy={args.strategy}, the largest rank's peak)"
+             if args.world_size > 1 else "") + "\n")
     print("| model | completion | phase | predicted MiB | measured MiB | error | largest predicted terms (MiB) |")
     print("|---|---|---|---|---|---|---|")
     rows, worst = [], 0.0
     for case in cases:
         name, length, phase = case
-        terms = predict(name, length, phase, args.checkpointing, args.compute_dtype, args.device)
+        terms = predict(name, length, phase, args.checkpointing, args.compute_dtype, args.device, args.world_size,
+                        args.strategy)
         predicted, values = sum(terms.values()), measured[case]
         med = statistics.median(values)
         error = predicted / med - 1
@@ -193,6 +216,7 @@ def main() -> None:
         print(f"| {label} | {length} | {phase} | {predicted / mib:.1f} | {med / mib:.1f} "
               f"[{min(values) / mib:.1f}-{max(values) / mib:.1f}] | {error:+.1%} | {top} |")
         rows.append({"model": name, "completion": length, "phase": phase, "checkpointing": args.checkpointing,
+                     "world_size": args.world_size, "strategy": args.strategy,
                      "compute_dtype": args.compute_dtype, "device": args.device,
                      "predicted": predicted, "measured": values, "terms": terms, "error": error})
     print(f"\nlargest |error| {worst:.1%} without the calibration model (aim {AIM:.0%}); load average after: "

@@ -477,8 +477,9 @@ def update_peak(shape: ModelShape, work: Workload, rows: int, checkpointing: boo
                      "layer": layer + max(transient["attention"], transient["mlp"])}
     terms = {**{k: v for k, v in state.items() if k != "gradients"}, "activations": sum(act.values()),
              "transient": max(transient.values()), "runtime": RUNTIME_BYTES[work.device]["update"]}
-    if work.sharded:
+    if work.sharded:  # and FSDP2's generation copy, kept by its data-parallel object whatever the engine
         terms["gathered"] = gathered_layers(shape, work)
+        terms["engine_weights"] = engine_weights(shape, work)
     if work.training_run:  # the fast engine keeps its weights copy and the last call's fused weights
         terms["fused_weights"] = engine_fused_weights(shape, work)
         terms["engine_weights"] = engine_weights(shape, work)
