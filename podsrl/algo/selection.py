@@ -254,9 +254,9 @@ def selection_metrics(
 def aero_select(
     batch: RolloutBatch,
     posterior_mean: torch.Tensor,
-    k: float = 1.0,
-    symmetric: bool = False,
-    keep_dead: int = 4,
+    k: float,
+    symmetric: bool,
+    keep_dead: int,
     generator: torch.Generator | None = None,
     exempt: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
