@@ -24,7 +24,7 @@ class RunFacts:
     world: int  # processes in the job (1 without torchrun)
     master_dtype: torch.dtype  # parameters and optimiser state (model.dtype)
     compute_dtype: torch.dtype  # forward/backward matmuls on `device` (model.compute_dtype, `auto` resolved)
-    trained_per_prompt: int  # at most this many rollouts of a prompt reach the update (pods.m 0 = rollout.n)
+    trained_per_prompt: int  # at most this many rollouts of a prompt reach the update (the method says)
     overlap: bool  # generation runs ahead of the learner (train.async with max_staleness > 0)
     rollout_correction: str  # the mode algo.rollout_correction means here (`auto` resolved)
     mismatch: tuple[str, ...]  # how the sampler's log-probs differ from the trainer's (rollout_correction.py)
