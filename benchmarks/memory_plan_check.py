@@ -70,6 +70,7 @@ def measure_update(name: str, length: int, checkpointing: bool, compute: str, de
 
     from podsrl.batch import Problem, RolloutBatch
     from podsrl.config import load_config
+    from podsrl.run_facts import run_facts
     from podsrl.update import PolicyUpdater
 
     prompts, m = UPDATE["prompts"], UPDATE["m"]
@@ -97,7 +98,7 @@ def measure_update(name: str, length: int, checkpointing: bool, compute: str, de
     model = Qwen2ForCausalLM(qwen2_config(name)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    updater = PolicyUpdater(model, optimizer, scheduler, cfg, torch.device(device))
+    updater = PolicyUpdater(model, optimizer, scheduler, cfg, run_facts(cfg, torch.device(device)))
     updater.update(batch, torch.Generator().manual_seed(0))  # AdamW's state exists from here on
     before = _level(device)
     return before - zero + peak_memory_during(lambda: updater.update(batch, torch.Generator().manual_seed(0)),
