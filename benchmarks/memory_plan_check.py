@@ -78,6 +78,7 @@ def measure_update(name: str, length: int, checkpointing: bool, compute: str, de
     from podsrl.config import load_config
     from podsrl.distributed import init_distributed
     from podsrl.fsdp import build_data_parallel
+    from podsrl.run_facts import run_facts
     from podsrl.update import PolicyUpdater
 
     prompts, m = UPDATE["prompts"], UPDATE["m"]
@@ -105,10 +106,11 @@ def measure_update(name: str, length: int, checkpointing: bool, compute: str, de
     zero = _level(device)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(qwen2_config(name)).to(device)
-    data_parallel = build_data_parallel(ctx, model, None, cfg.train)  # FSDP2 shards `model` in place
+    data_parallel = build_data_parallel(ctx, model, None, cfg)  # FSDP2 shards `model` in place
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    updater = PolicyUpdater(model, optimizer, scheduler, cfg, torch.device(device), data_parallel=data_parallel)
+    updater = PolicyUpdater(model, optimizer, scheduler, cfg, run_facts(cfg, torch.device(device), ctx.world_size),
+                            data_parallel=data_parallel)
     updater.update(batch, torch.Generator().manual_seed(0))  # AdamW's state exists from here on
     before = _level(device)
     return before - zero + peak_memory_during(lambda: updater.update(batch, torch.Generator().manual_seed(0)),

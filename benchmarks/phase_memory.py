@@ -41,6 +41,7 @@ def run_sequence(args, checkpointing: bool) -> list[dict]:
     from podsrl.config import load_config
     from podsrl.engines.base import SamplingParams
     from podsrl.engines.fast import FastEngine
+    from podsrl.run_facts import run_facts
     from podsrl.update import PolicyUpdater
 
     device, compute = args.device, getattr(torch, args.compute_dtype)
@@ -57,7 +58,7 @@ def run_sequence(args, checkpointing: bool) -> list[dict]:
     cfg = load_config(None, overrides)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    updater = PolicyUpdater(model, optimizer, scheduler, cfg, torch.device(device))
+    updater = PolicyUpdater(model, optimizer, scheduler, cfg, run_facts(cfg, torch.device(device)))
     gen = torch.Generator().manual_seed(0)
     eval_prompts = [torch.randint(2, vocab, (PROMPT,), generator=gen).tolist() for _ in range(args.eval_rows)]
     prompts = eval_prompts[: args.prompts]

@@ -33,6 +33,7 @@ from podsrl.engines.base import SamplingParams
 from podsrl.engines.fast import FastEngine
 from podsrl.fsdp import build_data_parallel
 from podsrl.models.loading import build_char_tokenizer, build_tiny_model, count_parameters
+from podsrl.run_facts import run_facts
 from podsrl.update import PolicyUpdater
 
 
@@ -158,7 +159,7 @@ def run_update_bench(args, ctx=None) -> dict:
             sync_times.append(time.perf_counter() - t0)
 
         dp.grad_sync = grad_sync
-    updater = PolicyUpdater(model, optimizer, scheduler, cfg, torch.device("cpu"), data_parallel=dp)
+    updater = PolicyUpdater(model, optimizer, scheduler, cfg, run_facts(cfg, torch.device("cpu")), data_parallel=dp)
     batch = make_batch(args)
     updater.update(batch, torch.Generator().manual_seed(0))  # warm-up
     sync_times.clear()
@@ -235,12 +236,13 @@ def _fsdp_rank(rank: int, world: int, init: str, out: str, args) -> None:
             continue
         model, _ = make_model(args)
         model.train()
-        train_cfg = cfg.train if name.startswith("fsdp") else None
-        dp = None if name == "1 process" else build_data_parallel(ctx, model, None, train_cfg)
+        dp = None if name == "1 process" else build_data_parallel(ctx, model, None,
+                                                                  cfg if name.startswith("fsdp") else None)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-        arms[name] = (PolicyUpdater(model, optimizer, scheduler, cfg, torch.device("cpu"), data_parallel=dp),
-                      model, optimizer, dp)
+        updater = PolicyUpdater(model, optimizer, scheduler, cfg, run_facts(cfg, torch.device("cpu")),
+                                data_parallel=dp)
+        arms[name] = (updater, model, optimizer, dp)
     batch = make_batch(args)
     res: dict = {"memory": {}, "times": {name: [] for name in arms}}
     for name in ("1 process", "ddp, 2 ranks", "fsdp, 2 ranks"):

@@ -69,7 +69,7 @@ def sampling_dtype(cfg: Config, model: torch.nn.Module) -> torch.dtype | str | N
     if "weights_dtype" in cfg.rollout.engine_options:
         return cfg.rollout.engine_options["weights_dtype"]
     param = next(model.parameters())
-    compute = resolve_compute_dtype(cfg.model, param.device)
+    compute = resolve_compute_dtype(cfg, param.device)  # the generation copy's device (CPU for the Ray pool)
     return compute if compute != param.dtype else None
 
 

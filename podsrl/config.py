@@ -29,6 +29,7 @@ from podsrl.fileio import write_text_atomic
 from podsrl.methods import METHODS
 from podsrl.options import config_key, option, to_dict
 from podsrl.removed_keys import reject_removed_keys
+from podsrl.tracking import normalize_report_to
 from podsrl.trl_names import translate_trl_names
 
 _f = option
@@ -203,6 +204,11 @@ class AsyncConfig:
     generator_threads: int = _f(0, "torch threads of the in-process generator; the learner keeps the process's. 0 = "
                                 "split: the generator takes half of torch's threads (at least 1), the learner the rest. "
                                 "Not used by rollout.engine=ray (its workers have cpus_per_worker).")
+
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether generation overlaps the learner (max_staleness 0 is the synchronous loop, same weights)."""
+        return self.enabled and self.max_staleness > 0
 
 
 @dataclass
@@ -436,7 +442,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         cfg.name = Path(path).stem
     if "output_dir" not in tree and cfg.name:  # presets run one after another must not share a run directory
         cfg.output_dir = f"runs/{cfg.name}"
-    validate(cfg)
+    cfg.log.report_to = normalize_report_to(cfg.log.report_to, cfg.log.tensorboard)  # TRL's values as a list
+    validate(cfg)  # reads only: what it accepts is the config the run gets
     return cfg
 
 

@@ -32,21 +32,21 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from podsrl.distributed import DataParallel, DistContext, log
-from podsrl.models.precision import resolve_dtype_name
+from podsrl.models.precision import resolve_compute_dtype
 
 
 def build_data_parallel(ctx: DistContext, model: torch.nn.Module, ref_model: torch.nn.Module | None = None,
-                        train_cfg=None, generation_device: torch.device | None = None) -> DataParallel | None:
+                        cfg=None, generation_device: torch.device | None = None) -> DataParallel | None:
     """The update's data-parallel object: DataParallel, or FSDP2 with `train.strategy: fsdp` (which shards `model`
     and `ref_model` in place); None in one process. Lives here, not in podsrl/distributed.py, so that this module
     builds on that one and not the other way round."""
-    fsdp = train_cfg is not None and train_cfg.strategy == "fsdp"
+    fsdp = cfg is not None and cfg.train.strategy == "fsdp"
     if not ctx.enabled:
         if fsdp:
             log.info("train.strategy=fsdp: one process, nothing to shard; training the whole model here")
         return None
     if fsdp:
-        return FullyShardedDataParallel(ctx, train_cfg, model, ref_model, generation_device)
+        return FullyShardedDataParallel(ctx, cfg, model, ref_model, generation_device)
     return DataParallel(ctx, model)
 
 
@@ -91,7 +91,7 @@ class FullyShardedDataParallel(DataParallel):
     sharded = True
     lockstep = True  # every forward/backward is collective: empty micro-batches are run, not dropped
 
-    def __init__(self, ctx: DistContext, train_cfg: Any, model: torch.nn.Module,
+    def __init__(self, ctx: DistContext, cfg: Any, model: torch.nn.Module,
                  ref_model: torch.nn.Module | None = None, generation_device: torch.device | None = None) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -101,12 +101,12 @@ class FullyShardedDataParallel(DataParallel):
             for p in model.parameters():
                 dist.broadcast(p.data, src=0)
         # the compute dtype (model.compute_dtype and train.fsdp_param_dtype are one setting: podsrl/models/precision.py)
-        params = next(model.parameters()).dtype
-        dtype = resolve_dtype_name(train_cfg.fsdp_param_dtype, params, ctx.device)
+        train_cfg = cfg.train
+        dtype = resolve_compute_dtype(cfg, ctx.device)
         # One unsharded copy for the engines (see sync_generation_model); on CPU (the Ray pool's) in float32.
         generation_device = generation_device or ctx.device
         self.generation_model = copy.deepcopy(model).to(
-            generation_device, resolve_dtype_name(train_cfg.fsdp_param_dtype, params, generation_device)).eval()
+            generation_device, resolve_compute_dtype(cfg, generation_device)).eval()
         self.mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         options: dict[str, Any] = {
             "mesh": self.mesh,

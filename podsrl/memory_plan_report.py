@@ -184,13 +184,12 @@ def add_memory_arguments(parser) -> None:
 
 def workload_from_config(cfg, prompt_length: int, device: str, world_size: int = 1) -> Workload:
     """P, n, m, lengths and precision of a podsrl config (m: what the method trains of each prompt at most)."""
-    import torch
 
     from podsrl.methods import METHODS
-    from podsrl.models.precision import resolve_dtype_name
+    from podsrl.models.precision import resolve_compute_dtype
 
     m = METHODS[cfg.method].trained_per_prompt(cfg)
-    compute = str(resolve_dtype_name(cfg.model.compute_dtype, getattr(torch, cfg.model.dtype), device))
+    compute = str(resolve_compute_dtype(cfg, device))
     return Workload(
         prompts=cfg.rollout.prompts_per_step, n=cfg.rollout.n, m=m, prompt_length=prompt_length,
         completion_length=cfg.rollout.max_new_tokens, dtype=cfg.model.dtype, compute_dtype=compute.split(".")[-1],

@@ -12,6 +12,8 @@ from collections.abc import Iterable
 
 import torch
 
+from podsrl.algo.group_stats import group_outcomes
+
 RING = 16  # newest correctness bits kept per prompt (the size of the reference buffer that reads them)
 
 
@@ -42,8 +44,7 @@ class PromptStats:
     def record(self, uids: list[str], group_index: torch.Tensor, correct: torch.Tensor) -> None:
         """Add one collected batch: `correct[r]` (bool) of row r belongs to prompt `uids[group_index[r]]`; rows are
         in generation order, which the ring of newest outcomes keeps."""
-        attempts = torch.bincount(group_index, minlength=len(uids))
-        successes = torch.bincount(group_index, weights=correct.float(), minlength=len(uids)).round().long()
+        attempts, successes = group_outcomes(group_index, correct, len(uids))
         keep = attempts > 0
         self.update(
             [u for u, k in zip(uids, keep.tolist()) if k], successes[keep].tolist(), attempts[keep].tolist()

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from podsrl.models.precision import resolve_compute_dtype
 
-
-def describe_run(cfg, ctx, model: torch.nn.Module, engine: str) -> str:
+def describe_run(cfg, facts, ctx, model: torch.nn.Module, engine: str) -> str:
     """Devices, world size, strategy, master and compute dtypes, what trains (LoRA's rank, modules and trainable
     parameters, or the full model) and the rollout engine, in one line. `model` is unsharded (the generation copy
     under FSDP2), so its counts are the whole model's."""
@@ -17,7 +15,7 @@ def describe_run(cfg, ctx, model: torch.nn.Module, engine: str) -> str:
                  f"train.strategy={cfg.train.strategy}")
     else:
         where = f"one process on {ctx.device}"
-    compute = str(resolve_compute_dtype(cfg.model, ctx.device)).removeprefix("torch.")
+    master, compute = (str(d).removeprefix("torch.") for d in (facts.master_dtype, facts.compute_dtype))
     total = sum(p.numel() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if cfg.model.lora_rank > 0:
@@ -25,7 +23,7 @@ def describe_run(cfg, ctx, model: torch.nn.Module, engine: str) -> str:
                 f"{_count(trained)} trainable (float32) of {_count(total)} parameters")
     else:
         what = f"full fine-tune: {_count(trained)} trainable parameters"
-    return f"run: {where}; master {cfg.model.dtype}, compute {compute}; {what}; engine {engine}"
+    return f"run: {where}; master {master}, compute {compute}; {what}; engine {engine}"
 
 
 def world_size_change(written: int, now: int) -> str:

@@ -49,6 +49,7 @@ from podsrl.models.loading import count_parameters, load_policy, resolve_device
 from podsrl.plotting import plot_run
 from podsrl.prompt_stats import PromptStats
 from podsrl.run_description import describe_run
+from podsrl.run_facts import run_facts, unread_settings
 from podsrl.run_lock import RunLock
 from podsrl.tracking import build_metrics_logger, build_progress, read_metrics
 from podsrl.trainer_state import restore_run, save_run
@@ -94,6 +95,11 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.device = self.dist.device
+        self.facts = run_facts(cfg, self.device, self.dist.world_size)
+        unread = unread_settings(cfg)
+        if unread and self.dist.is_main:
+            log.warning("settings nothing in this run reads (method: %s reads only its own section): %s",
+                        cfg.method, ", ".join(unread))
         checkpoint, self.skipped_checkpoints = resume_checkpoint(self.run_dir) if resume else (None, [])
         if resume and checkpoint is None:
             log.warning("no valid checkpoint in %s: starting from the beginning", self.run_dir)
@@ -111,7 +117,7 @@ class Trainer:
         # torchrun: DDP-style, or FSDP2 which shards policy and reference in place (so before the optimiser) and
         # keeps an unsharded copy for the engines; in one process the engines use the policy itself.
         self.data_parallel = build_data_parallel(
-            self.dist, self.model, self.ref_model, cfg.train, torch.device("cpu") if cfg.rollout.engine == "ray" else None)
+            self.dist, self.model, self.ref_model, cfg, torch.device("cpu") if cfg.rollout.engine == "ray" else None)
         self.generation_model = self.data_parallel.generation_model if self.data_parallel else self.model
         self.task, self.eval_problems = load_task(cfg, self.tokenizer, self.model)
         if not self.eval_problems:
@@ -129,14 +135,14 @@ class Trainer:
         self.method = METHODS[cfg.method](cfg)
         sharded = self.data_parallel is not None and self.data_parallel.sharded
         self.optimizer, self.scheduler = build_optimizer(cfg, self.model, sharded)
-        self.updater = PolicyUpdater(self.model, self.optimizer, self.scheduler, cfg, self.device, self.ref_model,
+        self.updater = PolicyUpdater(self.model, self.optimizer, self.scheduler, cfg, self.facts, self.ref_model,
                                      modulation=self.method.token_modulation(), data_parallel=self.data_parallel)
         self.stats = PromptStats()
         self.accountant = ComputeAccountant(count_parameters(self.generation_model))
         self.rng = torch.Generator().manual_seed(cfg.seed)  # sampling seeds, prompt order, selection
         # mini-batch order and the probe: the same stream when the two sides take turns (synchronous, staleness 0)
-        overlap = run_ahead.enabled and run_ahead.max_staleness > 0
-        self.update_rng = torch.Generator().manual_seed(cfg.seed + LEARNER_SEED_OFFSET) if overlap else self.rng
+        self.update_rng = (torch.Generator().manual_seed(cfg.seed + LEARNER_SEED_OFFSET) if self.facts.overlap
+                           else self.rng)
         self.step, self.data_position, self.elapsed = 0, 0, 0.0
         self.dropped_batches = 0  # train.async: in-flight batches dropped as too stale (a resume with a lower bound)
         self.generator: BackgroundGenerator | None = None
@@ -148,7 +154,7 @@ class Trainer:
             log.info("resumed %s at step %d", self.run_dir, self.step)
         if run_ahead.enabled:
             self._build_generator(in_flight)
-        log.info(describe_run(cfg, self.dist, self.generation_model, self.engine.name))
+        log.info(describe_run(cfg, self.facts, self.dist, self.generation_model, self.engine.name))
         if self.dist.is_main:
             dump_config(cfg, self.run_dir / "config.yaml")
         self.logger = (build_metrics_logger(cfg, self.run_dir, self.step if checkpoint is not None else None)

@@ -17,11 +17,11 @@ if TYPE_CHECKING:
 
 
 def check_choices(cfg: Config) -> None:
-    """Raise ConfigError naming the key of a bad method, method option, engine option, tracker or dtype pair;
-    normalises log.report_to (and under FSDP2 train.fsdp_param_dtype) in place."""
-    cfg.log.report_to = normalize_report_to(cfg.log.report_to, cfg.log.tensorboard)
+    """Raise ConfigError naming the key of a bad method, method option, engine option, tracker or dtype pair.
+    Reads only: the config is as loaded afterwards."""
+    normalize_report_to(cfg.log.report_to, cfg.log.tensorboard)
     check_engine_options(cfg.rollout.engine, cfg.rollout.engine_options)
-    check_precision(cfg.model, cfg.train)
+    check_precision(cfg)
     if cfg.method not in METHODS:
         raise ConfigError(f"method: unknown method {cfg.method!r}; choose one of {', '.join(METHODS)}")
     method = METHODS[cfg.method]

@@ -59,7 +59,10 @@ def test_same_seed_same_metrics(tmp_path, warmup_cache):
                                                                       **{"rollout.n": 8, "pods.m": 4}))).train()
         return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in _steps(tmp_path / name)]
 
-    assert run("a") == run("b")
+    first = run("a")
+    assert [r["step"] for r in first] == [1, 2]  # both steps logged, with what they learned from
+    assert all({"reward", "loss", "grad_norm"} <= r.keys() for r in first), first
+    assert first == run("b")
 
 
 def test_the_engine_releases_its_kept_cache_before_each_update(tmp_path, warmup_cache, monkeypatch):

@@ -48,9 +48,9 @@ def aero_advantages(
     num_groups: int,
     dead: torch.Tensor,
     posterior_mean: torch.Tensor,
-    mode: str = "baseline",
-    epsilon: float = 1e-4,
-    scale: str = "group",
+    mode: str,
+    epsilon: float,
+    scale: str,
 ) -> torch.Tensor:
     """[R] float32 advantages of AERO's kept rows: posterior treatment for dead groups, GRPO over the kept rows
     otherwise (docs/methods.md#aero).

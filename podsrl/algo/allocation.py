@@ -38,10 +38,10 @@ def _check_history(successes: Tensor, attempts: Tensor) -> tuple[Tensor, Tensor]
 def variance_priority(
     successes: Tensor,
     attempts: Tensor,
-    min_history: int = 4,
-    mastered_rate: float = 0.85,
-    floor: float = 0.01,
-    weight: str = "variance",
+    min_history: int,
+    mastered_rate: float,
+    floor: float,
+    weight: str,
 ) -> tuple[Tensor, Tensor]:
     """Per-prompt priority from the unbiased Bernoulli variance V = k(G−k)/(G(G−1)).
 
@@ -178,8 +178,8 @@ def allocate_by_variance(
     n_min: int,
     n_max: int,
     explore: int,
-    unknown_rule: str = "reference",
-    min_history: int = 4,
+    unknown_rule: str,
+    min_history: int,
     **priority_kwargs,
 ) -> Tensor:
     """DynaMO rollout counts [P] long with n_min ≤ n_i ≤ n_max and Σ n_i = budget exactly.
@@ -216,7 +216,7 @@ def allocate_by_variance(
 
 
 def allocation_metrics(
-    counts: Tensor, successes: Tensor, attempts: Tensor, min_history: int = 4, mastered_rate: float = 0.85
+    counts: Tensor, successes: Tensor, attempts: Tensor, min_history: int, mastered_rate: float
 ) -> dict[str, float]:
     """Step metrics: spread of the counts, budget share of mastered prompts, fraction of unknown prompts."""
     k, g = _check_history(successes, attempts)

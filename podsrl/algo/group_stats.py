@@ -46,3 +46,13 @@ def zero_variance_groups(
     """[P] bool: groups whose rewards all agree within `atol` (max - min); empty groups count as True."""
     stats = group_stats(rewards, group_index, num_groups)
     return (stats.count == 0) | (stats.spread <= atol)
+
+
+def group_outcomes(
+    group_index: torch.Tensor, success: torch.Tensor, num_groups: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([P] attempts, [P] successes), long: rows per group, and rows per group whose `success` [R] flag is set."""
+    g = group_index.long()
+    attempts = torch.bincount(g, minlength=num_groups)
+    successes = torch.bincount(g[success.bool()], minlength=num_groups)
+    return attempts, successes

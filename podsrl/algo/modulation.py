@@ -45,12 +45,12 @@ def dynamo_modulation(
     mask: Tensor,
     epsilon_low: float,
     epsilon_high: float,
-    lambda_min: float = 0.6,
-    gamma: float = 50.0,
-    tau: float = 0.99,
-    mu_max: float = 1.2,
-    stabilize: bool = True,
-    compensate: bool = True,
+    lambda_min: float,
+    gamma: float,
+    tau: float,
+    mu_max: float,
+    stabilize: bool,
+    compensate: bool,
 ) -> tuple[Tensor, dict[str, float]]:
     """DynaMO factor [B,T] = β_stab · β_comp (1 at masked tokens) and its metrics.
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from podsrl.algo.advantages import grpo_advantages
+from podsrl.algo.group_stats import group_outcomes
 
 EXIT_RULES = ("balanced", "positive_focused")
 
@@ -59,9 +60,8 @@ def balanced_keep(positive: torch.Tensor, group_index: torch.Tensor, num_groups:
     generation order (row order)."""
     g = group_index.long()
     pos_flag = positive.bool()
-    positives = torch.bincount(g[pos_flag], minlength=num_groups)
-    negatives = torch.bincount(g[~pos_flag], minlength=num_groups)
-    keep_pos, keep_neg = keep_quotas(positives, negatives, resolved, n, rule)
+    attempts, positives = group_outcomes(g, pos_flag, num_groups)
+    keep_pos, keep_neg = keep_quotas(positives, attempts - positives, resolved, n, rule)
     quota = torch.stack([keep_neg, keep_pos], dim=1).reshape(-1)  # bucket 2g + positive
     bucket = 2 * g + pos_flag.long()
     order = torch.argsort(bucket, stable=True)  # buckets contiguous, generation order inside each

@@ -114,11 +114,10 @@ def mismatch_kinds(cfg, device: torch.device) -> tuple[str, ...]:
     (train.async samples from weights up to max_staleness steps old), "precision" (the update computes in a dtype
     narrower than the trained parameters; the fast engine samples from a copy in that dtype); empty when the
     sampler is the trained module in its own precision (fast/hf/ray engines): the ratio is 1 up to float rounding."""
-    run_ahead = cfg.train.asynchronous  # max_staleness 0: the synchronous loop, the same weights
     kinds = {
         "engine": cfg.rollout.engine == "vllm",
-        "staleness": run_ahead.enabled and run_ahead.max_staleness > 0,
-        "precision": resolve_compute_dtype(cfg.model, device) != getattr(torch, cfg.model.dtype),
+        "staleness": cfg.train.asynchronous.runs_ahead,
+        "precision": resolve_compute_dtype(cfg, device) != getattr(torch, cfg.model.dtype),
     }
     return tuple(kind for kind, present in kinds.items() if present)
 
@@ -147,7 +146,7 @@ def uncorrected_staleness(cfg) -> str | None:
     weights. With several passes the sampler's log-probs are PPO's old log-probs and the clip bounds the lag."""
     run_ahead = cfg.train.asynchronous
     passes = cfg.optim.epochs * cfg.optim.mini_batches
-    if cfg.algo.rollout_correction != "none" or not run_ahead.enabled or run_ahead.max_staleness == 0 or passes > 1:
+    if cfg.algo.rollout_correction != "none" or not run_ahead.runs_ahead or passes > 1:
         return None
     return (f"algo.rollout_correction: none with train.async.max_staleness {run_ahead.max_staleness} and one pass "
             "trains each batch as if it were on-policy, though it was sampled up to "

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from podsrl.algo.group_stats import group_stats, zero_variance_groups
+from podsrl.algo.group_stats import group_outcomes, group_stats, zero_variance_groups
 from podsrl.batch import RolloutBatch
 from podsrl.errors import ConfigError
 
@@ -254,9 +254,9 @@ def selection_metrics(
 def aero_select(
     batch: RolloutBatch,
     posterior_mean: torch.Tensor,
-    k: float = 1.0,
-    symmetric: bool = False,
-    keep_dead: int = 4,
+    k: float,
+    symmetric: bool,
+    keep_dead: int,
     generator: torch.Generator | None = None,
     exempt: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
@@ -284,8 +284,7 @@ def aero_select(
     correct = batch.correct.bool()
     device = g.device
 
-    n = torch.bincount(g, minlength=num_groups)
-    c = torch.bincount(g[correct], minlength=num_groups)
+    n, c = group_outcomes(g, correct, num_groups)
     f = n - c
     dead = (n > 0) & ((c == 0) | (c == n))
     minority = (c > 0) & (2 * c < n)

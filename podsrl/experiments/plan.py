@@ -448,6 +448,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 def plan_main(args: argparse.Namespace, config: Path) -> int:
     from podsrl.config import load_config
+    from podsrl.methods import METHODS
 
     if args.steps < 1:
         raise UserError("--steps: need at least 1")
@@ -455,8 +456,7 @@ def plan_main(args: argparse.Namespace, config: Path) -> int:
         candidates = [Setting.parse(c) for c in args.candidates]
     else:
         cfg = load_config(config, args.overrides)
-        m = (cfg.pods.m or cfg.rollout.n) if cfg.method == "pods" else cfg.rollout.n
-        candidates = default_candidates(cfg.rollout.prompts_per_step, m)
+        candidates = default_candidates(cfg.rollout.prompts_per_step, METHODS[cfg.method].trained_per_prompt(cfg))
     result = run_plan(config, args.overrides, candidates, args.steps, not args.no_validate, not args.sequential)
     print(render(result, args.config), end="")
     if args.json:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from podsrl.algo.advantages import aero_advantages, grpo_advantages
+from podsrl.algo.group_stats import group_outcomes
 from podsrl.algo.selection import aero_select, selection_metrics
 from podsrl.batch import RolloutBatch, concat_batches
 from podsrl.errors import ConfigError
@@ -103,8 +104,7 @@ class AERO(Method):
 def rescued_groups(batch: RolloutBatch, n_explore: int) -> torch.Tensor:
     """[P] bool: groups that needed rescue (rescue rounds only run for prompts with no success, so they hold more
     than n_explore rows) and have a success now."""
-    n = batch.group_sizes()
-    c = torch.bincount(batch.group_index[batch.correct.bool()], minlength=batch.num_groups)
+    n, c = group_outcomes(batch.group_index, batch.correct, batch.num_groups)
     return (n > n_explore) & (c > 0)
 
 
@@ -186,7 +186,7 @@ def _check_round(
     g = batch.group_index.cpu()
     if g.numel() and (int(g.min()) < 0 or int(g.max()) >= num_prompts):
         raise ValueError("generate_and_score returned group_index values outside the step's problems")
-    got_n = torch.bincount(g, minlength=num_prompts)
+    got_n, got_c = group_outcomes(g, batch.correct.cpu(), num_prompts)
     want = torch.zeros(num_prompts, dtype=torch.long)
     want[torch.tensor(indices, dtype=torch.long)] = torch.tensor(counts, dtype=torch.long)
     if not torch.equal(got_n, want):
@@ -194,5 +194,4 @@ def _check_round(
         raise ValueError(
             f"generate_and_score returned {int(got_n[bad])} rollouts for problem {bad}, asked for {int(want[bad])}"
         )
-    got_c = torch.bincount(g[batch.correct.cpu().bool()], minlength=num_prompts)
     return got_n, got_c

@@ -25,6 +25,7 @@ from podsrl.algo.greso import (
     refill_estimate,
     skip_decisions,
 )
+from podsrl.algo.group_stats import group_outcomes
 from podsrl.batch import Problem, RolloutBatch
 from podsrl.errors import ConfigError
 from podsrl.methods.base import Method, StepContext
@@ -121,8 +122,7 @@ class Greso(Method):
         """Shares of all-correct / all-wrong groups among every group rolled out this step, then adapt p."""
         groups = easy = hard = 0
         for b in generated:
-            attempts = torch.bincount(b.group_index, minlength=b.num_groups)
-            successes = torch.bincount(b.group_index[b.correct.bool()], minlength=b.num_groups)
+            attempts, successes = group_outcomes(b.group_index, b.correct, b.num_groups)
             present = attempts > 0
             groups += int(present.sum())
             easy += int((present & (successes == attempts)).sum())

@@ -13,9 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
-from podsrl.algo.group_stats import zero_variance_groups
+from podsrl.algo.group_stats import group_outcomes, zero_variance_groups
 from podsrl.algo.knapsack import knapsack_allocation, success_rate
 from podsrl.batch import Problem, RolloutBatch
 from podsrl.errors import ConfigError
@@ -99,9 +97,8 @@ def effectiveness_metrics(batch: RolloutBatch) -> dict[str, float]:
     """The reference's share of rollouts in groups whose rewards differ (a non-zero gradient), the share of such
     prompts, and the prompts' difficulty histogram by group success rate: 1, [0.8, 1), (0.2, 0.8), (0, 0.2], 0."""
     g = batch.group_index
-    attempts = torch.bincount(g, minlength=batch.num_groups)
+    attempts, successes = group_outcomes(g, batch.correct, batch.num_groups)
     present = attempts > 0
-    successes = torch.bincount(g[batch.correct.bool()], minlength=batch.num_groups)
     rate = successes.double() / attempts.clamp(min=1)
     mixed = ~zero_variance_groups(batch.rewards, g, batch.num_groups)
     prompts = max(int(present.sum()), 1)

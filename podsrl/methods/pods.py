@@ -32,11 +32,11 @@ class PODS(Method):
 
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
-        self.m = cfg.pods.m or cfg.rollout.n
+        self.m = self.trained_per_prompt(cfg)
 
     @classmethod
     def trained_per_prompt(cls, cfg: Config) -> int:
-        return cfg.pods.m or cfg.rollout.n
+        return cfg.pods.m or cfg.rollout.n  # 0 = all n
 
     @classmethod
     def validate(cls, cfg: Config) -> None:

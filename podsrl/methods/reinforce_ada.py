@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from podsrl.algo.group_stats import group_outcomes
 from podsrl.algo.reinforce_ada import balanced_keep, exit_test, pool_advantages
 from podsrl.algo.selection import selection_metrics
 from podsrl.batch import Problem, RolloutBatch, concat_batches
@@ -58,8 +59,8 @@ class ReinforceAda(Method):
     def _pool_counts(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """([P] positives, [P] negatives) of the pool so far."""
         positive = batch.rewards > self.cfg.reinforce_ada.positive_threshold
-        pos = torch.bincount(batch.group_index[positive], minlength=batch.num_groups)
-        return pos, torch.bincount(batch.group_index, minlength=batch.num_groups) - pos
+        attempts, pos = group_outcomes(batch.group_index, positive, batch.num_groups)
+        return pos, attempts - pos
 
     def collect(self, problems: list[Problem], ctx: StepContext) -> tuple[RolloutBatch, dict]:
         r, n = self.cfg.reinforce_ada, self.cfg.rollout.n

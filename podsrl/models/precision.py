@@ -19,11 +19,15 @@ import torch
 from podsrl.errors import ConfigError
 
 
-def check_precision(model_cfg, train_cfg=None) -> None:
-    """ConfigError naming the key for a compute dtype that cannot go with the parameter dtype. Under FSDP2 the
-    compute dtype is its MixedPrecisionPolicy's param_dtype (`train.fsdp_param_dtype`): the two keys are one
-    setting, so an explicit value of either fills the other's `auto` (in place) and two different ones are refused."""
-    compute, params = model_cfg.compute_dtype, model_cfg.dtype  # each one of its Literal's names (config.py)
+def check_precision(cfg) -> None:
+    """ConfigError naming the key for a compute dtype that cannot go with the parameter dtype, or (FSDP2) for two
+    different values of model.compute_dtype and train.fsdp_param_dtype, which are one setting there. Reads only."""
+    params, fsdp = cfg.model.dtype, cfg.train.fsdp_param_dtype
+    if cfg.train.strategy == "fsdp" and "auto" not in (cfg.model.compute_dtype, fsdp) and cfg.model.compute_dtype != fsdp:
+        raise ConfigError(f"train.fsdp_param_dtype: {fsdp} differs from model.compute_dtype "
+                          f"{cfg.model.compute_dtype}; under FSDP2 they are the same setting (the compute dtype): set "
+                          "one of them, or both to the same")
+    compute = compute_dtype_name(cfg)  # each one of its Literal's names (config.py)
     if compute == "float16":
         raise ConfigError("model.compute_dtype: float16 is refused: podsrl has no loss scaling, so small float16 "
                           "gradients would underflow to zero; use bfloat16")
@@ -32,47 +36,40 @@ def check_precision(model_cfg, train_cfg=None) -> None:
                           "the weights are already rounded. For float32 master weights with bfloat16 compute set "
                           f"model.dtype=float32 model.compute_dtype=bfloat16; for pure {params} set "
                           f"model.compute_dtype={params} (or auto)")
-    if train_cfg is None or train_cfg.strategy != "fsdp":
-        return
-    fsdp = train_cfg.fsdp_param_dtype
-    if "auto" not in (compute, fsdp) and compute != fsdp:
-        raise ConfigError(f"train.fsdp_param_dtype: {fsdp} differs from model.compute_dtype {compute}; under FSDP2 "
-                          "they are the same setting (the compute dtype): set one of them, or both to the same")
-    if fsdp == "auto":
-        train_cfg.fsdp_param_dtype = compute
-    elif compute == "auto":
-        model_cfg.compute_dtype = fsdp
-        check_precision(model_cfg)
 
 
-def resolve_compute_dtype(model_cfg, device: torch.device | str) -> torch.dtype:
-    """The dtype of the forward/backward matmuls on `device` (model.compute_dtype over model.dtype weights)."""
-    return resolve_dtype_name(model_cfg.compute_dtype, getattr(torch, model_cfg.dtype), device)
+def compute_dtype_name(cfg) -> str:
+    """The configured compute dtype: model.compute_dtype; under FSDP2 (its MixedPrecisionPolicy's param_dtype is the
+    compute dtype) an explicit train.fsdp_param_dtype stands for an `auto` model.compute_dtype."""
+    if cfg.train.strategy == "fsdp" and cfg.model.compute_dtype == "auto":
+        return cfg.train.fsdp_param_dtype
+    return cfg.model.compute_dtype
 
 
-def resolve_dtype_name(name: str, param_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
-    """A compute dtype's name as a dtype: `auto` = bfloat16 on CUDA and float32 elsewhere, never wider than the
-    parameters (bfloat16 weights compute in bfloat16)."""
+def resolve_compute_dtype(cfg, device: torch.device | str) -> torch.dtype:
+    """THE resolution of the compute dtype: the dtype of the forward/backward matmuls on `device` (and of the fast
+    engine's sampling copy there). `auto` = bfloat16 on CUDA and float32 elsewhere, never wider than the parameters
+    (bfloat16 weights compute in bfloat16)."""
+    name, params = compute_dtype_name(cfg), getattr(torch, cfg.model.dtype)
     if name != "auto":
         return getattr(torch, name)
     wanted = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    return param_dtype if param_dtype.itemsize < wanted.itemsize else wanted
+    return params if params.itemsize < wanted.itemsize else wanted
 
 
-def describe_precision(model_cfg, device: torch.device | str) -> str:
+def describe_precision(master: torch.dtype, compute: torch.dtype, lora: bool = False) -> str:
     """One line for the log: what is stored in which dtype and what the matmuls run in. With LoRA the adapters and
     their AdamW state are float32 whatever model.dtype (peft keeps them in float32 and casts their input to it,
-    autocast aside), over a frozen base in model.dtype with no master copy."""
-    params, compute = getattr(torch, model_cfg.dtype), resolve_compute_dtype(model_cfg, device)
-    name = str(compute).removeprefix("torch.")
-    if model_cfg.lora_rank > 0:
-        return (f"LoRA: float32 adapters and their optimiser state over a frozen {model_cfg.dtype} base (no float32 "
+    autocast aside), over a frozen base in the master dtype with no master copy."""
+    name, master_name = str(compute).removeprefix("torch."), str(master).removeprefix("torch.")
+    if lora:
+        return (f"LoRA: float32 adapters and their optimiser state over a frozen {master_name} base (no float32 "
                 f"master copy of it); matmuls in {name}"
-                + (" (autocast)" if compute != params else ", the adapters' in float32" if params != torch.float32
+                + (" (autocast)" if compute != master else ", the adapters' in float32" if master != torch.float32
                    else ""))
-    if params != torch.float32:
-        return f"pure {model_cfg.dtype}: weights and optimiser state in {model_cfg.dtype} (no float32 master copy)"
-    if compute == params:
+    if master != torch.float32:
+        return f"pure {master_name}: weights and optimiser state in {master_name} (no float32 master copy)"
+    if compute == master:
         return "float32: weights, optimiser state and compute"
     return f"mixed precision: float32 master weights and optimiser state, {name} compute (autocast)"
 

@@ -16,16 +16,15 @@ from podsrl.algo.grad_noise import make_probe
 from podsrl.algo.loss import LOSS_AGGREGATIONS, aggregation_stats, clipped_policy_loss, k3_kl
 from podsrl.algo.rollout_correction import (
     RolloutCorrection,
-    mismatch_kinds,
-    resolve_rollout_correction,
     rollout_correction,
     uncorrected_staleness,
 )
 from podsrl.batch import RolloutBatch
 from podsrl.config import Config
 from podsrl.models.packed import packed_forward_problem
-from podsrl.models.precision import compute_autocast, describe_precision, resolve_compute_dtype
+from podsrl.models.precision import compute_autocast, describe_precision
 from podsrl.models.transformers_api import adapters_disabled, has_adapters
+from podsrl.run_facts import RunFacts
 from podsrl.update.plain import enable_activation_checkpointing, plain_logprobs
 from podsrl.update.shared_prompt import SharedPromptForward
 
@@ -35,10 +34,10 @@ log = logging.getLogger("podsrl")
 class PolicyUpdater:
     """Owns the optimiser step; the trainer hands it a batch with advantages and gets metrics back."""
 
-    def __init__(self, model, optimizer, scheduler, cfg: Config, device: torch.device, ref_model=None,
+    def __init__(self, model, optimizer, scheduler, cfg: Config, facts: RunFacts, ref_model=None,
                  modulation: Callable | None = None, data_parallel=None) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.cfg, self.device, self.ref_model = cfg, device, ref_model
+        self.cfg, self.device, self.ref_model = cfg, facts.device, ref_model
         if cfg.algo.beta > 0 and ref_model is None and not has_adapters(model):
             raise ValueError("algo.beta > 0: a reference model, or LoRA adapters to disable for one")
         self.modulation = modulation  # f(advantages, log_ratio, logprobs, entropy, mask) -> (factor, metrics)
@@ -46,21 +45,22 @@ class PolicyUpdater:
         # ranks, sums what they computed; None in one process
         self.dp = data_parallel
         # matmuls in the compute dtype through autocast (FSDP2 casts the gathered parameters itself)
-        self.param_dtype = getattr(torch, cfg.model.dtype)
+        self.param_dtype = facts.master_dtype
         sharded = data_parallel is not None and getattr(data_parallel, "sharded", False)
-        self.compute_dtype = self.param_dtype if sharded else resolve_compute_dtype(cfg.model, device)
-        log.info("precision: %s", describe_precision(cfg.model, device))
+        self.compute_dtype = self.param_dtype if sharded else facts.compute_dtype
+        log.info("precision: %s", describe_precision(facts.master_dtype, facts.compute_dtype,
+                                                          lora=cfg.model.lora_rank > 0))
         if cfg.update.activation_checkpointing:  # the plain path's layers (HF's own checkpointing)
             enable_activation_checkpointing(model)
         self.shared = {id(m): self._shared_forward(m, role) for m, role in ((model, "policy"), (ref_model, "reference"))
                        if m is not None}
         self.aggregate = LOSS_AGGREGATIONS[cfg.algo.loss_agg]
         self.nonfinite_in_a_row = 0
-        self.rollout_correction = resolve_rollout_correction(cfg, device)
+        self.rollout_correction = facts.rollout_correction
         self._trainer_logprobs: torch.Tensor | None = None  # [R, Lc], one-pass steps with a correction
         log.info("update: rollout correction %s (algo.rollout_correction: %s; sampler/trainer mismatch: %s)",
                  self.rollout_correction, cfg.algo.rollout_correction,
-                 ", ".join(mismatch_kinds(cfg, device)) or "none")
+                 ", ".join(facts.mismatch) or "none")
         unchecked = uncorrected_staleness(cfg)
         if unchecked is not None:
             log.warning("update: %s", unchecked)

@@ -7,7 +7,19 @@ import pytest
 import torch
 
 from podsrl.algo.advantages import grpo_advantages
+from podsrl.algo.group_stats import group_outcomes
 from podsrl.algo.loss import LOSS_AGGREGATIONS, aggregation_stats, clipped_policy_loss, k3_kl
+from tests.conftest import device_under_test
+
+
+def test_group_outcomes_interleaved_rows_and_an_empty_group_by_hand():
+    device = device_under_test()
+    group_index = torch.tensor([2, 0, 2, 2, 0, 3], device=device)
+    success = torch.tensor([True, False, False, True, False, True], device=device)
+    attempts, successes = group_outcomes(group_index, success, num_groups=5)
+    assert attempts.tolist() == [2, 0, 3, 1, 0]
+    assert successes.tolist() == [0, 0, 2, 1, 0]
+    assert attempts.dtype == successes.dtype == torch.long and attempts.device.type == device.type
 
 
 def test_group_advantages_unequal_groups_by_hand():

@@ -6,8 +6,27 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from podsrl.algo.allocation import allocate_by_variance, allocation_metrics, variance_priority, water_fill
+from podsrl.algo import allocation
+from podsrl.algo.allocation import water_fill
 from podsrl.errors import ConfigError
+from podsrl.methods.dynamo import DynamoConfig
+
+# the kernels take every setting; a test's unnamed ones are the dynamo section's defaults
+SETTINGS = {k: getattr(DynamoConfig(), k) for k in ("min_history", "mastered_rate", "floor", "weight")}
+
+
+def variance_priority(successes, attempts, **settings):
+    return allocation.variance_priority(successes, attempts, **{**SETTINGS, **settings})
+
+
+def allocate_by_variance(*counts_and_bounds, **settings):
+    return allocation.allocate_by_variance(*counts_and_bounds,
+                                           **{"unknown_rule": DynamoConfig().unknown_rule, **SETTINGS, **settings})
+
+
+def allocation_metrics(counts, successes, attempts):
+    return allocation.allocation_metrics(counts, successes, attempts, min_history=SETTINGS["min_history"],
+                                         mastered_rate=SETTINGS["mastered_rate"])
 
 
 def t(xs):

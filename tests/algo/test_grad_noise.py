@@ -14,6 +14,7 @@ from podsrl.algo.grad_noise import SplitHalfProbe, expected_noise_var, make_prob
 from podsrl.algo.loss import aggregation_stats
 from podsrl.config import load_config
 from podsrl.methods import METHODS, offline_context
+from podsrl.run_facts import run_facts
 from podsrl.tracking import read_metrics
 from podsrl.trainer import Trainer
 from podsrl.update import PolicyUpdater
@@ -30,7 +31,8 @@ def setup(*overrides: str):
     model = make_model().to(device_under_test())
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # params move by exactly -g
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    return cfg, kept.trim_padding(), model, PolicyUpdater(model, optimizer, scheduler, cfg, device_under_test())
+    return cfg, kept.trim_padding(), model, PolicyUpdater(model, optimizer, scheduler, cfg,
+                                                                 run_facts(cfg, device_under_test()))
 
 
 def flat(model) -> torch.Tensor:

@@ -3,11 +3,18 @@ import math
 import pytest
 import torch
 
-from podsrl.algo.modulation import dynamo_modulation
+from podsrl.algo import modulation
 from podsrl.errors import ConfigError
+from podsrl.methods.dynamo import DynamoConfig
 from podsrl.models.logprobs import token_entropy
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
+# the kernel takes every setting; a test's unnamed ones are the dynamo section's defaults
+SETTINGS = {k: getattr(DynamoConfig(), k) for k in ("lambda_min", "gamma", "tau", "mu_max", "stabilize", "compensate")}
+
+
+def dynamo_modulation(*tensors_and_clip, **settings):
+    return modulation.dynamo_modulation(*tensors_and_clip, **{**SETTINGS, **settings})
 
 
 def loop_reference(adv, log_ratio, logp, ent, mask, lam=0.6, gamma=50.0, tau=0.99, mu=1.2):
@@ -63,7 +70,8 @@ def test_matches_loop_reference(seed):
     assert metrics["modulation/comp_max"] == pytest.approx(float(comp[v].max()))
     assert metrics["modulation/comp_min"] == pytest.approx(1.0)  # A ≤ 0 rows are valid and get exactly 1
     # non-default parameters reach the formulas
-    factor, _ = dynamo_modulation(adv, log_ratio, logp, ent, mask, EPS_LOW, EPS_HIGH, 0.3, 10.0, 0.5, 1.5)
+    factor, _ = dynamo_modulation(adv, log_ratio, logp, ent, mask, EPS_LOW, EPS_HIGH, lambda_min=0.3, gamma=10.0,
+                                  tau=0.5, mu_max=1.5)
     stab, comp = loop_reference(
         adv.tolist(), log_ratio.tolist(), logp.tolist(), ent.tolist(), mask.tolist(), 0.3, 10.0, 0.5, 1.5
     )

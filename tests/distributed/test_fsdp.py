@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 
 from podsrl.config import load_config
 from podsrl.methods import METHODS, offline_context
+from podsrl.run_facts import run_facts
 from podsrl.update import PolicyUpdater
 from tests.distributed.test_distributed import generation_request, make_batch, make_model
 from tests.tiny_lm import TokStub
@@ -69,10 +70,10 @@ def run_scenario(name: str, ctx=None, shared: bool = True) -> dict:
                     p.normal_(0, 0.1)
     from podsrl.fsdp import build_data_parallel
 
-    dp = build_data_parallel(ctx, model, ref, cfg.train) if ctx is not None else None
+    dp = build_data_parallel(ctx, model, ref, cfg) if ctx is not None else None
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    updater = PolicyUpdater(model, optimizer, scheduler, cfg, torch.device("cpu"), ref,
+    updater = PolicyUpdater(model, optimizer, scheduler, cfg, run_facts(cfg, torch.device("cpu")), ref,
                             modulation=method.token_modulation(),
                             data_parallel=dp)
     metrics = updater.update(kept.trim_padding(), torch.Generator().manual_seed(2))
@@ -109,7 +110,7 @@ def _checkpoint_roundtrip(ctx, tmp: Path) -> dict:
 
     def build():
         model = make_model().train()
-        dp = build_data_parallel(ctx, model, None, cfg.train)
+        dp = build_data_parallel(ctx, model, None, cfg)
         return model, dp, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     def step(model, optimizer):
@@ -153,7 +154,7 @@ def _other_unit_reason(ctx) -> dict:
         cfg = load_config(None, STRATEGY)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         updater = PolicyUpdater(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), cfg,
-                                torch.device("cpu"))
+                                run_facts(cfg, torch.device("cpu")))
     finally:
         logging.getLogger("podsrl").removeHandler(handler)
     return {"drives": updater.shared[id(model)] is not None, "warnings": warnings}

@@ -11,14 +11,28 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from podsrl.algo.advantages import aero_advantages, grpo_advantages
-from podsrl.algo.selection import aero_select
+from podsrl.algo import advantages, selection
+from podsrl.algo.advantages import grpo_advantages
 from podsrl.batch import Problem, RolloutBatch
 from podsrl.config import load_config
 from podsrl.errors import ConfigError
 from podsrl.methods import offline_context
 from podsrl.methods.aero import AERO, collect_aero_rollouts, rescued_groups
 from podsrl.prompt_stats import PromptStats
+
+# the kernels take every setting; a test's unnamed ones are the config's defaults (the aero and algo sections)
+_DEFAULTS = load_config(None, ["method=aero"])
+_SELECT = {"k": _DEFAULTS.aero.k, "symmetric": _DEFAULTS.aero.symmetric, "keep_dead": _DEFAULTS.aero.keep_dead}
+_ADVANTAGE = {"mode": _DEFAULTS.aero.dead_zone_advantage, "epsilon": _DEFAULTS.algo.advantage_epsilon,
+              "scale": _DEFAULTS.algo.scale}
+
+
+def aero_select(batch, posterior_mean, **settings):
+    return selection.aero_select(batch, posterior_mean, **{**_SELECT, **settings})
+
+
+def aero_advantages(*rows_and_posterior, **settings):
+    return advantages.aero_advantages(*rows_and_posterior, **{**_ADVANTAGE, **settings})
 
 
 def posterior_after_update(stats: PromptStats, batch: RolloutBatch) -> torch.Tensor:

@@ -320,15 +320,20 @@ def test_training_with_a_batch_level_reward_is_told_at_once_and_stopped(tmp_path
 
 
 def test_a_reward_that_recovers_resets_the_count():
-    calls = [0]
+    faulty_calls = iter([True, False, True, False, True, False, True, True])
 
     def flaky(prompts, completions, **columns):
-        calls[0] += 1
-        return [None] * len(completions) if calls[0] % 2 else [0.0] * len(completions)
+        return [None] * len(completions) if next(faulty_calls) else [0.0] * len(completions)
 
     manager = RewardManager([RewardSpec("flaky", 1.0, flaky)], _Task(), "zero", 5.0, max_faulty_calls=2)
-    for _ in range(6):
-        manager.score([Problem("u", "p", "1")], torch.zeros(2, dtype=torch.long), ["a", "b"])
+
+    def score():
+        return manager.score([Problem("u", "p", "1")], torch.zeros(2, dtype=torch.long), ["a", "b"])
+
+    for _ in range(7):  # three faulty calls in all, never two in a row: each good call resets the count
+        score()
+    with pytest.raises(UserError, match="reward function 'flaky': every value was faulty in 2 calls in a row"):
+        score()  # the second faulty call in a row
 
 
 def test_one_rollout_per_prompt_cannot_learn():

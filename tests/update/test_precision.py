@@ -28,26 +28,26 @@ FIXTURES = Path(__file__).parents[1] / "fixtures"
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def model_cfg(*overrides: str):
-    return load_config(None, list(overrides)).model
+def config(*overrides: str):
+    return load_config(None, list(overrides))
 
 
 def test_auto_is_bfloat16_on_cuda_float32_on_cpu_never_wider_than_the_weights():
-    auto = model_cfg()
+    auto = config()
     assert resolve_compute_dtype(auto, "cpu") == torch.float32
     assert resolve_compute_dtype(auto, torch.device("cuda")) == torch.bfloat16
-    pure = model_cfg("model.dtype=bfloat16")
+    pure = config("model.dtype=bfloat16")
     assert resolve_compute_dtype(pure, "cpu") == torch.bfloat16
-    assert resolve_compute_dtype(model_cfg("model.compute_dtype=bfloat16"), "cpu") == torch.bfloat16
-    assert resolve_compute_dtype(model_cfg("model.compute_dtype=float32"), "cuda") == torch.float32
-    assert describe_precision(pure, "cuda").startswith("pure bfloat16: weights and optimiser state in bfloat16")
-    assert describe_precision(model_cfg("model.compute_dtype=bfloat16"), "cpu").startswith("mixed precision")
-    assert describe_precision(auto, "cpu").startswith("float32")
+    assert resolve_compute_dtype(config("model.compute_dtype=bfloat16"), "cpu") == torch.bfloat16
+    assert resolve_compute_dtype(config("model.compute_dtype=float32"), "cuda") == torch.float32
+    assert describe_precision(torch.bfloat16, torch.bfloat16).startswith(
+        "pure bfloat16: weights and optimiser state in bfloat16")
+    assert describe_precision(torch.float32, torch.bfloat16).startswith("mixed precision")
+    assert describe_precision(torch.float32, torch.float32).startswith("float32")
     # the presets' LoRA over a bfloat16 base: the adapters and their AdamW state are float32, not "pure bfloat16"
-    lora = model_cfg("model.dtype=bfloat16", "model.lora_rank=8")
-    assert describe_precision(lora, "cuda") == ("LoRA: float32 adapters and their optimiser state over a frozen "
-                                                "bfloat16 base (no float32 master copy of it); matmuls in bfloat16, "
-                                                "the adapters' in float32")
+    assert describe_precision(torch.bfloat16, torch.bfloat16, lora=True) == (
+        "LoRA: float32 adapters and their optimiser state over a frozen bfloat16 base (no float32 master copy of it); "
+        "matmuls in bfloat16, the adapters' in float32")
 
 
 @pytest.mark.parametrize("overrides, words", [
@@ -60,12 +60,11 @@ def test_nonsense_combinations_are_refused_naming_the_key(overrides, words):
         load_config(None, overrides)
 
 
-def test_under_fsdp_one_explicit_dtype_sets_the_other():
-    cfg = load_config(None, ["model.compute_dtype=bfloat16", "train.strategy=fsdp"])
-    assert cfg.train.fsdp_param_dtype == "bfloat16"
-    cfg = load_config(None, ["train.fsdp_param_dtype=bfloat16", "train.strategy=fsdp"])
-    assert cfg.model.compute_dtype == "bfloat16"
-    assert resolve_compute_dtype(cfg.model, "cpu") == torch.bfloat16
+def test_under_fsdp_either_explicit_dtype_is_the_compute_dtype_and_the_config_stays_as_given():
+    for given in ("model.compute_dtype", "train.fsdp_param_dtype"):
+        cfg = load_config(None, [f"{given}=bfloat16", "train.strategy=fsdp"])
+        assert (cfg.model.compute_dtype, cfg.train.fsdp_param_dtype).count("auto") == 1  # nothing filled in
+        assert resolve_compute_dtype(cfg, "cpu") == torch.bfloat16
 
 
 def test_autocast_is_a_no_op_when_compute_is_the_parameter_dtype():

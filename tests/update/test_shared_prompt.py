@@ -23,10 +23,12 @@ from transformers import (
 from podsrl.algo.modulation import dynamo_modulation
 from podsrl.batch import Problem, RolloutBatch
 from podsrl.config import TinyModelConfig, load_config
+from podsrl.methods.dynamo import DynamoConfig
 from podsrl.models import packed_layout
 from podsrl.models.loading import build_char_tokenizer, build_tiny_model
 from podsrl.models.packed import packed_forward_problem
 from podsrl.models.packed_layout import build_plan, distinct_rows
+from podsrl.run_facts import run_facts
 from podsrl.tracking import read_metrics
 from podsrl.trainer import Trainer
 from podsrl.update import PolicyUpdater
@@ -88,7 +90,7 @@ def make_updater(model, shared: bool, *overrides: str, ref=None, modulation=None
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=0.05)  # no Adam: its normalisation would amplify rounding noise
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    return PolicyUpdater(model, optimizer, scheduler, cfg, device, ref, modulation)
+    return PolicyUpdater(model, optimizer, scheduler, cfg, run_facts(cfg, device), ref, modulation)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -163,7 +165,9 @@ def test_modulation():
     """DynaMO's factor amplifies float32 rounding ~50x (its sigmoid has slope ~5 at the micro-batch's largest
     entropy change): the plain path against itself with one extra left-padding column differs by 1.2e-5 on this
     batch. So the 1e-5 check runs in float64, and float32 is held to 1e-4."""
-    modulation = functools.partial(dynamo_modulation, epsilon_low=0.2, epsilon_high=0.28)
+    d = DynamoConfig()
+    modulation = functools.partial(dynamo_modulation, epsilon_low=0.2, epsilon_high=0.28, lambda_min=d.lambda_min,
+                                   gamma=d.gamma, tau=d.tau, mu_max=d.mu_max, stabilize=True, compensate=True)
     batch = make_batch([6, 3, 2], 128, seed=3)
     metrics = compare(lambda: tiny_model().double(), batch, "optim.micro_batch_size=5", modulation=modulation)
     assert "modulation/stab_mean" in metrics
