@@ -75,7 +75,7 @@ machine() {
 # temperature, the KL term, the rollout correction (and its mismatch script), train.async (graphs captured on its
 # generator thread beside the learner).
 device_tests=(tests/engines/test_engines.py tests/engines/test_decode_graph.py tests/engines/test_fused_storage.py
-              tests/engines/test_waves.py
+              tests/engines/test_waves.py tests/engines/test_stop_tokens.py
               tests/update/test_shared_prompt.py tests/update/test_precision.py tests/models/test_logprobs.py
               tests/update/test_activation_checkpointing.py tests/algo/test_grad_noise.py tests/update/test_kl.py
               tests/update/test_rollout_correction_update.py tests/benchmarks/test_rollout_mismatch.py
