@@ -141,7 +141,8 @@ def measure_generation(name: str, length: int, compute: str, device: str) -> int
 
 def predict(name: str, length: int, phase: str, checkpointing: bool, compute: str = "float32",
             device: str = "cpu", world_size: int = 1, strategy: str = "ddp") -> dict[str, int]:
-    from podsrl.memory_plan import Workload, generation_peak, model_shape, update_peak
+    from podsrl.memory_plan import generation_peak, update_peak
+    from podsrl.memory_workload import Workload, model_shape
 
     shape = model_shape(qwen2_config(name))
     if phase == "update":

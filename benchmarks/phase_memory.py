@@ -104,7 +104,8 @@ def train_step(updater, optimizer, engine, model, batch, step: int) -> None:
 def predict(args, checkpointing: bool) -> dict[str, dict[str, int]]:
     """The plan's terms for this workload in a training run: generation and the update."""
     from benchmarks.gpu_generation import build_model
-    from podsrl.memory_plan import Workload, generation_peak, model_shape, update_peak
+    from podsrl.memory_plan import generation_peak, update_peak
+    from podsrl.memory_workload import Workload, model_shape
 
     model, _, _ = build_model(args.model, "meta", __import__("torch").float32)
     shape = model_shape(model.config)

@@ -10,18 +10,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from podsrl.errors import UserError
-from podsrl.memory_plan import (
-    GIB,
-    LINEAR_MODULES,
-    RESERVE,
-    MemoryPlan,
-    Workload,
-    load_model_config,
-    make_plan,
-    model_shape,
-    parse_memory,
-    update_flops,
-)
+from podsrl.memory_plan import GIB, RESERVE, MemoryPlan, make_plan, update_flops
+from podsrl.memory_workload import LINEAR_MODULES, Workload, load_model_config, model_shape, parse_memory
 
 ADVICE_LORA_RANK = 64  # the Qwen presets' rank, on all seven projections
 ADVICE_WORLD_SIZES = (2, 4, 8)  # FSDP2 over one node's GPUs

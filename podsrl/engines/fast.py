@@ -44,7 +44,8 @@ from podsrl.engines.rows import (
 )
 from podsrl.engines.sampling import sample_next
 from podsrl.errors import ConfigError
-from podsrl.memory_plan import RESERVE, ModelShape, Workload, model_shape, rows_in_flight
+from podsrl.memory_plan import RESERVE, rows_in_flight
+from podsrl.memory_workload import ModelShape, Workload, model_shape
 from podsrl.models.decode import (
     DecodeStack,
     ModelForward,

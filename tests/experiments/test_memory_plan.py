@@ -13,6 +13,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from podsrl import memory_plan as mp
+from podsrl import memory_workload as mw
 from podsrl.batch import Problem, RolloutBatch
 from podsrl.cli import main
 from podsrl.errors import UserError
@@ -70,8 +71,8 @@ def test_saved_activations_match_what_the_layer_saves(config, prompts, m, lp, lc
     """The formula counts each tensor the layer keeps for its backward, float32 and under bfloat16 autocast; within
     1.5% of the real forward's saved storages (what it leaves out: index tensors and the shapes' rounding, <1% in
     these shapes). A change to the layer that saves another [N, D] tensor moves the count by more than that."""
-    work = mp.Workload(prompts, m, m, lp, lc, compute_dtype=compute, device="cpu")
-    predicted = sum(mp.activations(mp.model_shape(config), mp.MicroBatch.of(prompts * m, m, work), work,
+    work = mw.Workload(prompts, m, m, lp, lc, compute_dtype=compute, device="cpu")
+    predicted = sum(mp.activations(mw.model_shape(config), mp.MicroBatch.of(prompts * m, m, work), work,
                                    checkpointing=False).values())
     assert predicted == pytest.approx(saved_bytes(config, prompts, m, lp, lc, compute), rel=0.015)
 
@@ -84,8 +85,8 @@ def test_saved_activations_match_with_lora_on_any_modules(targets, compute):
     input only where an adapter reads it, and the first layer nothing upstream of its first adapter; the unfused
     gate/up and each adapter's down-projection; as the real forward saves them, within the same 1.5%."""
     config, prompts, m, lp, lc = qwen2(), 2, 4, 16, 12
-    work = mp.Workload(prompts, m, m, lp, lc, compute_dtype=compute, device="cpu")
-    shape = mp.model_shape(config, 4, targets)
+    work = mw.Workload(prompts, m, m, lp, lc, compute_dtype=compute, device="cpu")
+    shape = mw.model_shape(config, 4, targets)
     predicted = sum(mp.activations(shape, mp.MicroBatch.of(prompts * m, m, work), work, checkpointing=False).values())
     assert predicted == pytest.approx(saved_bytes(config, prompts, m, lp, lc, compute, targets), rel=0.015)
 
@@ -93,30 +94,30 @@ def test_saved_activations_match_with_lora_on_any_modules(targets, compute):
 def test_model_shape_counts_the_real_parameters_and_lora_adapters():
     config = qwen2()
     real = Qwen2ForCausalLM(config)
-    shape = mp.model_shape(config)
+    shape = mw.model_shape(config)
     assert shape.params == shape.trained_params == sum(p.numel() for p in real.parameters())
     assert (shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim) == (2, 64, 4, 2, 16)
     assert shape.qkv_bias  # Qwen2's q/k/v have biases
     from podsrl.lora import apply_lora
 
     adapted = apply_lora(Qwen2ForCausalLM(config), rank=4, target_modules=["q_proj", "v_proj"])
-    lora = mp.model_shape(config, 4, ["q_proj", "v_proj"])
+    lora = mw.model_shape(config, 4, ["q_proj", "v_proj"])
     assert lora.trained_params == sum(p.numel() for p in adapted.parameters() if p.requires_grad)
     assert lora.lora_qkv and lora.fused_weights == 2 * config.intermediate_size * config.hidden_size
-    seven = mp.model_shape(config, 4, mp.LINEAR_MODULES)  # the Qwen presets' LoRA: nothing is fused any more
-    everywhere = apply_lora(Qwen2ForCausalLM(config), rank=4, target_modules=list(mp.LINEAR_MODULES))
+    seven = mw.model_shape(config, 4, mw.LINEAR_MODULES)  # the Qwen presets' LoRA: nothing is fused any more
+    everywhere = apply_lora(Qwen2ForCausalLM(config), rank=4, target_modules=list(mw.LINEAR_MODULES))
     assert seven.trained_params == sum(p.numel() for p in everywhere.parameters() if p.requires_grad)
     assert seven.lora_gate_up and seven.fused_weights == 0 and len(seven.lora_targets) == 7
     assert shape.layer_params == sum(p.numel() for p in real.model.layers[0].parameters())
     with pytest.raises(UserError, match="linear projections"):
-        mp.model_shape(config, 4, ["lm_head"])
+        mw.model_shape(config, 4, ["lm_head"])
 
 
 def test_a_reference_model_is_counted_without_lora_only():
     """beta > 0 keeps a second copy of the weights; with LoRA the reference is the policy, its adapters disabled."""
     config = qwen2()
-    work = mp.Workload(prompts=2, n=4, m=4, prompt_length=16, completion_length=16, beta=0.04)
-    full, lora = mp.model_shape(config), mp.model_shape(config, 4, ["q_proj", "v_proj"])
+    work = mw.Workload(prompts=2, n=4, m=4, prompt_length=16, completion_length=16, beta=0.04)
+    full, lora = mw.model_shape(config), mw.model_shape(config, 4, ["q_proj", "v_proj"])
     assert mp.model_state(full, work)["reference"] == full.params * 4
     assert mp.model_state(lora, work)["reference"] == 0
 
@@ -126,9 +127,9 @@ def test_terms_by_hand_for_a_1_5b_shaped_model():
     with float32 masters: the KV cache and the state by the formulas in the module docstring."""
     config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
-    shape = mp.model_shape(config)
+    shape = mw.model_shape(config)
     assert 1.5e9 < shape.params < 1.6e9
-    work = mp.Workload(prompts=8, n=16, m=16, prompt_length=256, completion_length=1024, compute_dtype="bfloat16")
+    work = mw.Workload(prompts=8, n=16, m=16, prompt_length=256, completion_length=1024, compute_dtype="bfloat16")
     gen = mp.generation_peak(shape, work)  # the engine samples from a bfloat16 copy of the float32 masters
     # the step's cache of every row at 1,280 positions, the prefill's of the 8 prompts at 256; the state's valid
     # flags and uniforms per position and its row vectors
@@ -156,7 +157,7 @@ def test_train_async_adds_the_generator_copy_and_overlaps_generation_with_the_up
 
     config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
-    shape = mp.model_shape(config)
+    shape = mw.model_shape(config)
     base = ["rollout.prompts_per_step=8", "rollout.n=16", "rollout.max_new_tokens=1024", "model.compute_dtype=bfloat16"]
     sync, in_process, ray = (workload_from_config(load_config("podsrl/configs/grpo.yaml", base + extra), 256, "cuda")
                              for extra in ([], ["train.async.enabled=true"],
@@ -184,7 +185,7 @@ def test_the_default_pods_step_at_1_5b_generates_in_waves_that_fit():
 
     config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
-    shape = mp.model_shape(config)
+    shape = mw.model_shape(config)
     work = workload_from_config(load_config("podsrl/configs/pods.yaml", ["rollout.max_new_tokens=1024"]), 256, "cuda")
     assert (work.prompts, work.n, work.compute_dtype) == (32, 64, "bfloat16")
     plan = mp.make_plan(shape, work, 80 * 2**30)
@@ -200,8 +201,8 @@ def test_the_default_pods_step_at_1_5b_generates_in_waves_that_fit():
 
 
 def test_largest_micro_batch_fits_and_one_more_does_not():
-    shape = mp.model_shape(qwen2(hidden=256, layers=4, vocab=32000))
-    work = mp.Workload(prompts=4, n=8, m=8, prompt_length=128, completion_length=512, device="cpu")
+    shape = mw.model_shape(qwen2(hidden=256, layers=4, vocab=32000))
+    work = mw.Workload(prompts=4, n=8, m=8, prompt_length=128, completion_length=512, device="cpu")
     budget = 700 * 2**20
     for ckpt in (False, True):
         rows = mp.largest_micro_batch(shape, work, budget, ckpt)
@@ -215,13 +216,13 @@ def test_largest_micro_batch_fits_and_one_more_does_not():
 @pytest.mark.parametrize("text, size", [("80GiB", 80 * 2**30), ("24GB", 24 * 10**9), ("81920MiB", 80 * 2**30),
                                         ("7.5g", int(7.5 * 2**30)), ("512 mb", 512 * 10**6)])
 def test_parse_memory(text, size):
-    assert mp.parse_memory(text) == size
+    assert mw.parse_memory(text) == size
 
 
 @pytest.mark.parametrize("text", ["80", "eighty GiB", "80 GiBs", "-1GiB", "0GB", ""])
 def test_parse_memory_refuses_what_is_not_a_size(text):
     with pytest.raises(UserError, match="--gpu-memory"):
-        mp.parse_memory(text)
+        mw.parse_memory(text)
 
 
 def test_cli_from_a_config_json_and_a_model_directory(tmp_path, capsys):
@@ -277,7 +278,7 @@ def test_ddp_and_fsdp_terms_per_rank_by_hand():
     weights, gradients and AdamW state 1/8 each, the gathered root module and two layers in the compute dtype and a
     layer's float32 gradient, the whole generation copy in the compute dtype; train.cpu_offload moves the shards to
     host memory; FSDP2 in one process is the one-process plan."""
-    shape = mp.model_shape(Qwen2Config(**QWEN_7B))
+    shape = mw.model_shape(Qwen2Config(**QWEN_7B))
     assert shape.root_params == 2 * 152064 * 3584 + 3584  # embeddings, untied head, final norm
     one, ddp = pods_work(), pods_work(world_size=8)
     assert (ddp.rank_prompts, ddp.rank_rows, ddp.trained_rows) == (4, 256, 64)
@@ -307,7 +308,7 @@ def test_the_readme_shapes_per_rank(size, strategy, world_size):
     """Qwen2.5-1.5B and 7B full fine-tunes on 80 GiB ranks: the 1.5B fits everywhere; the 7B fits on 8 ranks under
     FSDP2 only (its replicated state alone, 7.6B x 16 bytes, outgrows a rank), and the sharded peak is below the
     replicated one."""
-    shape = mp.model_shape(Qwen2Config(**(QWEN_1_5B if size == "1.5B" else QWEN_7B)))
+    shape = mw.model_shape(Qwen2Config(**(QWEN_1_5B if size == "1.5B" else QWEN_7B)))
     work = pods_work([f"train.strategy={strategy}"], world_size)
     plan = mp.make_plan(shape, work, 80 * 2**30)
     assert plan.fits == (size == "1.5B" or (strategy == "fsdp" and world_size == 8))
