@@ -198,6 +198,19 @@ class StepRunner:
             self.graphs.clear()
 
 
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream() -> torch.cuda.Stream:
+    """The process's one side stream per device for graph warm-ups and captures (under CAPTURE_LOCK). cuBLAS keeps a
+    workspace per (handle, stream) for the process's life (32 MiB on Hopper): a fresh stream per capture would leave
+    one behind per capture, up to the stream pool's 32, where one stream keeps one (memory_plan's RUNTIME_BYTES)."""
+    device = torch.cuda.current_device()
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[device]
+
+
 class CudaGraphs:
     """One CUDA graph per key, captured on first use and replayed after, all in one memory pool (they run one at a
     time). A graph reads and writes the addresses it captured: the state, the cache, the weights and rotary table of
@@ -217,15 +230,15 @@ class CudaGraphs:
         return outputs
 
     def _capture(self, step):
-        # a warm-up run on a side stream first (lazy cuBLAS/kernel set-up must not happen while capturing); its one
+        # a warm-up run on the side stream first (lazy cuBLAS/kernel set-up must not happen while capturing); its one
         # side effect, this step's keys and values at the state's column, the replay writes again before reading
-        stream = torch.cuda.Stream()
+        stream = capture_stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             step()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
             outputs = step()
         self.pool = graph.pool()
         return graph, outputs
