@@ -2,7 +2,7 @@
 
 Where benchmarks/memory_plan_check.py measures each phase alone in a fresh process, this one runs the sequence a run
 does, in one process, so whatever a phase leaves behind is in the next one's peak: one eval call first (greedy, as
-many rows as eval.batch_size: the engine may keep its cache from it), then two steps of generation (P prompts x n
+many rows as eval.batch_size; released after it, as the trainer does), then two steps of generation (P prompts x n
 rollouts, sampled in the compute dtype from the engine's copy of float32 masters) and the update (the shared-prompt
 path, AdamW; the first step allocates its state, the second is the steady state), as the trainer does it: the
 engine's kept decode state released before each update, the gradients freed after it. Every rollout runs to the full length (the EOS logit is biased far down). Each phase's
@@ -74,8 +74,8 @@ def run_sequence(args, checkpointing: bool) -> list[dict]:
         out.append({"phase": phase, "step": step, **{k: v - zero for k, v in levels.items()}})
         return result[0]
 
-    record("eval", 0, lambda: engine.generate(eval_prompts, [1] * len(eval_prompts), greedy,
-                                              torch.arange(len(eval_prompts))))
+    record("eval", 0, lambda: (engine.generate(eval_prompts, [1] * len(eval_prompts), greedy,
+                                               torch.arange(len(eval_prompts))), engine.release()))
     for step in (1, 2):
         g = record("generation", step, lambda: engine.generate(prompts, [args.n] * args.prompts, sampling,
                                                                torch.arange(rows)))

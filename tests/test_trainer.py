@@ -87,3 +87,34 @@ def test_the_engine_releases_its_kept_cache_before_each_update(tmp_path, warmup_
     Trainer(load_config("podsrl/configs/pods.yaml", overrides)).train()
     updates = [i for i, event in enumerate(events) if event == "update"]
     assert len(updates) == 2 and all(events[i - 1] == "release" for i in updates)
+
+
+def test_the_engine_releases_an_evals_state_after_it(tmp_path, warmup_cache, monkeypatch):
+    """An eval's kept state (as many rows as the device held then) is freed after the eval, not carried into the
+    next step's generation, where the memory plan counts only the training waves' (measured on an H200: 4 GiB kept
+    from a 1,024-row eval into generation, docs/results.md)."""
+    from podsrl import trainer as trainer_module
+    from podsrl.engines.fast import FastEngine
+
+    events = []
+    release, evaluate, generate = FastEngine.release, trainer_module.evaluate, FastEngine.generate
+
+    def spy_release(engine):
+        events.append("release")
+        release(engine)
+
+    def spy_generate(engine, *args, **kwargs):
+        events.append("generate")
+        return generate(engine, *args, **kwargs)
+
+    def spy_evaluate(*args, **kwargs):
+        metrics = evaluate(*args, **kwargs)
+        events.append("eval")  # its generate calls done
+        return metrics
+
+    monkeypatch.setattr(FastEngine, "release", spy_release)
+    monkeypatch.setattr(FastEngine, "generate", spy_generate)
+    monkeypatch.setattr(trainer_module, "evaluate", spy_evaluate)
+    Trainer(load_config(None, tiny_overrides(tmp_path, warmup_cache, **{"train.eval_every": 1}))).train()
+    evals = [i for i, event in enumerate(events) if event == "eval"]
+    assert len(evals) >= 2 and all(events[i + 1] == "release" for i in evals), events
