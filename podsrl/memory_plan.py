@@ -54,11 +54,11 @@ ADAM_STATES = 2  # exp_avg and exp_avg_sq, each in the parameter's dtype (torch.
 # What a phase costs beyond its tensors, per device: on CPU the process's growth around a phase of a negligible model
 # (malloc arenas, the autograd engine's thread, oneDNN's kernels), calibrated by `python
 # benchmarks/memory_plan_check.py --models 0` (median of its rounds). On CUDA the allocator's share: cuBLAS's
-# workspace per stream that ran a matmul (32 MiB on Hopper, less on older GPUs), kept for the process's life: the
+# workspaces per stream that ran a matmul (33 MiB on an H200, less on older GPUs), kept for the process's life: the
 # default stream's, and in generation also the graphs' capture stream's (engines/decode_step.py capture_stream;
-# 65.5 MiB for both on an H200, benchmarks/kept_memory.py). The context and the allocator's fragmentation are outside
-# the allocator's count: --reserve keeps a share of the device for them.
-CUBLAS_WORKSPACE = 32 * 2**20
+# 66.0 MiB for both, benchmarks/kept_memory.py). The context and the allocator's fragmentation are outside the
+# allocator's count: --reserve keeps a share of the device for them.
+CUBLAS_WORKSPACE = 33 * 2**20
 RUNTIME_BYTES = {"cpu": {"update": 17 * 2**20, "generation": 14 * 2**20},
                  "cuda": {"update": CUBLAS_WORKSPACE, "generation": 2 * CUBLAS_WORKSPACE}}
 RESERVE = 0.1  # share of the device kept free by default (--reserve; the fast engine's default rows in flight)

@@ -203,7 +203,7 @@ _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 def capture_stream() -> torch.cuda.Stream:
     """The process's one side stream per device for graph warm-ups and captures (under CAPTURE_LOCK). cuBLAS keeps a
-    workspace per (handle, stream) for the process's life (32 MiB on Hopper): a fresh stream per capture would leave
+    workspace per (handle, stream) for the process's life (33 MiB on an H200): a fresh stream per capture would leave
     one behind per capture, up to the stream pool's 32, where one stream keeps one (memory_plan's RUNTIME_BYTES)."""
     device = torch.cuda.current_device()
     if device not in _CAPTURE_STREAMS:
