@@ -109,7 +109,7 @@ def measure_update(name: str, length: int, checkpointing: bool, compute: str, de
     data_parallel = build_data_parallel(ctx, model, None, cfg)  # FSDP2 shards `model` in place
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    updater = PolicyUpdater(model, optimizer, scheduler, cfg, run_facts(cfg, torch.device(device), ctx.world_size),
+    updater = PolicyUpdater(model, optimizer, scheduler, cfg, run_facts(cfg, torch.device(device)),
                             data_parallel=data_parallel)
     updater.update(batch, torch.Generator().manual_seed(0))  # AdamW's state exists from here on
     before = _level(device)

@@ -11,8 +11,8 @@ The learner publishes w_k at the start of step k (after the step-k checkpoint, s
 written); the generator loads the version it needs into its own copy of the policy before producing a batch and
 hands it to the engine's weight sync (a no-op in process, one `ray.put` for the Ray pool).
 
-Everything the produce callable touches (the trainer's sampler position, RNG, PromptStats, the method) belongs to the
-generator thread while it runs; the learner reads it only through `quiesce` (checkpoints, evals). On a GPU the
+The producer (podsrl/producer.py: its data position, RNG, per-prompt history, method, engine) belongs to the generator
+thread while it runs; the learner reads it only after `quiesce` (checkpoints, evals). On a GPU the
 generator's engine may capture CUDA graphs: the learner's device work beside it holds capture_lock.CAPTURE_LOCK.
 """
 
@@ -23,11 +23,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
 
 import torch
 
-from podsrl.batch import Problem, RolloutBatch
+from podsrl.batch import RolloutBatch
 from podsrl.build import rollout_engine, sampling_dtype
 from podsrl.capture_lock import CAPTURE_LOCK
 from podsrl.config import Config
@@ -36,38 +35,7 @@ from podsrl.engines.base import RolloutEngine
 from podsrl.engines.fast import compute_copy
 from podsrl.errors import UserError
 from podsrl.models.decode import share_fused_weights
-
-
-@dataclass
-class ProducedBatch:
-    """One step's batch as the generator hands it over: the rows that train (with advantages and policy_version),
-    the generation-side metrics, what was generated (for the compute accounting) and the generator's timers."""
-
-    kept: RolloutBatch
-    metrics: dict[str, float]
-    generated_rollouts: int
-    generated_tokens: int
-    timers: dict[str, float] = field(default_factory=dict)
-    version: int = 0  # the step whose weights sampled it
-    generator_idle: float = 0.0  # seconds the generator waited for those weights before producing it
-    generated: list[RolloutBatch] = field(default_factory=list)  # every collected batch (not saved: metrics are)
-
-    def state_dict(self) -> dict:
-        """Tensors and plain values only (checkpoints load with torch.load(weights_only=True))."""
-        batch = {}
-        for f in fields(self.kept):
-            value = getattr(self.kept, f.name)
-            batch[f.name] = [vars(p) for p in value] if f.name == "problems" else value
-        return {"kept": batch, "metrics": self.metrics, "generated_rollouts": self.generated_rollouts,
-                "generated_tokens": self.generated_tokens, "timers": self.timers, "version": self.version}
-
-    @classmethod
-    def from_state(cls, state: dict) -> ProducedBatch:
-        batch = dict(state["kept"])
-        batch["problems"] = [Problem(**p) for p in batch["problems"]]
-        return cls(kept=RolloutBatch(**batch), metrics=state["metrics"],
-                   generated_rollouts=state["generated_rollouts"], generated_tokens=state["generated_tokens"],
-                   timers=state["timers"], version=state["version"])
+from podsrl.producer import ProducedBatch
 
 
 def async_engines(cfg: Config, generation_model: torch.nn.Module, tokenizer, distributed: bool):

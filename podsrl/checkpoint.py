@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import pickle
+import random
 import shutil
 from pathlib import Path
 
@@ -305,3 +306,13 @@ def load_checkpoint_files(path: Path) -> tuple[dict, dict, dict]:
     except (UnicodeDecodeError, ValueError) as e:
         raise UserError(f"checkpoint {path}: state.json is not valid JSON ({e})") from None
     return optimizer_state, rng_state, state
+
+
+def python_random_state() -> list:
+    """Python's `random` state as plain values (state.json)."""
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def set_python_random_state(state: list) -> None:
+    random.setstate((state[0], tuple(state[1]), state[2]))

@@ -1,6 +1,7 @@
 """What a validated config means for this run, resolved once when the run starts and handed to what needs it: the
-dtypes on the training device, the rollouts per prompt the update trains, whether generation runs ahead of the
-learner, the rollout-correction mode and the number of processes. The config itself stays as loaded."""
+dtypes on the training device, whether generation runs ahead of the learner and the rollout-correction mode. The
+config itself stays as loaded. (The rollouts per prompt the update trains have one resolution,
+Method.trained_per_prompt; the number of processes is the distributed context's.)"""
 
 from __future__ import annotations
 
@@ -21,20 +22,17 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class RunFacts:
     device: torch.device  # this process's training device
-    world: int  # processes in the job (1 without torchrun)
     master_dtype: torch.dtype  # parameters and optimiser state (model.dtype)
     compute_dtype: torch.dtype  # forward/backward matmuls on `device` (model.compute_dtype, `auto` resolved)
-    trained_per_prompt: int  # at most this many rollouts of a prompt reach the update (the method says)
     overlap: bool  # generation runs ahead of the learner (train.async with max_staleness > 0)
     rollout_correction: str  # the mode algo.rollout_correction means here (`auto` resolved)
     mismatch: tuple[str, ...]  # how the sampler's log-probs differ from the trainer's (rollout_correction.py)
 
 
-def run_facts(cfg: Config, device: torch.device, world: int = 1) -> RunFacts:
+def run_facts(cfg: Config, device: torch.device) -> RunFacts:
     return RunFacts(
-        device=device, world=world, master_dtype=getattr(torch, cfg.model.dtype),
+        device=device, master_dtype=getattr(torch, cfg.model.dtype),
         compute_dtype=resolve_compute_dtype(cfg, device),
-        trained_per_prompt=METHODS[cfg.method].trained_per_prompt(cfg),
         overlap=cfg.train.asynchronous.runs_ahead,
         rollout_correction=resolve_rollout_correction(cfg, device), mismatch=mismatch_kinds(cfg, device))
 

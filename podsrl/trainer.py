@@ -1,13 +1,10 @@
-"""The training loop, top to bottom. One step:
+"""The training loop, top to bottom: the learner. One step takes its batch from the producer (podsrl/producer.py:
+problems -> collect -> select -> refill -> advantage clip, the method's stages), then updates on it, then evals,
+logs and checkpoints when due. This file names no method.
 
-    problems -> method.collect -> stats.record -> method.select -> zero-variance filter / refill
-             -> advantage clip -> method.end_step -> update -> (eval, log, checkpoint)
-
-The method (podsrl/methods/) is looked up by name once and decides which prompts get how many rollouts and which
-rollouts train with which advantages; this file moves one batch through the stages and names no method.
-
-Everything up to end_step produces the step's batch (`produce_batch`); the update consumes it. With `train.async` the
-producing runs ahead on a background generator (podsrl/async_generation.py) while the learner updates.
+Synchronously the producer runs in process before each update; with `train.async` it runs ahead on the background
+generator's thread (podsrl/async_generation.py) while the learner updates, and the learner reads it only once that
+thread is quiet.
 """
 
 from __future__ import annotations
@@ -17,63 +14,47 @@ import logging
 import random
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from podsrl import faults
 from podsrl.accounting import ComputeAccountant
-from podsrl.algo.group_stats import group_stats, zero_variance_groups
-from podsrl.async_generation import (
-    BackgroundGenerator,
-    ProducedBatch,
-    async_engines,
-    split_threads,
-    staleness_metrics,
-)
-from podsrl.batch import Problem, RolloutBatch, concat_batches
+from podsrl.async_generation import BackgroundGenerator, async_engines, split_threads, staleness_metrics
+from podsrl.batch import RolloutBatch
 from podsrl.build import base_weights, load_model, load_task, reward_manager, rollout_engine, verifier
 from podsrl.capture_lock import CAPTURE_LOCK
-from podsrl.checkpoint import prepare_run_dir, resume_checkpoint
+from podsrl.checkpoint import (
+    load_checkpoint_files,
+    load_in_flight,
+    load_sharded_tensors,
+    prepare_run_dir,
+    python_random_state,
+    resume_checkpoint,
+    save_checkpoint,
+    set_python_random_state,
+)
 from podsrl.config import Config, dump_config
 from podsrl.distributed import NullLogger, init_distributed
-from podsrl.engines import SamplingParams
-from podsrl.errors import UnhealthyRun
+from podsrl.errors import UnhealthyRun, UserError
 from podsrl.evaluation import evaluate
 from podsrl.fileio import write_text_atomic
 from podsrl.fsdp import build_data_parallel
 from podsrl.health import HealthMonitor
-from podsrl.methods import METHODS, StepContext
+from podsrl.methods import METHODS
 from podsrl.models.loading import count_parameters, load_policy, resolve_device
 from podsrl.plotting import plot_run
-from podsrl.prompt_stats import PromptStats
-from podsrl.run_description import describe_run
+from podsrl.producer import BatchProducer, ProducedBatch, StepRecord
+from podsrl.run_description import describe_run, world_size_change
 from podsrl.run_facts import run_facts, unread_settings
 from podsrl.run_lock import RunLock
 from podsrl.tracking import build_metrics_logger, build_progress, read_metrics
-from podsrl.trainer_state import restore_run, save_run
 from podsrl.update import PolicyUpdater
 from podsrl.update.optimizer import build_optimizer
 
 log = logging.getLogger("podsrl")
 
-TIMERS = ("time/generate", "time/score", "time/select", "time/update")
 LEARNER_SEED_OFFSET = 0x1EA2  # train.async: the learner's own RNG stream (mini-batch order), apart from the generator's
-
-
-@dataclass
-class StepRecord:
-    """What one step produced: its logged metrics, and the material they were computed from (filled while the
-    batch is produced; a batch restored from a checkpoint keeps only its metrics)."""
-
-    metrics: dict[str, float] = field(default_factory=dict)
-    timers: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIMERS, 0.0))
-    generated: list[RolloutBatch] = field(default_factory=list)  # every collected batch, before selection
-    reward_metrics: list[dict] = field(default_factory=list)  # one per generate call
-    collect_metrics: list[dict] = field(default_factory=list)  # one per method.collect
-    skipped_rollouts: int = 0  # generated, then dropped by the reward policy 'skip' (still compute spent)
-    skipped_tokens: int = 0
 
 
 class Trainer:
@@ -95,7 +76,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.device = self.dist.device
-        self.facts = run_facts(cfg, self.device, self.dist.world_size)
+        self.facts = run_facts(cfg, self.device)
         unread = unread_settings(cfg)
         if unread and self.dist.is_main:
             log.warning("settings nothing in this run reads (method: %s reads only its own section): %s",
@@ -122,7 +103,6 @@ class Trainer:
         self.task, self.eval_problems = load_task(cfg, self.tokenizer, self.model)
         if not self.eval_problems:
             log.warning("no eval set (task %s): training without held-out evaluation", self.task.name)
-        self.epoch_size = len(self.task) if hasattr(self.task, "__len__") else 0  # 0: an unbounded stream
         run_ahead = cfg.train.asynchronous
         if not run_ahead.enabled:
             self.engine = self.dist.wrap_engine(rollout_engine(cfg, self.generation_model, self.tokenizer))
@@ -130,27 +110,28 @@ class Trainer:
         else:
             self.generator_model, self.engine, self.eval_engine, self.eval_tokenizer = async_engines(
                 cfg, self.generation_model, self.tokenizer, self.dist.enabled)
-        self.rewards = reward_manager(cfg, self.task)
-        self.verify = verifier(self.rewards, self.task)
-        self.method = METHODS[cfg.method](cfg)
+        rewards = reward_manager(cfg, self.task)
+        self.verify = verifier(rewards, self.task)
+        method = METHODS[cfg.method](cfg)
         sharded = self.data_parallel is not None and self.data_parallel.sharded
         self.optimizer, self.scheduler = build_optimizer(cfg, self.model, sharded)
         self.updater = PolicyUpdater(self.model, self.optimizer, self.scheduler, cfg, self.facts, self.ref_model,
-                                     modulation=self.method.token_modulation(), data_parallel=self.data_parallel)
-        self.stats = PromptStats()
+                                     modulation=method.token_modulation(), data_parallel=self.data_parallel)
+        self.producer = BatchProducer(cfg, self.task, self.tokenizer, self.engine, rewards, method,
+                                      sampler_logprobs=self.updater.needs_sampler_logprobs)
         self.accountant = ComputeAccountant(count_parameters(self.generation_model))
-        self.rng = torch.Generator().manual_seed(cfg.seed)  # sampling seeds, prompt order, selection
-        # mini-batch order and the probe: the same stream when the two sides take turns (synchronous, staleness 0)
+        # mini-batch order and the probe: the producer's stream when the two sides take turns (synchronous,
+        # staleness 0), else the learner's own
         self.update_rng = (torch.Generator().manual_seed(cfg.seed + LEARNER_SEED_OFFSET) if self.facts.overlap
-                           else self.rng)
-        self.step, self.data_position, self.elapsed = 0, 0, 0.0
+                           else self.producer.rng)
+        self.step, self.elapsed = 0, 0.0
         self.dropped_batches = 0  # train.async: in-flight batches dropped as too stale (a resume with a lower bound)
         self.generator: BackgroundGenerator | None = None
         self.stop_requested = self.stopped_by_signal = False
         self.health = HealthMonitor(cfg.train, speak=self.dist.is_main)
         in_flight: list[ProducedBatch] = []
         if checkpoint is not None:
-            in_flight = restore_run(self, checkpoint)
+            in_flight = self._restore(checkpoint)
             log.info("resumed %s at step %d", self.run_dir, self.step)
         if run_ahead.enabled:
             self._build_generator(in_flight)
@@ -167,7 +148,7 @@ class Trainer:
         cfg, run_ahead = self.cfg, self.cfg.train.asynchronous
         self.threads = torch.get_num_threads()  # restored by close_engines
         threads = 0 if cfg.rollout.engine == "ray" else split_threads(run_ahead.generator_threads)
-        self.generator = BackgroundGenerator(self.produce_batch, self.generator_model, self.engine,
+        self.generator = BackgroundGenerator(self.producer.produce, self.generator_model, self.engine,
                                              run_ahead.max_staleness, self.step, cfg.train.max_steps, in_flight,
                                              threads=threads)
         self.dropped_batches += self.generator.dropped
@@ -179,7 +160,7 @@ class Trainer:
         t0, cpu0 = time.perf_counter(), time.process_time()
         faults.fire("step", self.step + 1)
         if self.generator is None:
-            produced, waited = self.produce_batch(self.step), 0.0
+            produced, waited = self.producer.produce(self.step), 0.0
         else:  # w_step for the batches that need it, then this step's batch (produced ahead, or waited for)
             self.generator.publish(self.step, self.generation_model)
             produced, waited = self.generator.take(self.step)
@@ -208,134 +189,6 @@ class Trainer:
                             f"checkpoint is in {self.run_dir / 'checkpoints'}")
         return StepRecord(metrics=self._step_metrics(produced, kept, update_metrics, timers, step_time),
                           timers=timers, generated=produced.generated)
-
-    def produce_batch(self, step: int) -> ProducedBatch:
-        """Step `step`'s batch: draw its problems, collect, select (with refills), clip advantages, end the method's
-        step. Runs on the generator thread under train.async."""
-        cfg = self.cfg
-        record = StepRecord()
-        ctx = self._context(record, step)  # before drawing: the epoch is that of the step's first problem
-        kept, select_metrics = self.collect_and_select(self.next_problems(cfg.rollout.prompts_per_step), ctx, record)
-        if cfg.algo.advantage_clip > 0:
-            kept.advantages = kept.advantages.clamp(-cfg.algo.advantage_clip, cfg.algo.advantage_clip)
-        # the method's per-step state moves here, in step order, on the side that reads it (collect)
-        method_metrics = self.method.end_step(record.generated, ctx)
-        metrics = self._generation_metrics(record, {**select_metrics, **method_metrics})
-        rewards = sum(b.num_rollouts for b in record.generated)
-        tokens = sum(int(b.completion_lengths().sum()) for b in record.generated)
-        return ProducedBatch(kept=kept, metrics=metrics, generated_rollouts=rewards + record.skipped_rollouts,
-                             generated_tokens=tokens + record.skipped_tokens, timers=record.timers,
-                             generated=record.generated)
-
-    def _context(self, record: StepRecord, step: int) -> StepContext:
-        return StepContext(
-            cfg=self.cfg, stats=self.stats, rng=self.rng, step=step,
-            epoch=self.data_position // self.epoch_size if self.epoch_size else 0, epoch_size=self.epoch_size,
-            pad_token_id=self.tokenizer.pad_token_id,
-            generate=lambda problems, indices, counts: self.generate_and_score(problems, indices, counts, record),
-            draw=self.next_problems)
-
-    def next_problems(self, count: int) -> list[Problem]:
-        problems = [self.task.problem(self.data_position + i) for i in range(count)]
-        self.data_position += count
-        return problems
-
-    def collect_and_select(self, problems: list[Problem], ctx: StepContext,
-                           record: StepRecord) -> tuple[RolloutBatch, dict]:
-        """The method's collect + select; with filter.zero_variance, groups whose kept rewards all agree are dropped
-        and new prompts drawn (at most filter.max_refill_rounds times) until prompts_per_step groups carry signal."""
-        cfg = self.cfg
-        kept, metrics = self._collect_and_select_once(problems, ctx, record)
-        if not cfg.filter.zero_variance:
-            return kept, metrics
-        parts, live_groups, rounds = [], 0, 0
-        while True:
-            dead = zero_variance_groups(kept.rewards, kept.group_index, kept.num_groups)
-            present = kept.group_sizes() > 0
-            live = ~dead & present
-            # the zero-variance fraction of the round just sampled (DAPO's and the refill estimates' input)
-            zero_variance_fraction = 1.0 - int(live.sum()) / max(int(present.sum()), 1)
-            surplus = live_groups + int(live.sum()) - cfg.rollout.prompts_per_step
-            if surplus > 0:  # a refill that drew more than missing: train the first groups, as DAPO does
-                live[live.nonzero().flatten()[-surplus:]] = False
-            kept = kept.select_rows(live[kept.group_index])
-            live_groups += int(live.sum())
-            parts.append(kept)
-            missing = cfg.rollout.prompts_per_step - live_groups
-            if missing <= 0 or rounds >= cfg.filter.max_refill_rounds:
-                break
-            rounds += 1
-            count = self.method.refill_count(missing, zero_variance_fraction)
-            kept, _ = self._collect_and_select_once(ctx.draw(count), ctx, record)
-        metrics["select/refill_rounds"] = float(rounds)
-        metrics["select/groups_trained"] = float(live_groups)
-        # Bound hit with too few informative groups: train on what there is, and say so.
-        metrics["select/refill_exhausted"] = float(live_groups < cfg.rollout.prompts_per_step)
-        return concat_batches(parts, self.tokenizer.pad_token_id, disjoint=True), metrics
-
-    def _collect_and_select_once(self, problems: list[Problem], ctx: StepContext,
-                                 record: StepRecord) -> tuple[RolloutBatch, dict]:
-        batch, collect_metrics = self.method.collect(problems, ctx)
-        record.collect_metrics.append(collect_metrics)
-        self.stats.record([p.uid for p in batch.problems], batch.group_index, batch.correct)
-        record.generated.append(batch)
-        t0 = time.perf_counter()
-        kept, metrics = self.method.select(batch, ctx)
-        record.timers["time/select"] += time.perf_counter() - t0
-        return kept, metrics
-
-    def sampling_params(self) -> SamplingParams:
-        r = self.cfg.rollout
-        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, return_logprobs=self.updater.needs_sampler_logprobs)
-
-    def generate_and_score(self, problems: list[Problem], indices: list[int], counts: list[int],
-                           record: StepRecord) -> RolloutBatch:
-        """Sample counts[j] rollouts of problems[indices[j]] and score them; group_index refers to `problems`."""
-        t0 = time.perf_counter()
-        prompts = [self.tokenizer(problems[i].prompt, add_special_tokens=False).input_ids for i in indices]
-        seeds = torch.randint(0, 2**62, (sum(counts),), generator=self.rng)
-        out = self.engine.generate(prompts, counts, self.sampling_params(), seeds)
-        t1 = time.perf_counter()
-        index_map = torch.tensor(indices, dtype=torch.long)
-        batch = RolloutBatch(
-            problems=problems, group_index=index_map[out.group_index], prompt_ids=out.prompt_ids,
-            prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
-            completion_mask=out.completion_mask.float(), truncated=out.truncated, sampler_logprobs=out.logprobs,
-        )
-        ids = batch.completion_ids.masked_fill(batch.completion_mask == 0, self.tokenizer.pad_token_id)
-        batch.completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        result = self.rewards.score(problems, batch.group_index, batch.completions)
-        batch.rewards, batch.reward_components, batch.correct = result.rewards, result.components, result.correct
-        if not bool(result.valid.all()):  # reward policy 'skip': those rollouts never reach the update
-            record.skipped_rollouts += int((~result.valid).sum())  # ... but were generated: they count as compute
-            record.skipped_tokens += int(batch.completion_mask[~result.valid].sum())
-            batch = batch.select_rows(result.valid)
-        record.timers["time/generate"] += t1 - t0
-        record.timers["time/score"] += time.perf_counter() - t1
-        record.reward_metrics.append(result.metrics)
-        return batch
-
-    def _generation_metrics(self, record: StepRecord, select_metrics: dict) -> dict[str, float]:
-        generated = record.generated
-        rewards = torch.cat([b.rewards for b in generated])
-        lengths = torch.cat([b.completion_lengths() for b in generated]).float()
-        zero_std = torch.cat([zero_variance_groups(b.rewards, b.group_index, b.num_groups) for b in generated])
-        group_std = torch.cat([group_stats(b.rewards, b.group_index, b.num_groups).std for b in generated])
-        metrics = {
-            "reward": float(rewards.mean()),
-            "reward_std": float(group_std.mean()),
-            "frac_reward_zero_std": float(zero_std.float().mean()),
-            "completions/mean_length": float(lengths.mean()),
-            "completions/clipped_ratio": float(torch.cat([b.truncated for b in generated]).float().mean()),
-            "correct": float(torch.cat([b.correct for b in generated]).float().mean()),
-        }
-        for parts in (record.reward_metrics, record.collect_metrics):
-            for part in parts:
-                for k, v in part.items():
-                    metrics[k] = metrics.get(k, 0.0) + v / len(parts)
-        metrics.update(select_metrics)
-        return metrics
 
     def _step_metrics(self, produced: ProducedBatch, kept: RolloutBatch, update_metrics: dict, timers: dict,
                       step_time: float) -> dict[str, float]:
@@ -496,5 +349,72 @@ class Trainer:
         records = [r for r in read_metrics(self.logger.path) if r.get("step") == self.step and "eval/accuracy" in r]
         return {k: v for k, v in records[-1].items() if k.startswith("eval/")} if records else {}
 
+    # ------------------------------------------------------------------------------------------- checkpoints
+
     def save(self) -> None:
-        save_run(self)
+        """Writes the step's checkpoint (every rank under FSDP2, the main rank otherwise): the weights and
+        optimiser, the learner's position, clocks, accounting and health, the producer's own state
+        (BatchProducer.state_dict) and train.async's in-flight batches."""
+        sharded = self.data_parallel is not None and self.data_parallel.sharded
+        if not self.dist.is_main and not sharded:  # every rank holds the same state (FSDP2: its own shards)
+            return
+        # train.async: the producer as of the batches the generator has produced (quiet until the next publish)
+        in_flight = [b.state_dict() for b in self.generator.quiesce()] if self.generator is not None else None
+        producer = self.producer.state_dict()
+        rng_state = {"trainer": producer.pop("rng"), "torch": torch.get_rng_state()}
+        if self.update_rng is not self.producer.rng:
+            rng_state["learner"] = self.update_rng.get_state()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # a CPU run never starts CUDA
+            rng_state["cuda"] = torch.cuda.get_rng_state_all()
+        state = {
+            "step": self.step, "elapsed": self.elapsed, **producer, "accounting": self.accountant.state_dict(),
+            "nonfinite_in_a_row": self.updater.nonfinite_in_a_row, "python_random": python_random_state(),
+            "health": self.health.state_dict(), "dropped_batches": self.dropped_batches,
+            "world_size": self.dist.world_size,
+        }
+        optimizer_state = {"scheduler": self.scheduler.state_dict()}
+        tensors = None
+        if sharded:
+            tensors, optimizer_state["param_groups"] = self.data_parallel.checkpoint_state(self.optimizer)
+        else:
+            optimizer_state["optimizer"] = self.optimizer.state_dict()
+        save_checkpoint(self.run_dir, self.step, self.generation_model, self.tokenizer, optimizer_state, rng_state,
+                        state, keep=self.cfg.train.keep_checkpoints, sharded_tensors=tensors,
+                        dist_ctx=self.dist if sharded else None, in_flight=in_flight)
+
+    def _restore(self, path: Path) -> list[ProducedBatch]:
+        """Loads a checkpoint's state into the learner and the producer; returns its in-flight batches (train.async),
+        oldest first."""
+        optimizer_state, rng_state, state = load_checkpoint_files(path)
+        sharded = self.data_parallel is not None and self.data_parallel.sharded
+        if sharded != ("param_groups" in optimizer_state):
+            written = "train.strategy=fsdp under torchrun" if "param_groups" in optimizer_state else \
+                "train.strategy=ddp or one process"
+            raise UserError(f"checkpoint {path} was written with {written}; resume it the same way")
+        if sharded:  # model/ holds the generation copy (compute dtype); the exact shards are in sharded/
+            tensors, _ = self.data_parallel.checkpoint_state(self.optimizer)
+            load_sharded_tensors(tensors, path / "sharded")
+            self.data_parallel.load_checkpoint_state(self.optimizer, tensors, optimizer_state["param_groups"])
+        else:
+            self.optimizer.load_state_dict(optimizer_state["optimizer"])
+        self.scheduler.load_state_dict(optimizer_state["scheduler"])
+        self.producer.load_state_dict({**state, "rng": rng_state["trainer"]})
+        if "learner" in rng_state and self.update_rng is not self.producer.rng:  # else: its own stream starts
+            self.update_rng.set_state(rng_state["learner"])
+        torch.set_rng_state(rng_state["torch"])
+        self.step, self.elapsed = state["step"], state["elapsed"]
+        self.accountant.load_state_dict(state["accounting"])
+        self.updater.nonfinite_in_a_row = state["nonfinite_in_a_row"]
+        set_python_random_state(state["python_random"])
+        self.health.load_state_dict(state.get("health", {}))
+        if "cuda" in rng_state and torch.cuda.is_available() and len(rng_state["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(rng_state["cuda"])
+        self.dropped_batches = state.get("dropped_batches", 0)
+        written = state.get("world_size")  # absent from checkpoints of older versions: not known, nothing said
+        if written is not None and written != self.dist.world_size and self.dist.is_main:  # one line for the job
+            log.warning(world_size_change(written, self.dist.world_size))
+        saved = load_in_flight(path)
+        if saved and not self.cfg.train.asynchronous.enabled:
+            raise UserError(f"checkpoint {path} holds {len(saved)} batches generated ahead by an asynchronous run "
+                            "(train.async.enabled=true); resume it with train.async.enabled=true")
+        return [ProducedBatch.from_state(b) for b in saved]

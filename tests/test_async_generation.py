@@ -10,9 +10,10 @@ import time
 import pytest
 import torch
 
-from podsrl.async_generation import BackgroundGenerator, ProducedBatch
+from podsrl.async_generation import BackgroundGenerator
 from podsrl.batch import Problem, RolloutBatch
 from podsrl.engines.base import RolloutEngine
+from podsrl.producer import ProducedBatch
 
 STEPS = 9
 

@@ -107,7 +107,7 @@ def test_lora_reference_is_the_policy_with_its_adapters_disabled(tmp_path, warmu
         for name, p in trainer.model.named_parameters():
             if "lora_" in name:
                 p.add_(0.2 * torch.randn_like(p))
-    batch = trainer.produce_batch(0).kept
+    batch = trainer.producer.produce(0).kept
     reference = trainer.updater.reference_logprobs(batch)
     base, _ = load_policy(trainer.cfg.model, trainer.base_path, seed=trainer.cfg.seed)
     base.to(device_under_test()).eval()

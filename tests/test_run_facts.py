@@ -8,6 +8,7 @@ import torch
 
 from podsrl.config import load_config
 from podsrl.config_validation import validate
+from podsrl.methods import METHODS
 from podsrl.run_facts import run_facts, unread_settings
 from podsrl.trainer import Trainer
 from tests.conftest import device_under_test, tiny_overrides
@@ -25,12 +26,13 @@ def test_validation_reads_the_config_and_leaves_it_as_loaded():
 
 def test_the_facts_of_a_config():
     device = device_under_test()
-    facts = run_facts(load_config("podsrl/configs/pods.yaml", ["pods.m=0", "rollout.n=6"]), device)
-    assert facts.trained_per_prompt == 6  # pods.m 0 means all n
+    facts = run_facts(load_config(None), device)
+    pods = METHODS["pods"]  # the one resolution of the rollouts per prompt the update trains
+    assert pods.trained_per_prompt(load_config("podsrl/configs/pods.yaml", ["pods.m=0", "rollout.n=6"])) == 6
+    assert pods.trained_per_prompt(load_config("podsrl/configs/pods.yaml", ["pods.m=4"])) == 4
     assert facts.master_dtype == torch.float32
     assert facts.compute_dtype == (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    assert not facts.overlap and facts.world == 1
-    assert run_facts(load_config("podsrl/configs/pods.yaml", ["pods.m=4"]), device).trained_per_prompt == 4
+    assert not facts.overlap
     ahead = run_facts(load_config(None, ["train.async.enabled=true", "model.compute_dtype=float32"]), device)
     assert ahead.overlap and ahead.mismatch == ("staleness",) and ahead.rollout_correction == "sequence_mask"
     lockstep = run_facts(load_config(None, ["train.async.enabled=true", "train.async.max_staleness=0"]), device)

@@ -14,6 +14,7 @@ import torch
 
 from podsrl.config import load_config
 from podsrl.errors import UserError
+from podsrl.producer import BatchProducer
 from podsrl.trainer import Trainer
 from podsrl.update import PolicyUpdater
 from podsrl.update.plain import plain_logprobs
@@ -51,7 +52,7 @@ def random_timing(monkeypatch):
 
     def apply(seed: int) -> None:
         generator_sleeps, learner_sleeps = random.Random(seed), random.Random(seed + 1)
-        generate, update = Trainer.generate_and_score, PolicyUpdater.update
+        generate, update = BatchProducer.generate_and_score, PolicyUpdater.update
 
         def slow_generate(self, *args, **kwargs):
             time.sleep(generator_sleeps.uniform(0, 0.03))
@@ -61,7 +62,7 @@ def random_timing(monkeypatch):
             time.sleep(learner_sleeps.uniform(0, 0.03))
             return update(self, *args, **kwargs)
 
-        monkeypatch.setattr(Trainer, "generate_and_score", slow_generate)
+        monkeypatch.setattr(BatchProducer, "generate_and_score", slow_generate)
         monkeypatch.setattr(PolicyUpdater, "update", slow_update)
 
     return apply
@@ -97,8 +98,8 @@ def test_a_lagged_run_does_not_depend_on_timing(tmp_path, warm_cache, random_tim
 
 def test_evals_wait_for_the_batch_being_generated(tmp_path, warm_cache, monkeypatch):
     # a slow generator: without the wait it would still be sampling step k+1's batch when step k's eval starts
-    generate = Trainer.generate_and_score
-    monkeypatch.setattr(Trainer, "generate_and_score", lambda self, *a: time.sleep(0.2) or generate(self, *a))
+    generate = BatchProducer.generate_and_score
+    monkeypatch.setattr(BatchProducer, "generate_and_score", lambda self, *a: time.sleep(0.2) or generate(self, *a))
     idle_at_eval = []
     run_eval = Trainer.run_eval
     monkeypatch.setattr(Trainer, "run_eval", lambda self: idle_at_eval.append(self.generator.idle) or run_eval(self))
@@ -110,7 +111,7 @@ def test_prompt_history_sees_each_trained_batch_once(tmp_path, warm_cache):
     trainer = Trainer(config(tmp_path / "run", warm_cache, staleness=1, **GRESO_REFILL))
     trainer.train()
     # every rollout generated for a trained step recorded once; nothing generated beyond the last step
-    assert sum(trainer.stats.state_dict()["attempts"]) == trainer.accountant.totals["rollouts_generated"]
+    assert sum(trainer.producer.stats.state_dict()["attempts"]) == trainer.accountant.totals["rollouts_generated"]
 
 
 RESUMED = {

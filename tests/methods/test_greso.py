@@ -281,7 +281,7 @@ def test_refill_min_zero_with_a_small_scale_still_draws_a_prompt():
 
 
 class _RefillLoop:
-    """The parts of the Trainer that its zero-variance refill loop uses, with scripted rounds: round r rolls out
+    """The parts of the producer that its zero-variance refill loop uses, with scripted rounds: round r rolls out
     its prompts with `live[r]` groups carrying variance (mixed) and the rest all wrong."""
 
     def __init__(self, cfg, live: list[int]):
@@ -306,7 +306,7 @@ def test_trainer_refill_uses_the_zero_variance_fraction_of_the_round_just_sample
     """The worked example: 32 prompts a step; round 1 has 24 groups with variance, the refill of 13
     (int(8 / 0.75 * 1.25)) has 1, so 7 are missing at a zero-variance fraction of 12/13: the reference draws
     int(7 * 13 * 1.25) = 113, clamped to 48. Over all rounds the fraction would be 20/45 and the draw 15."""
-    from podsrl.trainer import Trainer
+    from podsrl.producer import BatchProducer
     from tests.method_helpers import problems
 
     cfg = greso_config(**{"rollout.prompts_per_step": 32, "filter.zero_variance": True,
@@ -314,6 +314,6 @@ def test_trainer_refill_uses_the_zero_variance_fraction_of_the_round_just_sample
     loop = _RefillLoop(cfg, live=[24, 1, 48])
     drawn = iter(range(32, 10_000))
     ctx = type("Context", (), {"draw": staticmethod(lambda count: problems(count, start=next(drawn)))})()
-    kept, metrics = Trainer.collect_and_select(loop, problems(32), ctx, record=None)
+    kept, metrics = BatchProducer.collect_and_select(loop, problems(32), ctx, record=None)
     assert loop.sizes == [32, 13, 48]
     assert metrics["select/groups_trained"] == 32 and kept.num_groups == 32 + 13 + 48

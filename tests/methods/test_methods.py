@@ -126,7 +126,7 @@ def test_a_new_method_plugs_in_with_clip_and_refill(tmp_path, warmup_cache, monk
     rounds = int(record.metrics["select/refill_rounds"])
     assert rounds == 1 and WideAdvantages.refills == [(2, 0.5)]  # seeded: 2 of the first 4 groups had no variance
     drawn = 4 + sum(2 * missing for missing, _ in WideAdvantages.refills)
-    assert trainer.data_position == drawn and sum(b.num_groups for b in record.generated) == drawn
+    assert trainer.producer.data_position == drawn and sum(b.num_groups for b in record.generated) == drawn
     assert set(record.timers) >= {"time/generate", "time/score", "time/select", "time/update"}
 
 
@@ -140,7 +140,7 @@ def test_dynamo_epoch_refresh_uses_the_epoch_of_the_steps_first_problem(tmp_path
     epochs, attempts = [], []
     for _ in range(3):
         trainer.train_step()
-        state = trainer.method.state_dict()
+        state = trainer.producer.method.state_dict()
         epochs.append(state["snapshot_epoch"])
         attempts.append(sum(state["snapshot"]["attempts"]))
     trainer.engine.close()
