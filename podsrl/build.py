@@ -10,9 +10,10 @@ import torch
 
 from podsrl.batch import Problem
 from podsrl.config import Config
+from podsrl.distributed import DistContext
 from podsrl.engines import RolloutEngine, build_engine
-from podsrl.models.loading import load_policy
 from podsrl.models.precision import resolve_compute_dtype
+from podsrl.models.rank_loading import load_policy_on_ranks
 from podsrl.rewards import RewardManager, build_reward_manager
 from podsrl.tasks import build_task
 from podsrl.tasks.base import Task
@@ -28,20 +29,21 @@ def base_weights(cfg: Config, progress: bool = False) -> str | None:
     return str(run_warmup(cfg, progress=progress)) if needs_warmup(cfg) else None
 
 
-def load_model(cfg: Config, weights: str | Path | None, base: str | None, trainable: bool):
+def load_model(cfg: Config, weights: str | Path | None, base: str | None, trainable: bool,
+               ctx: DistContext | None = None):
     """(model, tokenizer). `weights` is a saved model directory: full weights, or a LoRA adapter when
     model.lora_rank > 0 (the adapter goes on top of `base`); None starts from `base` (a fresh adapter if
-    `trainable` with LoRA)."""
+    `trainable` with LoRA). Under torchrun (`ctx`) rank 0 alone reads the model's weights: load_policy_on_ranks."""
     m = cfg.model
     adapter = weights is not None and (Path(weights) / "adapter_config.json").is_file()
     if m.lora_rank > 0 and (trainable or adapter):  # base weights frozen; the adapter alone trains and is saved
         from podsrl.lora import apply_lora, load_adapter
 
-        model, tokenizer = load_policy(m, base, seed=cfg.seed)
+        model, tokenizer = load_policy_on_ranks(m, base, cfg.seed, ctx)
         if weights is not None:
             return load_adapter(model, weights, trainable=trainable), tokenizer
         return apply_lora(model, m.lora_rank, m.lora_alpha, m.lora_dropout, m.lora_target_modules), tokenizer
-    return load_policy(m, str(weights) if weights is not None else base, seed=cfg.seed)
+    return load_policy_on_ranks(m, str(weights) if weights is not None else base, cfg.seed, ctx)
 
 
 def load_task(cfg: Config, tokenizer, model: torch.nn.Module | None = None) -> tuple[Task, list[Problem]]:

@@ -42,7 +42,8 @@ from podsrl.fileio import write_text_atomic
 from podsrl.fsdp import build_data_parallel
 from podsrl.health import HealthMonitor
 from podsrl.methods import METHODS
-from podsrl.models.loading import count_parameters, load_policy, resolve_device
+from podsrl.models.loading import count_parameters, resolve_device
+from podsrl.models.rank_loading import load_policy_on_ranks
 from podsrl.plotting import plot_run
 from podsrl.producer import BatchProducer, ProducedBatch, StepRecord
 from podsrl.run_description import describe_run, world_size_change
@@ -87,13 +88,13 @@ class Trainer:
         with self.dist.main_first():
             self.base_path = base_weights(cfg, progress=cfg.log.progress)
         self.model, self.tokenizer = load_model(cfg, checkpoint / "model" if checkpoint else None, self.base_path,
-                                                trainable=True)
+                                                trainable=True, ctx=self.dist)
         self.model.to(self.device)
         self.ref_model = None
         # frozen copy of the starting policy; not loaded at all when beta = 0, nor with LoRA (the policy with its
         # adapters disabled is the starting policy: podsrl/update/updater.py reference_logprobs)
         if cfg.algo.beta > 0 and cfg.model.lora_rank == 0:
-            self.ref_model, _ = load_policy(cfg.model, self.base_path, seed=cfg.seed)
+            self.ref_model, _ = load_policy_on_ranks(cfg.model, self.base_path, cfg.seed, self.dist)
             self.ref_model.to(self.device).eval().requires_grad_(False)
         # torchrun: DDP-style, or FSDP2 which shards policy and reference in place (so before the optimiser) and
         # keeps an unsharded copy for the engines; in one process the engines use the policy itself.

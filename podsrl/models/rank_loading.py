@@ -1,0 +1,77 @@
+"""The policy under torchrun, read from disk once per job: rank 0 loads it as one process would (`load_policy`);
+every other rank builds the same architecture on the meta device, allocates it empty on its own device and receives
+each parameter and buffer from rank 0 by broadcast, one tensor at a time. The host memory of a node then holds the
+weights read from disk once, not once per rank, and every rank starts from rank 0's tensors bit for bit (tied
+weights still tied, non-persistent buffers such as the rotary frequencies included). In one process this is
+`load_policy` itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from podsrl.config import ModelConfig
+from podsrl.models.loading import load_policy
+
+if TYPE_CHECKING:
+    from podsrl.distributed import DistContext
+
+
+def load_policy_on_ranks(cfg: ModelConfig, base_path: str | None = None, seed: int = 0,
+                         ctx: DistContext | None = None):
+    """(model, tokenizer) as `load_policy` gives them; under torchrun on ctx.device, the weights read by rank 0
+    alone (see the module docstring). Collective: every rank calls it, in the same order."""
+    if ctx is None or not ctx.enabled:
+        return load_policy(cfg, base_path, seed)
+    if ctx.is_main:
+        model, tokenizer = load_policy(cfg, base_path, seed)
+        model.to(ctx.device)
+    blueprint = ctx.from_main(Blueprint.of(model, tokenizer) if ctx.is_main else None)
+    if not ctx.is_main:
+        model, tokenizer = blueprint.build(cfg, ctx.device), blueprint.tokenizer
+    group = ctx.cpu_group if ctx.device.type == "cpu" else None  # the gloo group for CPU tensors under nccl
+    with torch.no_grad():
+        for _, tensor in model_tensors(model):
+            dist.broadcast(tensor, src=0, group=group)
+    return model, tokenizer
+
+
+def model_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter (a tied one once) and every buffer (non-persistent ones too), in module order."""
+    return [*model.named_parameters(), *model.named_buffers()]
+
+
+@dataclass
+class Blueprint:
+    """What a rank needs from rank 0 to build the same model without reading its weights."""
+
+    config: Any
+    generation_config: Any
+    tokenizer: Any
+    training: bool
+    tensors: list[tuple[str, torch.Size, torch.dtype]]  # model_tensors' names, shapes and dtypes on rank 0
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, tokenizer) -> Blueprint:
+        return cls(model.config, model.generation_config, tokenizer, model.training,
+                   [(name, t.shape, t.dtype) for name, t in model_tensors(model)])
+
+    def build(self, cfg: ModelConfig, device: torch.device) -> torch.nn.Module:
+        """The architecture with uninitialised tensors on `device`, to be filled by the broadcasts."""
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.config, dtype=getattr(torch, cfg.dtype),
+                                                     trust_remote_code=cfg.trust_remote_code)
+        model.to_empty(device=device)
+        model.tie_weights()  # to_empty gives each module a tensor of its own: the output head would leave the embedding
+        model.generation_config = self.generation_config
+        model.train(self.training)
+        built = [(name, t.shape, t.dtype) for name, t in model_tensors(model)]
+        if built != self.tensors:  # a broadcast into other shapes or dtypes would hang or copy garbage
+            theirs, mine = next((a, b) for a, b in zip([*self.tensors, None], [*built, None]) if a != b)
+            raise RuntimeError(f"rank {dist.get_rank()} built {type(model).__name__} from rank 0's config, but its "
+                               f"tensors differ from rank 0's: {mine} here, {theirs} on rank 0")
+        return model
