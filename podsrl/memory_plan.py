@@ -253,8 +253,9 @@ def gathered_layers(shape: ModelShape, work: Workload) -> int:
 
 
 def host_memory(shape: ModelShape, work: Workload) -> dict[str, int]:
-    """Host (CPU) memory per rank: the model as loaded before it is sharded or moved (every rank reads the whole
-    model in the master dtype), and with train.cpu_offload the sharded state kept there."""
+    """Host (CPU) memory of the rank that needs most: the model as loaded before it is sharded or moved (rank 0
+    reads the whole model in the master dtype; under torchrun the others receive it on their device:
+    podsrl/models/rank_loading.py), and with train.cpu_offload the sharded state kept there."""
     offloaded = sum(sharded_state(shape, work).values()) if work.offloaded else 0
     return {"load": shape.params * work.p, "offloaded_state": offloaded}
 
@@ -396,7 +397,7 @@ class MemoryPlan:
     generation: dict[str, int]
     update: dict[bool, dict[str, int]]  # checkpointing -> terms at the recommended (or smallest) micro-batch
     micro_batch: dict[bool, int]  # checkpointing -> largest micro-batch that fits (0: none)
-    host: dict[str, int]  # host memory per rank (host_memory)
+    host: dict[str, int]  # host memory of the rank that needs most, rank 0 (host_memory)
 
     @property
     def budget(self) -> int:

@@ -39,10 +39,9 @@ def render(plan: MemoryPlan, model: str) -> str:
         + (" (one process: nothing sharded)" if w.strategy == "fsdp" and not w.sharded else "")
         + f"; a rank generates {w.rank_prompts} prompts' {w.rank_rows} rows and trains {w.trained_rows} rows a step "
         "(optim.micro_batch_size is per rank, rollout.prompts_per_step global)",
-        f"host memory per rank: {_gib(plan.host['load'])} GiB to load the model in {w.dtype} before it is moved"
+        f"host memory: {_gib(plan.host['load'])} GiB to load the model in {w.dtype} before it is moved"
         + (" and sharded" if w.sharded else "")
-        + (f" ({_gib(w.world_size * plan.host['load'])} GiB for the {w.world_size} ranks)" if w.world_size > 1
-           else "")
+        + (" (on rank 0 alone: the other ranks receive its tensors on their device)" if w.world_size > 1 else "")
         + (f"; train.cpu_offload keeps {_gib(plan.host['offloaded_state'])} GiB of sharded weights, gradients and "
            "AdamW state there (none on the device)" if w.offloaded else ""),
         *(["train.async: the update's rows include the next batch's generation, which runs meanwhile (its KV cache "

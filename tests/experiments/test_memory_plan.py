@@ -343,7 +343,9 @@ def test_the_world_size_defaults_to_torchruns(monkeypatch, capsys):
     args = ["plan", "grpo", "--memory", "--gpu-memory", "1GiB", "--model", "tiny", "--device", "cpu"]
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert main(args) == 0
-    assert "per rank of 4: train.strategy=ddp; a rank generates 8 prompts' 128 rows" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "per rank of 4: train.strategy=ddp; a rank generates 8 prompts' 128 rows" in out
+    assert "on rank 0 alone: the other ranks receive its tensors on their device" in out  # not 4 copies in host memory
     monkeypatch.setenv("WORLD_SIZE", "four")
     assert main(args) == 2
     assert "WORLD_SIZE" in capsys.readouterr().err
