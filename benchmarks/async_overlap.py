@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from podsrl.config import load_config  # noqa: E402
-from podsrl.presets import preset_path  # noqa: E402
-from podsrl.trainer import Trainer  # noqa: E402
+from podsrl.config.presets import preset_path  # noqa: E402
+from podsrl.run.trainer import Trainer  # noqa: E402
 
 # sync: the process's threads, generation and update in turn; async: the same threads split between generator and
 # learner; sync_half: in turn on half the threads (what each async side gets: overlap alone, without the split)

@@ -145,7 +145,7 @@ default_run() {
     "$py" benchmarks/run_summary.py "$run" >>"$f" 2>&1 || echo "no metrics to summarise in $run" >>"$f"
 }
 
-# The warm-up is carried or runs once (on model.device: podsrl/warmup.py), cached under a key that ignores device and
+# The warm-up is carried or runs once (on model.device: podsrl/run/warmup.py), cached under a key that ignores device and
 # dtype: every precision starts from the same weights and their clocks compare the RL steps alone. Its log, if it ran
 # here, heads default.txt. The precisions: float32 throughout; mixed (float32 masters, bf16 compute and sampling:
 # `auto` on CUDA); pure bfloat16.

@@ -1,6 +1,6 @@
 """`podsrl plan --memory` against measured peaks on this CPU: random-init Qwen2 models of ~1M, ~13M and ~54M
 parameters (and "0", a ~2k-parameter model whose peak is the runtime's own growth: the calibration case of
-podsrl/memory_plan.py RUNTIME_BYTES, left out of the largest error), two completion lengths, the update (podsrl's PolicyUpdater, shared-prompt path, two micro-batches) and
+podsrl/planning/memory.py RUNTIME_BYTES, left out of the largest error), two completion lengths, the update (podsrl's PolicyUpdater, shared-prompt path, two micro-batches) and
 generation (the fast engine, all rows at once).
 
 Each (model, length, phase) runs in a fresh child process (benchmarks/update_memory.py's method): the resident set
@@ -78,7 +78,7 @@ def measure_update(name: str, length: int, checkpointing: bool, compute: str, de
     from podsrl.config import load_config
     from podsrl.distributed import init_distributed
     from podsrl.fsdp import build_data_parallel
-    from podsrl.run_facts import run_facts
+    from podsrl.run.facts import run_facts
     from podsrl.update import PolicyUpdater
 
     prompts, m = UPDATE["prompts"], UPDATE["m"]
@@ -141,8 +141,8 @@ def measure_generation(name: str, length: int, compute: str, device: str) -> int
 
 def predict(name: str, length: int, phase: str, checkpointing: bool, compute: str = "float32",
             device: str = "cpu", world_size: int = 1, strategy: str = "ddp") -> dict[str, int]:
-    from podsrl.memory_plan import generation_peak, update_peak
-    from podsrl.memory_workload import Workload, model_shape
+    from podsrl.planning.memory import generation_peak, update_peak
+    from podsrl.planning.workload import Workload, model_shape
 
     shape = model_shape(qwen2_config(name))
     if phase == "update":

@@ -7,7 +7,7 @@ rollouts, sampled in the compute dtype from the engine's copy of float32 masters
 path, AdamW; the first step allocates its state, the second is the steady state), as the trainer does it: the
 engine's kept decode state released before each update, the gradients freed after it. Every rollout runs to the full length (the EOS logit is biased far down). Each phase's
 peak is the CUDA allocator's (`max_memory_allocated`, and `max_memory_reserved`: what the process really holds),
-its level before and after, and the plan's terms for a training run (podsrl/memory_plan.py) beside them. On the CPU
+its level before and after, and the plan's terms for a training run (podsrl/planning/memory.py) beside them. On the CPU
 the peak is the resident set (`--device cpu`: the plumbing at tiny sizes; the CPU's own validation is
 memory_plan_check.py). Each activation-checkpointing setting runs in its own child process (exact peaks).
 
@@ -41,7 +41,7 @@ def run_sequence(args, checkpointing: bool) -> list[dict]:
     from podsrl.config import load_config
     from podsrl.engines.base import SamplingParams
     from podsrl.engines.fast import FastEngine
-    from podsrl.run_facts import run_facts
+    from podsrl.run.facts import run_facts
     from podsrl.update import PolicyUpdater
 
     device, compute = args.device, getattr(torch, args.compute_dtype)
@@ -91,7 +91,7 @@ def run_sequence(args, checkpointing: bool) -> list[dict]:
 
 
 def train_step(updater, optimizer, engine, model, batch, step: int) -> None:
-    """As the trainer (podsrl/trainer.py train_step): the engine's kept decode state released, the update, the
+    """As the trainer (podsrl/run/trainer.py train_step): the engine's kept decode state released, the update, the
     gradients freed (their memory is free for generation), the engine synced."""
     import torch
 
@@ -104,8 +104,8 @@ def train_step(updater, optimizer, engine, model, batch, step: int) -> None:
 def predict(args, checkpointing: bool) -> dict[str, dict[str, int]]:
     """The plan's terms for this workload in a training run: generation and the update."""
     from benchmarks.gpu_generation import build_model
-    from podsrl.memory_plan import generation_peak, update_peak
-    from podsrl.memory_workload import Workload, model_shape
+    from podsrl.planning.memory import generation_peak, update_peak
+    from podsrl.planning.workload import Workload, model_shape
 
     model, _, _ = build_model(args.model, "meta", __import__("torch").float32)
     shape = model_shape(model.config)
@@ -161,7 +161,7 @@ def main() -> None:
                   f"{row['reserved'] / MIB:.0f} | {row['after'] / MIB:.0f} | "
                   f"{'' if predicted is None else f'{predicted / MIB:.0f}'} | {ratio} | {top} |", flush=True)
             rows.append({**row, "checkpointing": setting, "predicted": predicted, "terms": plan})
-    print("\npredicted: the plan's phase peak for a training run (podsrl/memory_plan.py generation_peak, update_peak); "
+    print("\npredicted: the plan's phase peak for a training run (podsrl/planning/memory.py generation_peak, update_peak); "
           "an eval call has no row of its own in the plan: what it leaves shows in the next phases' 'before'.")
     for failure in failures:
         print("\n" + failure)

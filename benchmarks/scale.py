@@ -33,7 +33,7 @@ from podsrl.engines.base import SamplingParams
 from podsrl.engines.fast import FastEngine
 from podsrl.fsdp import build_data_parallel
 from podsrl.models.loading import build_char_tokenizer, build_tiny_model, count_parameters
-from podsrl.run_facts import run_facts
+from podsrl.run.facts import run_facts
 from podsrl.update import PolicyUpdater
 
 

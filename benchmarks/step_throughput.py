@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from podsrl.config import TinyModelConfig, load_config  # noqa: E402
 from podsrl.models.loading import build_char_tokenizer, build_tiny_model  # noqa: E402
-from podsrl.trainer import Trainer  # noqa: E402
+from podsrl.run.trainer import Trainer  # noqa: E402
 
 # The built-in model and a ~10M-parameter one of the same shape family (width 384, 6 layers): where per-operation
 # cost, which dominates the 0.8M model's steps on a CPU, is a smaller share.

@@ -35,7 +35,7 @@ def measure(n: int, m: int, checkpointing: bool, prompts: int, length: int, laye
     from podsrl.config import load_config
     from podsrl.methods import METHODS, offline_context
     from podsrl.models.loading import build_char_tokenizer, build_tiny_model
-    from podsrl.run_facts import run_facts
+    from podsrl.run.facts import run_facts
     from podsrl.update import PolicyUpdater
 
     torch.manual_seed(0)

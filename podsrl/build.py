@@ -15,10 +15,10 @@ from podsrl.engines import RolloutEngine, build_engine
 from podsrl.models.precision import resolve_compute_dtype
 from podsrl.models.rank_loading import load_policy_on_ranks
 from podsrl.rewards import RewardManager, build_reward_manager
+from podsrl.run.warmup import needs_warmup, run_warmup
 from podsrl.tasks import build_task
 from podsrl.tasks.base import Task
 from podsrl.tasks.prompt_length import limit_task_prompts, model_context
-from podsrl.warmup import needs_warmup, run_warmup
 
 Verify = Callable[[list[Problem], torch.Tensor, list[str]], torch.Tensor]
 

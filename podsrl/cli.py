@@ -11,9 +11,9 @@ import signal
 import sys
 from pathlib import Path
 
+from podsrl.config.presets import preset_path, preset_table
 from podsrl.errors import UnhealthyRun, UserError
 from podsrl.exit_codes import ExitCode
-from podsrl.presets import preset_path, preset_table
 
 DEFAULT_CONFIG = "default"  # no --config: the built-in task, tuned for a short CPU run (configs/default.yaml)
 
@@ -45,7 +45,7 @@ def cmd_train(args) -> int:
 
         print(config_yaml(cfg), end="")
         return 0
-    from podsrl.trainer import Trainer  # after the config: a bad one is reported without importing torch
+    from podsrl.run.trainer import Trainer  # after the config: a bad one is reported without importing torch
 
     trainer = Trainer(cfg, resume=bool(args.resume))
     summary = trainer.train()
@@ -76,7 +76,7 @@ def cmd_presets(args) -> int:
 
 
 def cmd_warmup(args) -> int:
-    from podsrl.warmup import needs_warmup, run_warmup
+    from podsrl.run.warmup import needs_warmup, run_warmup
 
     cfg = _load(args)
     if not needs_warmup(cfg):
@@ -90,8 +90,8 @@ def cmd_warmup(args) -> int:
 
 def cmd_eval(args) -> int:
     from podsrl.build import base_weights, load_model, load_task, reward_manager, rollout_engine, verifier
-    from podsrl.evaluation import evaluate
     from podsrl.models.loading import resolve_device
+    from podsrl.run.evaluation import evaluate
 
     cfg = _load(args)
     # The trainer's own builders: a LoRA run's --model is its adapter (on top of the warm-up or model.name_or_path)
@@ -146,8 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="rebuild the comparison plot and tables from saved runs")
     add_report_arguments(p)
     p.set_defaults(func=report_main)
-    from podsrl.experiments.plan import add_plan_arguments, plan_main
-    from podsrl.memory_plan_report import add_memory_arguments, memory_main
+    from podsrl.planning.memory_report import add_memory_arguments, memory_main
+    from podsrl.planning.step_costs import add_plan_arguments, plan_main
 
     p = sub.add_parser("plan", help="measure step costs here, predict the step time of (prompts, n, m) settings; "
                        "--memory: predict peak memory and the largest micro-batch that fits a device")

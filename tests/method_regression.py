@@ -25,8 +25,8 @@ from transformers import AutoModelForCausalLM
 
 from podsrl.config import load_config
 from podsrl.models.loading import build_char_tokenizer, build_tiny_model
-from podsrl.trainer import Trainer
-from podsrl.warmup import run_warmup, warmup_path
+from podsrl.run.trainer import Trainer
+from podsrl.run.warmup import run_warmup, warmup_path
 
 PRESETS = ["grpo", "pods", "pods_random", "pods_max_reward", "aero", "dynamo", "dynamo_pool"]
 # case -> (preset, extra overrides); the extra cases were recorded with the code before the redesign under its keys

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from podsrl.accounting import ComputeAccountant
+from podsrl.run.accounting import ComputeAccountant
 
 TOTAL_KEYS = [
     "total/rollouts_generated",

@@ -1,4 +1,4 @@
-"""The background generator's schedule (podsrl/async_generation.py) with a stand-in for the trainer: a one-weight
+"""The background generator's schedule (podsrl/run/async_generation.py) with a stand-in for the trainer: a one-weight
 model whose value is the number of updates it has had, and a produce that reads it. Random sleeps on both sides
 stand for every interleaving the timing can give; the trained sequence must be the same for all of them."""
 
@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from podsrl.async_generation import BackgroundGenerator
 from podsrl.batch import Problem, RolloutBatch
 from podsrl.engines.base import RolloutEngine
-from podsrl.producer import ProducedBatch
+from podsrl.run.async_generation import BackgroundGenerator
+from podsrl.run.producer import ProducedBatch
 
 STEPS = 9
 

@@ -9,8 +9,8 @@ import yaml
 
 from podsrl.cli import main, parse_args
 from podsrl.config import load_config, to_dict
+from podsrl.config.presets import PRESET_DIR, preset_names
 from podsrl.methods import METHODS
-from podsrl.presets import PRESET_DIR, preset_names
 
 RECIPES = ("gsm8k_qwen_grpo", "gsm8k_qwen_pods", "math_qwen_grpo", "math_qwen_pods")
 

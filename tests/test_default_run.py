@@ -6,8 +6,8 @@ from pathlib import Path
 import yaml
 
 from podsrl.config import load_config
-from podsrl.tracking import read_metrics
-from podsrl.trainer import Trainer
+from podsrl.run.tracking import read_metrics
+from podsrl.run.trainer import Trainer
 from tests.conftest import tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1] / "podsrl"
@@ -35,7 +35,7 @@ def test_slow_run_is_warned_and_runs_every_step(tmp_path, warmup_cache, caplog):
 def test_cpu_clock_counts_process_time_not_wall_time(tmp_path, warmup_cache, monkeypatch):
     """train.clock=cpu: time/elapsed and max_seconds follow the process's CPU time, so a stalled (descheduled)
     process does not spend its budget; here every step costs exactly 1.5 CPU seconds."""
-    import podsrl.trainer as trainer_module
+    import podsrl.run.trainer as trainer_module
 
     ticks = iter(range(0, 10_000))
     fake_time = type("FakeTime", (), {"perf_counter": staticmethod(trainer_module.time.perf_counter),

@@ -96,7 +96,7 @@ def test_lora_reference_is_the_policy_with_its_adapters_disabled(tmp_path, warmu
     adapters (moved off their zero start) do change the policy's."""
     from podsrl.config import load_config
     from podsrl.models.loading import load_policy
-    from podsrl.trainer import Trainer
+    from podsrl.run.trainer import Trainer
     from tests.conftest import device_under_test, tiny_overrides
 
     overrides = tiny_overrides(tmp_path, warmup_cache, **{"rollout.n": 8, "pods.m": 4, "model.lora_rank": 4,
@@ -122,7 +122,7 @@ def test_the_start_up_line_says_where_it_runs_and_what_trains(tmp_path, warmup_c
     import logging
 
     from podsrl.config import load_config
-    from podsrl.trainer import Trainer
+    from podsrl.run.trainer import Trainer
     from tests.conftest import device_under_test, tiny_overrides
 
     overrides = tiny_overrides(tmp_path, warmup_cache, **{"rollout.n": 8, "pods.m": 4, "model.lora_rank": 4})

@@ -1,4 +1,4 @@
-"""The producing side of a step is its own object (podsrl/producer.py): what it needs to go on is its state_dict,
+"""The producing side of a step is its own object (podsrl/run/producer.py): what it needs to go on is its state_dict,
 and the learner's state plays no part in what it produces."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from podsrl.config import load_config
-from podsrl.trainer import Trainer
+from podsrl.run.trainer import Trainer
 from tests.conftest import tiny_overrides
 
 
@@ -41,7 +41,7 @@ def test_the_learner_does_not_reach_into_the_producer():
     step live in the producer."""
     import inspect
 
-    from podsrl import trainer
+    from podsrl.run import trainer
 
     source = inspect.getsource(trainer)
     for stage in ("collect_and_select", "generate_and_score", "next_problems", "method.collect", "method.select",

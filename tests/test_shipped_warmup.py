@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from podsrl.config import load_config
 from podsrl.models.loading import build_char_tokenizer, build_tiny_model
-from podsrl.warmup import SHIPPED, run_warmup, warmup_key, warmup_path
+from podsrl.run.warmup import SHIPPED, run_warmup, warmup_key, warmup_path
 
 
 def test_the_shipped_warmup_is_the_default_runs_under_the_current_key():

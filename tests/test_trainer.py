@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from podsrl.config import load_config
-from podsrl.tracking import read_metrics
-from podsrl.trainer import Trainer
+from podsrl.run.tracking import read_metrics
+from podsrl.run.trainer import Trainer
 from tests.conftest import tiny_overrides
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -93,8 +93,8 @@ def test_the_engine_releases_an_evals_state_after_it(tmp_path, warmup_cache, mon
     """An eval's kept state (as many rows as the device held then) is freed after the eval, not carried into the
     next step's generation, where the memory plan counts only the training waves' (measured on an H200: 4 GiB kept
     from a 1,024-row eval into generation, docs/results.md)."""
-    from podsrl import trainer as trainer_module
     from podsrl.engines.fast import FastEngine
+    from podsrl.run import trainer as trainer_module
 
     events = []
     release, evaluate, generate = FastEngine.release, trainer_module.evaluate, FastEngine.generate

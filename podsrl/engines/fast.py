@@ -44,8 +44,6 @@ from podsrl.engines.rows import (
 )
 from podsrl.engines.sampling import sample_next
 from podsrl.errors import ConfigError
-from podsrl.memory_plan import RESERVE, rows_in_flight
-from podsrl.memory_workload import ModelShape, Workload, model_shape
 from podsrl.models.decode import (
     DecodeStack,
     ModelForward,
@@ -61,6 +59,8 @@ from podsrl.models.transformers_api import (
     llama_layout_problem,
     new_dynamic_cache,
 )
+from podsrl.planning.memory import RESERVE, rows_in_flight
+from podsrl.planning.workload import ModelShape, Workload, model_shape
 
 logger = logging.getLogger("podsrl")
 
@@ -75,7 +75,7 @@ class FastEngine(RolloutEngine):
       module docstring); cache ("static" pre-allocated buffers or "dynamic" transformers DynamicCache);
     - max_rows (None): rows decoded at once (the layer loop with the static cache); the rows of the other prompt
       groups wait in a queue and take the places of finished rows. None: on CUDA as many as the memory plan fits in
-      the device's free memory (podsrl/memory_plan.py rows_in_flight), elsewhere all. The tokens do not depend on it;
+      the device's free memory (podsrl/planning/memory.py rows_in_flight), elsewhere all. The tokens do not depend on it;
     - cuda_graphs (None: on when the model is on a CUDA device and the layer loop runs with the static cache):
       capture one CUDA graph of the decode step per bucket and replay it. The engine then keeps its KV cache and
       step state between calls (max_rows rows, a power of two, positions to a multiple of cache_block) until

@@ -34,10 +34,10 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from podsrl.config.presets import preset_path
 from podsrl.errors import UserError
 from podsrl.experiments.report import HEADER_FILE, add_analysis_arguments, build_report, verdict_lines
-from podsrl.presets import preset_path
-from podsrl.run_lock import LOCK_FILE, RunLock
+from podsrl.run.lock import LOCK_FILE, RunLock
 
 _POLL_SECONDS = 0.5
 _LOG_TAIL_LINES = 15

@@ -1,6 +1,6 @@
 """The method protocol: what a rollout-efficiency method may decide, and what the loop hands it each step.
 
-The loop (podsrl/trainer.py) looks a method up by name once, `method = METHODS[cfg.method](cfg)`, and per step runs
+The loop (podsrl/run/trainer.py) looks a method up by name once, `method = METHODS[cfg.method](cfg)`, and per step runs
 
     collect -> stats.record -> select -> zero-variance filter/refill -> advantage clip -> end_step -> update
 

@@ -24,7 +24,7 @@ from podsrl.config import Config
 from podsrl.models.packed import packed_forward_problem
 from podsrl.models.precision import compute_autocast, describe_precision
 from podsrl.models.transformers_api import adapters_disabled, has_adapters
-from podsrl.run_facts import RunFacts
+from podsrl.run.facts import RunFacts
 from podsrl.update.plain import enable_activation_checkpointing, plain_logprobs
 from podsrl.update.shared_prompt import SharedPromptForward
 

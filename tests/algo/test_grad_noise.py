@@ -14,9 +14,9 @@ from podsrl.algo.grad_noise import SplitHalfProbe, expected_noise_var, make_prob
 from podsrl.algo.loss import aggregation_stats
 from podsrl.config import load_config
 from podsrl.methods import METHODS, offline_context
-from podsrl.run_facts import run_facts
-from podsrl.tracking import read_metrics
-from podsrl.trainer import Trainer
+from podsrl.run.facts import run_facts
+from podsrl.run.tracking import read_metrics
+from podsrl.run.trainer import Trainer
 from podsrl.update import PolicyUpdater
 from tests.conftest import device_under_test, tiny_overrides
 from tests.distributed.test_distributed import make_batch, make_model

@@ -21,7 +21,7 @@ from podsrl.config import load_config
 from podsrl.engines.base import SamplingParams
 from podsrl.engines.fast import FastEngine
 from podsrl.methods import METHODS, offline_context
-from podsrl.run_facts import run_facts
+from podsrl.run.facts import run_facts
 from podsrl.update import PolicyUpdater
 from tests.tiny_lm import TokStub as Tok
 from tests.tiny_lm import tiny_causal_lm

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from podsrl.config import load_config
 from podsrl.methods import METHODS, offline_context
-from podsrl.run_facts import run_facts
+from podsrl.run.facts import run_facts
 from podsrl.update import PolicyUpdater
 from tests.distributed.test_distributed import generation_request, make_batch, make_model
 from tests.tiny_lm import TokStub
@@ -103,8 +103,8 @@ def _full_params(model) -> torch.Tensor:
 
 def _checkpoint_roundtrip(ctx, tmp: Path) -> dict:
     """Two AdamW steps; the sharded state is saved after the first, loaded into fresh ranks' shards, stepped again."""
-    from podsrl.checkpoint import load_sharded_tensors, save_sharded_tensors
     from podsrl.fsdp import build_data_parallel
+    from podsrl.run.checkpoint import load_sharded_tensors, save_sharded_tensors
 
     cfg = load_config(None, STRATEGY)
 
@@ -267,8 +267,8 @@ def test_sharded_metadata_that_names_other_code_is_refused(tmp_path):
     """A `.metadata` from someone else is unpickled through an allow-list: a global outside it is an error."""
     import pickle
 
-    from podsrl.checkpoint import load_sharded_tensors
     from podsrl.errors import UserError
+    from podsrl.run.checkpoint import load_sharded_tensors
 
     class Payload:  # eval, not print: ray replaces builtins.print once imported, which renames the global
         def __reduce__(self):

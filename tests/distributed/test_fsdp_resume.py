@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from podsrl.checkpoint import latest_checkpoint, list_checkpoints
+from podsrl.run.checkpoint import latest_checkpoint, list_checkpoints
 from tests.faults.common import assert_same_run, tiny
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ def torchrun(run: Path, cache: str | None, env: dict | None = None) -> subproces
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory) -> str:
     from podsrl.config import load_config
-    from podsrl.warmup import run_warmup
+    from podsrl.run.warmup import run_warmup
 
     cache = tmp_path_factory.mktemp("warm")
     run_warmup(load_config(None, tiny(tmp_path_factory.mktemp("unused"), cache)), progress=False)
@@ -67,7 +67,7 @@ def assert_export_equals_shards(path: Path) -> None:
     weights, read back in this one process without a process group."""
     from transformers import AutoModelForCausalLM
 
-    from podsrl.checkpoint import load_sharded_tensors
+    from podsrl.run.checkpoint import load_sharded_tensors
 
     model = AutoModelForCausalLM.from_pretrained(path / "model")
     exported = model.state_dict()

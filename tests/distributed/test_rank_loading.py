@@ -71,7 +71,7 @@ def count_weight_reads(reads: list[str]) -> None:
 
 def build_trainer(directory: str, run_dir: Path):
     """A trainer on the local Qwen2 with a reference model (algo.beta > 0), built and not run."""
-    from podsrl.trainer import Trainer
+    from podsrl.run.trainer import Trainer
 
     cfg = load_config(None, [f"model.name_or_path={directory}", "algo.beta=0.05", f"output_dir={run_dir}",
                              "task.eval_size=4", "log.progress=false", "log.tensorboard=false", "log.plot=false"])

@@ -11,8 +11,8 @@ import torch
 from podsrl.engines import SamplingParams
 from podsrl.engines.fast import FastEngine
 from podsrl.errors import ConfigError
-from podsrl.memory_plan import generation_in_flight
-from podsrl.memory_workload import Workload, model_shape
+from podsrl.planning.memory import generation_in_flight
+from podsrl.planning.workload import Workload, model_shape
 from tests.conftest import device_under_test
 from tests.engines.test_decode_graph import CUDA_TOL, graph_engine
 from tests.engines.test_engines import make_model, random_prompts

@@ -12,11 +12,11 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from podsrl import memory_plan as mp
-from podsrl import memory_workload as mw
 from podsrl.batch import Problem, RolloutBatch
 from podsrl.cli import main
 from podsrl.errors import UserError
+from podsrl.planning import memory as mp
+from podsrl.planning import workload as mw
 from podsrl.update.shared_prompt import SharedPromptForward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -153,7 +153,7 @@ def test_train_async_adds_the_generator_copy_and_overlaps_generation_with_the_up
     meanwhile (so a smaller micro-batch fits); with the Ray pool the copy is in the master dtype and generation is
     elsewhere. Read through the CLI's own mapping from train.async and rollout.engine."""
     from podsrl.config import load_config
-    from podsrl.memory_plan_report import workload_from_config
+    from podsrl.planning.memory_report import workload_from_config
 
     config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
@@ -181,7 +181,7 @@ def test_the_default_pods_step_at_1_5b_generates_in_waves_that_fit():
     once would not fit; the plan's generation is one wave, the most rows (a power of two, the engine's bucket) that
     fit beside the resident state, and the update's recommended micro-batches fit too."""
     from podsrl.config import load_config
-    from podsrl.memory_plan_report import workload_from_config
+    from podsrl.planning.memory_report import workload_from_config
 
     config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
@@ -267,7 +267,7 @@ QWEN_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num
 def pods_work(overrides=(), world_size=1):
     """PODS' default step (32 prompts x 64, 16 trained) at 256 + 1,024 tokens, bf16 compute over float32 masters."""
     from podsrl.config import load_config
-    from podsrl.memory_plan_report import workload_from_config
+    from podsrl.planning.memory_report import workload_from_config
 
     cfg = load_config("podsrl/configs/pods.yaml", ["rollout.max_new_tokens=1024", *overrides])
     return workload_from_config(cfg, 256, "cuda", world_size)
@@ -323,7 +323,7 @@ def test_a_7b_full_fine_tune_on_one_rank_is_advised_what_fits(tmp_path, capsys):
     """Nothing fits one 80 GiB device: the advice names LoRA and FSDP2 (with and without offload) as overrides,
     each of which the plan says fits, cheapest predicted step first; no "lower the lengths"."""
     from podsrl.config import load_config
-    from podsrl.memory_plan_report import advice, update_flops
+    from podsrl.planning.memory_report import advice, update_flops
 
     Qwen2Config(**QWEN_7B).save_pretrained(tmp_path / "7b")
     args = ["plan", "pods", "rollout.max_new_tokens=1024", "--memory", "--gpu-memory", "80GiB", "--prompt-length",
@@ -386,7 +386,7 @@ def stand_in(tmp_path_factory):
 @pytest.mark.parametrize("world_size", [1, 8])
 def test_the_plan_runs_on_every_bundled_preset(stand_in, world_size, capsys):
     from podsrl.config import load_config
-    from podsrl.presets import preset_names, preset_path
+    from podsrl.config.presets import preset_names, preset_path
 
     for preset in preset_names():
         cfg = load_config(preset_path(preset), [])

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from podsrl.cli import main
+from podsrl.config.presets import preset_path
 from podsrl.errors import UserError
-from podsrl.experiments import plan
-from podsrl.experiments.plan import (
+from podsrl.planning import step_costs as plan
+from podsrl.planning.step_costs import (
     CostModel,
     Setting,
     StepSample,
@@ -22,7 +23,6 @@ from podsrl.experiments.plan import (
     nnls,
     round_order,
 )
-from podsrl.presets import preset_path
 from tests.conftest import tiny_overrides
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -121,7 +121,7 @@ def test_measure_interleaves_the_settings(monkeypatch):
                                         "time/score", "time/select", "time/update", "time/step")}
             return type("Step", (), {"metrics": metrics})()
 
-    monkeypatch.setattr("podsrl.trainer.Trainer", Recorder)
+    monkeypatch.setattr("podsrl.run.trainer.Trainer", Recorder)
     settings = [Setting(4, 4, 4), Setting(2, 4, 4), Setting(1, 2, 2)]
     labels = [(s.prompts, s.n) for s in settings]
     plan.measure(preset_path("grpo"), [], settings, steps=2)

@@ -16,6 +16,7 @@ import pytest
 import yaml
 from rich.console import Console
 
+from podsrl.config.presets import PRESET_DIR
 from podsrl.errors import UserError
 from podsrl.experiments import runner
 from podsrl.experiments.report import add_report_arguments, report_main
@@ -26,8 +27,7 @@ from podsrl.experiments.runner import (
     run_compare,
     train_argv,
 )
-from podsrl.presets import PRESET_DIR
-from podsrl.run_lock import RunLock
+from podsrl.run.lock import RunLock
 
 FAKE_TRAINER = textwrap.dedent('''
     """Stands in for `python -m podsrl`: records its argv, writes a synthetic run following the contract."""

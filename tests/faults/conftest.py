@@ -8,7 +8,7 @@ from tests.faults.launcher import Launcher
 def warm_cache(tmp_path_factory):
     """The warm-up of the tiny test model, trained once and shared by every run of the session."""
     from podsrl.config import load_config
-    from podsrl.warmup import run_warmup
+    from podsrl.run.warmup import run_warmup
 
     cache = tmp_path_factory.mktemp("warmup-cache")
     run_warmup(load_config(None, tiny(tmp_path_factory.mktemp("unused"), cache)), progress=False)

@@ -81,7 +81,7 @@ def zygote_main() -> None:
 
     torch.set_num_threads(1)  # children share 2 cores with the test runner; results are per-thread-count exact
     import podsrl.cli
-    import podsrl.trainer  # noqa: F401
+    import podsrl.run.trainer  # noqa: F401
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C of the test run is for pytest
     print(json.dumps({"ready": os.getpid()}), flush=True)

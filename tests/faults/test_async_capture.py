@@ -16,12 +16,12 @@ from contextlib import contextmanager
 
 import pytest
 
-from podsrl import async_generation
-from podsrl import trainer as trainer_module
 from podsrl.engines import fast
 from podsrl.engines.decode_step import CudaGraphs, StepRunner
 from podsrl.engines.fast import FastEngine
-from podsrl.trainer import Trainer
+from podsrl.run import async_generation
+from podsrl.run import trainer as trainer_module
+from podsrl.run.trainer import Trainer
 from podsrl.update import PolicyUpdater
 from tests.conftest import device_under_test
 from tests.engines.test_decode_graph import RerunGraphs

@@ -14,8 +14,8 @@ import torch
 
 from podsrl.config import load_config
 from podsrl.errors import UserError
-from podsrl.producer import BatchProducer
-from podsrl.trainer import Trainer
+from podsrl.run.producer import BatchProducer
+from podsrl.run.trainer import Trainer
 from podsrl.update import PolicyUpdater
 from podsrl.update.plain import plain_logprobs
 from tests.faults.common import (

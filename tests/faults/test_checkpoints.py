@@ -14,7 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from podsrl.checkpoint import (
+from podsrl.config import TinyModelConfig
+from podsrl.errors import UserError
+from podsrl.exit_codes import ExitCode
+from podsrl.models.loading import build_char_tokenizer, build_tiny_model
+from podsrl.run.checkpoint import (
     MANIFEST,
     latest_checkpoint,
     list_checkpoints,
@@ -23,10 +27,6 @@ from podsrl.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from podsrl.config import TinyModelConfig
-from podsrl.errors import UserError
-from podsrl.exit_codes import ExitCode
-from podsrl.models.loading import build_char_tokenizer, build_tiny_model
 from tests.faults.common import assert_same_run, error_line, last_step, resume_argv, train_argv
 
 

@@ -10,8 +10,8 @@ import signal
 import time
 from pathlib import Path
 
-from podsrl.checkpoint import latest_checkpoint, list_checkpoints
 from podsrl.exit_codes import ExitCode
+from podsrl.run.checkpoint import latest_checkpoint, list_checkpoints
 from tests.faults.common import (
     MAX_STEPS,
     SAVE_EVERY,

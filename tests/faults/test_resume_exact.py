@@ -11,7 +11,7 @@ import json
 import pytest
 
 from podsrl.config import load_config
-from podsrl.trainer import Trainer
+from podsrl.run.trainer import Trainer
 from tests.faults.common import REWARDS, assert_same_run, tiny
 
 

@@ -8,11 +8,11 @@ import math
 
 import pytest
 
-from podsrl.checkpoint import latest_checkpoint
 from podsrl.config import load_config
 from podsrl.errors import UserError
-from podsrl.tracking import read_metrics
-from podsrl.trainer import Trainer
+from podsrl.run.checkpoint import latest_checkpoint
+from podsrl.run.tracking import read_metrics
+from podsrl.run.trainer import Trainer
 from tests.faults.common import REWARDS, error_line, tiny, train_argv
 
 R = 16  # rollouts per step: 4 prompts x 4

@@ -14,7 +14,7 @@ import pytest
 
 from podsrl.errors import UserError
 from podsrl.exit_codes import ExitCode
-from podsrl.run_lock import LOCK_FILE, RunLock
+from podsrl.run.lock import LOCK_FILE, RunLock
 from tests.faults.common import assert_same_run, error_line, resume_argv, train_argv, wait_for_step
 
 

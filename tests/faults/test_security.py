@@ -8,9 +8,9 @@ import pickletools
 import torch
 
 from podsrl.batch import Problem
-from podsrl.checkpoint import latest_checkpoint, load_checkpoint_files
 from podsrl.math_verify_pool import MathVerifyPool
 from podsrl.rewards import MathVerifyReward, RewardManager, RewardSpec, load_function
+from podsrl.run.checkpoint import latest_checkpoint, load_checkpoint_files
 from podsrl.tasks.arithmetic import ArithmeticTask
 
 

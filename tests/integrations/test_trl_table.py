@@ -1,4 +1,4 @@
-"""The TRL migration table (docs/trl.md, generated from podsrl/trl_names.py) against the installed TRL: every
+"""The TRL migration table (docs/trl.md, generated from podsrl/config/trl_names.py) against the installed TRL: every
 GRPOConfig field it names exists with the default it states, every podsrl key exists, the doc is current; and a
 podsrl config takes TRL's names where the meaning is the same."""
 
@@ -10,10 +10,10 @@ import yaml
 
 from podsrl.cli import main
 from podsrl.config import config_help, load_config
+from podsrl.config.trl_names import ACCEPTED, ROWS
+from podsrl.config.trl_table import ENGINE_OPTION, trl_table_markdown
 from podsrl.engines import engine_options
 from podsrl.errors import ConfigError
-from podsrl.trl_names import ACCEPTED, ROWS
-from podsrl.trl_table import ENGINE_OPTION, trl_table_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -306,7 +306,7 @@ def test_trainer_refill_uses_the_zero_variance_fraction_of_the_round_just_sample
     """The worked example: 32 prompts a step; round 1 has 24 groups with variance, the refill of 13
     (int(8 / 0.75 * 1.25)) has 1, so 7 are missing at a zero-variance fraction of 12/13: the reference draws
     int(7 * 13 * 1.25) = 113, clamped to 48. Over all rounds the fraction would be 20/45 and the draw 15."""
-    from podsrl.producer import BatchProducer
+    from podsrl.run.producer import BatchProducer
     from tests.method_helpers import problems
 
     cfg = greso_config(**{"rollout.prompts_per_step": 32, "filter.zero_variance": True,

@@ -8,9 +8,9 @@ Exemptions, each with its reason:
 - podsrl/algo/ is the maths library the methods call: a kernel carries the name of the paper it implements
   (`aero_select`, `dynamo_modulation`), and it is chosen only by a method module.
 - podsrl/integrations/ ports a method to another trainer (TRL's GRPOTrainer) and is named after what it ports.
-- podsrl/experiments/plan.py predicts the cost of the down-sampling study's settings (generate n, train m).
-- podsrl/removed_keys.py names the replacements of keys from the layout before methods were modules.
-- podsrl/trl_names.py points TRL's names at the podsrl keys that do the same, method sections included.
+- podsrl/planning/step_costs.py predicts the cost of the down-sampling study's settings (generate n, train m).
+- podsrl/config/removed_keys.py names the replacements of keys from the layout before methods were modules.
+- podsrl/config/trl_names.py points TRL's names at the podsrl keys that do the same, method sections included.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from podsrl.methods import METHODS
 PACKAGE = Path(__file__).parents[2] / "podsrl"
 CORE = {"grpo"}
 EXEMPT_DIRS = ("methods", "algo", "integrations")
-EXEMPT_FILES = {"experiments/plan.py", "removed_keys.py", "trl_names.py"}
+EXEMPT_FILES = {"planning/step_costs.py", "config/removed_keys.py", "config/trl_names.py"}
 
 
 
@@ -49,7 +49,7 @@ def test_the_guard_reads_the_registry_and_finds_names():
     assert mentions("as in Reinforce-Ada and PODS's m") == {"reinforce_ada", "pods"}
     assert mentions("import podsrl; dynamo_modulation(x); aeronautics") == set()
     assert mentions((PACKAGE / "methods" / "aero.py").read_text(encoding="utf-8")) >= {"aero"}
-    assert len(checked_modules()) > 30 and PACKAGE / "trainer.py" in checked_modules()
+    assert len(checked_modules()) > 30 and PACKAGE / "run" / "trainer.py" in checked_modules()
 
 
 def test_no_module_outside_methods_names_a_method():

@@ -16,7 +16,7 @@ from podsrl.errors import ConfigError
 from podsrl.methods import METHODS, Method
 from podsrl.methods.grpo import GRPO
 from podsrl.prompt_stats import PromptStats
-from podsrl.trainer import Trainer
+from podsrl.run.trainer import Trainer
 from tests.conftest import tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_registry_and_a_loop_that_names_no_method():
     assert {"grpo", "pods", "aero", "dynamo"} <= set(METHODS)
     assert all(issubclass(cls, Method) and cls.name == name for name, cls in METHODS.items())
-    source = (ROOT / "podsrl" / "trainer.py").read_text().lower()
+    source = (ROOT / "podsrl" / "run" / "trainer.py").read_text().lower()
     for name in ("aero", "dynamo", "max_variance", "max_reward", "posterior"):
         assert name not in source, name
     assert not re.search(r"\bpods\b", source)

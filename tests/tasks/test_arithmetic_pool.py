@@ -7,10 +7,10 @@ import pytest
 
 from podsrl.config import load_config
 from podsrl.errors import ConfigError
+from podsrl.run.tracking import read_metrics
+from podsrl.run.trainer import Trainer
+from podsrl.run.warmup import warmup_key
 from podsrl.tasks import build_task
-from podsrl.tracking import read_metrics
-from podsrl.trainer import Trainer
-from podsrl.warmup import warmup_key
 from tests.conftest import tiny_overrides
 
 

@@ -10,9 +10,9 @@ from podsrl.batch import Problem
 from podsrl.config import load_config
 from podsrl.errors import ConfigError
 from podsrl.models.loading import build_char_tokenizer
+from podsrl.run.warmup import run_warmup, validation_tokens, warmup_key
 from podsrl.tasks import build_task
 from podsrl.tasks.arithmetic import ArithmeticTask, worked_solution
-from podsrl.warmup import run_warmup, validation_tokens, warmup_key
 from tests.conftest import device_under_test
 
 

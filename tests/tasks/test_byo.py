@@ -13,11 +13,11 @@ from podsrl.config import TaskConfig, load_config
 from podsrl.errors import ConfigError, DataError, UserError
 from podsrl.models.loading import build_char_tokenizer
 from podsrl.rewards import RewardManager, RewardSpec, build_reward_manager
+from podsrl.run.tracking import MetricsLogger, StepProgress, normalize_report_to, read_metrics
+from podsrl.run.trainer import Trainer
 from podsrl.tasks import build_task
 from podsrl.tasks.datasets import DatasetTask, numeric_answer
 from podsrl.tasks.prompt_length import PromptLimit, limit_task_prompts, resolve_limit
-from podsrl.tracking import MetricsLogger, StepProgress, normalize_report_to, read_metrics
-from podsrl.trainer import Trainer
 from tests.conftest import tiny_overrides
 
 ROWS = [{"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i:,}"} for i in range(400, 440)]
@@ -170,7 +170,7 @@ def test_plain_progress_lines_every_n_steps_and_at_the_end():
 
 
 def test_warm_up_prints_plain_lines_to_a_log_file(tmp_path, capsys):
-    from podsrl.warmup import run_warmup
+    from podsrl.run.warmup import run_warmup
 
     cfg = load_config(None, [f"warmup.cache_dir={tmp_path}", "warmup.steps=4", "warmup.batch_size=4",
                              "warmup.check_every=2", "warmup.validation_size=4", "log.log_every=2",
@@ -184,7 +184,7 @@ def test_warm_up_prints_plain_lines_to_a_log_file(tmp_path, capsys):
 
 def test_plain_progress_every_n_seconds(monkeypatch):
     now = [0.0]
-    monkeypatch.setattr("podsrl.tracking.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("podsrl.run.tracking.time.monotonic", lambda: now[0])
     out = io.StringIO()
     bar = StepProgress(1000, every_steps=1000, every_seconds=30, stream=out, live=False)
     for step in range(1, 11):

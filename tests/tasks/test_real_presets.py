@@ -10,8 +10,8 @@ import torch
 
 from podsrl.config import TinyModelConfig, load_config
 from podsrl.models.loading import build_char_tokenizer, build_tiny_model
-from podsrl.tracking import read_metrics
-from podsrl.trainer import Trainer
+from podsrl.run.tracking import read_metrics
+from podsrl.run.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,9 +64,9 @@ def test_gsm8k_pods_preset_starts_with_a_stand_in_and_lora_adapter_reloads(tmp_p
     trained = dict(trainer.model.named_parameters())
     assert any(not torch.equal(before[k], trained[k]) for k in before), "LoRA weights did not move"
     # The checkpoint holds the adapter; loaded onto the base it reproduces the trained policy.
-    from podsrl.checkpoint import latest_checkpoint
     from podsrl.lora import load_adapter
     from podsrl.models.loading import load_pretrained
+    from podsrl.run.checkpoint import latest_checkpoint
 
     base, tokenizer = load_pretrained(str(stand_in_model))
     reloaded = load_adapter(base, latest_checkpoint(tmp_path / "run") / "model")

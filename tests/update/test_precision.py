@@ -16,8 +16,8 @@ from podsrl.config import load_config
 from podsrl.errors import ConfigError
 from podsrl.models.logprobs import head_logprobs_and_entropy
 from podsrl.models.precision import compute_autocast, describe_precision, resolve_compute_dtype
-from podsrl.tracking import read_metrics
-from podsrl.trainer import Trainer
+from podsrl.run.tracking import read_metrics
+from podsrl.run.trainer import Trainer
 from tests.conftest import tiny_overrides
 from tests.tiny_lm import TokStub as Tok
 from tests.tiny_lm import tiny_causal_lm

@@ -1,9 +1,9 @@
-"""The training loop, top to bottom: the learner. One step takes its batch from the producer (podsrl/producer.py:
+"""The training loop, top to bottom: the learner. One step takes its batch from the producer (podsrl/run/producer.py:
 problems -> collect -> select -> refill -> advantage clip, the method's stages), then updates on it, then evals,
 logs and checkpoints when due. This file names no method.
 
 Synchronously the producer runs in process before each update; with `train.async` it runs ahead on the background
-generator's thread (podsrl/async_generation.py) while the learner updates, and the learner reads it only once that
+generator's thread (podsrl/run/async_generation.py) while the learner updates, and the learner reads it only once that
 thread is quiet.
 """
 
@@ -18,13 +18,22 @@ from pathlib import Path
 
 import torch
 
-from podsrl import faults
-from podsrl.accounting import ComputeAccountant
-from podsrl.async_generation import BackgroundGenerator, async_engines, split_threads, staleness_metrics
 from podsrl.batch import RolloutBatch
 from podsrl.build import base_weights, load_model, load_task, reward_manager, rollout_engine, verifier
-from podsrl.capture_lock import CAPTURE_LOCK
-from podsrl.checkpoint import (
+from podsrl.config import Config, dump_config
+from podsrl.distributed import NullLogger, init_distributed
+from podsrl.errors import UnhealthyRun, UserError
+from podsrl.fileio import write_text_atomic
+from podsrl.fsdp import build_data_parallel
+from podsrl.methods import METHODS
+from podsrl.models.loading import count_parameters, resolve_device
+from podsrl.models.rank_loading import load_policy_on_ranks
+from podsrl.plotting import plot_run
+from podsrl.run import faults
+from podsrl.run.accounting import ComputeAccountant
+from podsrl.run.async_generation import BackgroundGenerator, async_engines, split_threads, staleness_metrics
+from podsrl.run.capture_lock import CAPTURE_LOCK
+from podsrl.run.checkpoint import (
     load_checkpoint_files,
     load_in_flight,
     load_sharded_tensors,
@@ -34,22 +43,13 @@ from podsrl.checkpoint import (
     save_checkpoint,
     set_python_random_state,
 )
-from podsrl.config import Config, dump_config
-from podsrl.distributed import NullLogger, init_distributed
-from podsrl.errors import UnhealthyRun, UserError
-from podsrl.evaluation import evaluate
-from podsrl.fileio import write_text_atomic
-from podsrl.fsdp import build_data_parallel
-from podsrl.health import HealthMonitor
-from podsrl.methods import METHODS
-from podsrl.models.loading import count_parameters, resolve_device
-from podsrl.models.rank_loading import load_policy_on_ranks
-from podsrl.plotting import plot_run
-from podsrl.producer import BatchProducer, ProducedBatch, StepRecord
-from podsrl.run_description import describe_run, world_size_change
-from podsrl.run_facts import run_facts, unread_settings
-from podsrl.run_lock import RunLock
-from podsrl.tracking import build_metrics_logger, build_progress, read_metrics
+from podsrl.run.description import describe_run, world_size_change
+from podsrl.run.evaluation import evaluate
+from podsrl.run.facts import run_facts, unread_settings
+from podsrl.run.health import HealthMonitor
+from podsrl.run.lock import RunLock
+from podsrl.run.producer import BatchProducer, ProducedBatch, StepRecord
+from podsrl.run.tracking import build_metrics_logger, build_progress, read_metrics
 from podsrl.update import PolicyUpdater
 from podsrl.update.optimizer import build_optimizer
 

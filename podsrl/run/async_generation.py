@@ -11,7 +11,7 @@ The learner publishes w_k at the start of step k (after the step-k checkpoint, s
 written); the generator loads the version it needs into its own copy of the policy before producing a batch and
 hands it to the engine's weight sync (a no-op in process, one `ray.put` for the Ray pool).
 
-The producer (podsrl/producer.py: its data position, RNG, per-prompt history, method, engine) belongs to the generator
+The producer (podsrl/run/producer.py: its data position, RNG, per-prompt history, method, engine) belongs to the generator
 thread while it runs; the learner reads it only after `quiesce` (checkpoints, evals). On a GPU the
 generator's engine may capture CUDA graphs: the learner's device work beside it holds capture_lock.CAPTURE_LOCK.
 """
@@ -28,14 +28,14 @@ import torch
 
 from podsrl.batch import RolloutBatch
 from podsrl.build import rollout_engine, sampling_dtype
-from podsrl.capture_lock import CAPTURE_LOCK
 from podsrl.config import Config
 from podsrl.engines import build_engine
 from podsrl.engines.base import RolloutEngine
 from podsrl.engines.fast import compute_copy
 from podsrl.errors import UserError
 from podsrl.models.decode import share_fused_weights
-from podsrl.producer import ProducedBatch
+from podsrl.run.capture_lock import CAPTURE_LOCK
+from podsrl.run.producer import ProducedBatch
 
 
 def async_engines(cfg: Config, generation_model: torch.nn.Module, tokenizer, distributed: bool):

@@ -7,7 +7,7 @@
 read and write is the producer's own: the data position, its RNG stream (sampling seeds, prompt order, selection),
 the per-prompt history, the method's state, the engine it samples with, the rewards. The synchronous loop calls
 `produce` in process; under train.async the background generator calls it on its thread
-(podsrl/async_generation.py), and the learner (podsrl/trainer.py) touches none of it while that thread runs: it
+(podsrl/run/async_generation.py), and the learner (podsrl/run/trainer.py) touches none of it while that thread runs: it
 reads the producer only through `state_dict` once the generator is quiet (checkpoints).
 """
 

@@ -1,7 +1,7 @@
 """The memory model behind `podsrl plan --memory`: the predicted peak memory of a step's generation and of its update,
 from the model's config alone (built on the meta device, no weights), and the largest micro-batch that fits a device.
-What it plans for (the model's shape, the step's workload) is podsrl/memory_workload.py; its table and command
-line are podsrl/memory_plan_report.py.
+What it plans for (the model's shape, the step's workload) is podsrl/planning/workload.py; its table and command
+line are podsrl/planning/memory_report.py.
 
 Every term is bytes = count x element size, the count read off the code that allocates it (each function's
 docstring names that code); all rows are taken at the full prompt and completion lengths (the worst case a step can
@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from podsrl.memory_workload import ModelShape, Workload
+from podsrl.planning.workload import ModelShape, Workload
 
 GIB = 2**30
 ADAM_STATES = 2  # exp_avg and exp_avg_sq, each in the parameter's dtype (torch.optim.AdamW)
@@ -298,7 +298,7 @@ def update_peak(shape: ModelShape, work: Workload, rows: int, checkpointing: boo
 def engine_weights(shape: ModelShape, work: Workload) -> int:
     """The weights the engine samples from beside the masters, in the compute dtype: the fast engine's own copy,
     made when the compute dtype is narrower than the masters; under FSDP2 the unsharded generation copy
-    (podsrl/fsdp.py), always. Under train.async it is the eval engine's (podsrl/async_generation.py: it samples the
+    (podsrl/fsdp.py), always. Under train.async it is the eval engine's (podsrl/run/async_generation.py: it samples the
     learner's current weights, which the generator's older copy, generator_weights, does not hold)."""
     return shape.params * work.e if work.compute_dtype != work.dtype or work.sharded else 0
 
@@ -317,7 +317,7 @@ def engine_fused_weights(shape: ModelShape, work: Workload) -> int:
 
 
 def generator_weights(shape: ModelShape, work: Workload) -> int:
-    """train.async's generator copy (podsrl/async_generation.py async_engines): in the fast engine's dtype, its
+    """train.async's generator copy (podsrl/run/async_generation.py async_engines): in the fast engine's dtype, its
     projections the decode step's fused weights; for the Ray pool a full copy in the master dtype."""
     return {"in_process": shape.params * work.engine_e, "ray": shape.params * work.p}.get(work.async_generator, 0)
 
@@ -361,7 +361,7 @@ def rows_in_flight(shape: ModelShape, work: Workload, available: int) -> int:
 def generation_peak(shape: ModelShape, work: Workload) -> dict[str, int]:
     """Terms of generation's peak (podsrl/engines/fast.py, work.generation_rows rows in flight):
     - the master weights; in a training run also the AdamW state (the trainer frees the gradients after each update:
-      podsrl/trainer.py); the reference model;
+      podsrl/run/trainer.py); the reference model;
     - the engine's weights copy in the compute dtype, when it differs from the master dtype;
     - the fused q/k/v and gate/up weights of every layer, unless the engine has its own copy (engine_fused_weights);
     - train.async's generator copy (generator_weights);

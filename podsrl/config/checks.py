@@ -1,12 +1,12 @@
 """The cross-field checks of a loaded config (value ranges, keys that need each other), each naming the offending
-key; the checks against the registries (engine options, trackers, the method's own) are podsrl/validation.py's."""
+key; the checks against the registries (engine options, trackers, the method's own) are podsrl/config/method_checks.py's."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from podsrl.config.method_checks import check_choices
 from podsrl.errors import ConfigError
-from podsrl.validation import check_choices
 
 if TYPE_CHECKING:
     from podsrl.config import Config

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from podsrl.errors import UserError
 
-PRESET_DIR = Path(__file__).parent / "configs"
+PRESET_DIR = Path(__file__).parents[1] / "configs"
 PURPOSE_CHARS = 120  # about one terminal line with the name in front
 
 

@@ -20,7 +20,7 @@ import socket
 from pathlib import Path
 
 from podsrl.errors import UserError
-from podsrl.run_log import RunLog
+from podsrl.run.log import RunLog
 
 log = logging.getLogger("podsrl")
 

@@ -1,5 +1,5 @@
 """The config checks that need a registry: the method's name and its own section's checks, the engine's options,
-the trackers. load_config runs them after the plain field checks of podsrl/config_validation.py, so every entry
+the trackers. load_config runs them after the plain field checks of podsrl/config/checks.py, so every entry
 point (CLI, Python, the experiments) refuses a bad choice with one line naming the key."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from podsrl.engines import check_engine_options
 from podsrl.errors import ConfigError
 from podsrl.methods import METHODS
 from podsrl.models.precision import check_precision
-from podsrl.tracking import normalize_report_to
+from podsrl.run.tracking import normalize_report_to
 
 if TYPE_CHECKING:
     from podsrl.config import Config

@@ -242,7 +242,7 @@ def measure(
     optimiser per setting in memory. `interleave=False` runs one setting after the other (one model in memory).
     """
     from podsrl.config import load_config
-    from podsrl.trainer import Trainer
+    from podsrl.run.trainer import Trainer
 
     epochs = [1] * len(settings)  # update passes over the trained batch (optim.epochs), per setting
 

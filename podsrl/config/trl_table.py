@@ -1,13 +1,13 @@
-"""The TRL migration table of docs/trl.md, generated from the name map (podsrl/trl_names.py) and the config
-defaults (podsrl/config.py, which itself reads the map to accept TRL names)."""
+"""The TRL migration table of docs/trl.md, generated from the name map (podsrl/config/trl_names.py) and the config
+defaults (podsrl/config/__init__.py, which itself reads the map to accept TRL names)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from podsrl.config import config_help
+from podsrl.config.trl_names import ROWS
 from podsrl.engines import engine_option_default
-from podsrl.trl_names import ROWS
 
 ENGINE_OPTION = "rollout.engine_options."  # TRL's vllm_* settings map to options of podsrl's vllm engine
 

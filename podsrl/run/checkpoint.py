@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from podsrl import faults
 from podsrl.errors import UserError
-from podsrl.run_lock import create_run_dir
+from podsrl.run import faults
+from podsrl.run.lock import create_run_dir
 
 log = logging.getLogger("podsrl")
 

@@ -7,8 +7,8 @@ of vetted defaults; the trainer itself is algorithm-blind and reads only these f
 
 The sections here are the core's; each method brings its own section (its `section` dataclass, under its name), and
 `Config` is composed from the method registry, so adding a method never touches this file. The cross-field checks
-are in podsrl/config_validation.py, those that need the registries (engine options, trackers, the method's own) in
-podsrl/validation.py.
+are in podsrl/config/checks.py, those that need the registries (engine options, trackers, the method's own) in
+podsrl/config/method_checks.py.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from typing import Any, Literal
 
 import yaml
 
-from podsrl.config_validation import validate
+from podsrl.config.checks import validate
+from podsrl.config.removed_keys import reject_removed_keys
+from podsrl.config.trl_names import translate_trl_names
 from podsrl.errors import ConfigError
 from podsrl.fileio import write_text_atomic
 from podsrl.methods import METHODS
 from podsrl.options import config_key, option, to_dict
-from podsrl.removed_keys import reject_removed_keys
-from podsrl.tracking import normalize_report_to
-from podsrl.trl_names import translate_trl_names
+from podsrl.run.tracking import normalize_report_to
 
 _f = option
 
@@ -227,7 +227,7 @@ class TrainConfig:
     save_every: int = _f(50, "Checkpoint every N steps (and at the end).")
     keep_checkpoints: int = _f(2, "Checkpoints kept on disk (older ones are deleted).")
     max_nonfinite_steps: int = _f(3, "Consecutive non-finite losses/gradients (each skipped) before the run stops.")
-    # Health checks (podsrl/health.py): each warns once, logs health/<check> and is listed in summary.json.
+    # Health checks (podsrl/run/health.py): each warns once, logs health/<check> and is listed in summary.json.
     health_steps: int = _f(10, "Steps in a row a collapse sign must hold before its health warning (0 = no "
                            "health checks): reward 0, empty completions, low entropy, KL or clipped-ratio blow-up.")
     health_min_entropy: float = _f(0.01, "Health: mean token entropy (nats) below this is an entropy collapse.")
@@ -477,7 +477,7 @@ def config_reference_markdown() -> str:
     """The config reference (docs/config.md), generated from the dataclasses so it cannot go stale."""
     lines = ["# Configuration reference", "",
              "Every key, its default and what it does. Set them in a YAML file (`--config`) or on the command line "
-             "as dotted overrides (`rollout.n=16`). Generated from `podsrl/config.py` by "
+             "as dotted overrides (`rollout.n=16`). Generated from `podsrl/config/__init__.py` by "
              "`python -c \"from podsrl.config import config_reference_markdown as f; print(f(), end='')\" > docs/config.md`.",
              "", "| key | default | meaning |", "|---|---|---|"]
     for key, default, text in config_help():

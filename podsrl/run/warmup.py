@@ -19,8 +19,8 @@ import torch
 
 from podsrl.config import Config, TaskConfig, to_dict
 from podsrl.models.loading import build_char_tokenizer, build_tiny_model, resolve_device
+from podsrl.run.tracking import build_progress
 from podsrl.tasks import build_task
-from podsrl.tracking import build_progress
 
 log = logging.getLogger("podsrl")
 
@@ -47,7 +47,7 @@ def warmup_key(cfg: Config) -> str:
 
 # Warm-ups shipped with the package, one directory per key: the default run's, so every machine starts RL from the
 # same weights (tests/test_shipped_warmup.py checks the key and shapes against the current code).
-SHIPPED = Path(__file__).parent / "warmups"
+SHIPPED = Path(__file__).parents[1] / "warmups"
 
 
 def warmup_path(cfg: Config) -> Path:

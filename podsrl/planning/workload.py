@@ -1,6 +1,6 @@
 """What `podsrl plan --memory` plans for: the model's shape, read off its config on the meta device (no weights), and
 the step's workload (prompts, rollouts, lengths, precision, ranks); parse_memory reads a device size. The memory
-model over them is podsrl/memory_plan.py."""
+model over them is podsrl/planning/memory.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`podsrl plan CONFIG --memory`: the command line and the table (or JSON) of the memory plan that
-podsrl/memory_plan.py predicts."""
+podsrl/planning/memory.py predicts."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from podsrl.errors import UserError
-from podsrl.memory_plan import GIB, RESERVE, MemoryPlan, make_plan, update_flops
-from podsrl.memory_workload import LINEAR_MODULES, Workload, load_model_config, model_shape, parse_memory
+from podsrl.planning.memory import GIB, RESERVE, MemoryPlan, make_plan, update_flops
+from podsrl.planning.workload import LINEAR_MODULES, Workload, load_model_config, model_shape, parse_memory
 
 ADVICE_LORA_RANK = 64  # the Qwen presets' rank, on all seven projections
 ADVICE_WORLD_SIZES = (2, 4, 8)  # FSDP2 over one node's GPUs
