@@ -235,7 +235,7 @@ def sharded_state(shape: ModelShape, work: Workload) -> dict[str, int]:
     """model_state's terms as a rank holds them, wherever they live: whole (ddp), or 1/N of each (fsdp)."""
     trained = shape.trained_params * (4 if shape.lora else work.p)
     whole = {
-        "weights": shape.params * work.p,
+        "weights": (shape.params - shape.trained_params) * work.p + trained,  # LoRA: frozen base + float32 adapters
         "gradients": trained,
         "optimizer": ADAM_STATES * trained,
         "reference": shape.params * work.p if work.beta > 0 and not shape.lora else 0,

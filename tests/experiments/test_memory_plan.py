@@ -113,6 +113,19 @@ def test_model_shape_counts_the_real_parameters_and_lora_adapters():
         mw.model_shape(config, 4, ["lm_head"])
 
 
+def test_lora_weights_are_a_bfloat16_base_and_float32_adapters():
+    """The weights term is what apply_lora leaves on a bfloat16 model: the frozen base in bfloat16, the adapters in
+    float32 (peft), byte for byte."""
+    from podsrl.lora import apply_lora
+
+    config = qwen2()
+    adapted = apply_lora(Qwen2ForCausalLM(config).to(torch.bfloat16), rank=4, target_modules=list(mw.LINEAR_MODULES))
+    shape = mw.model_shape(config, 4, mw.LINEAR_MODULES)
+    work = mw.Workload(prompts=2, n=4, m=4, prompt_length=16, completion_length=16, dtype="bfloat16",
+                       compute_dtype="bfloat16")
+    assert mp.model_state(shape, work)["weights"] == sum(p.numel() * p.element_size() for p in adapted.parameters())
+
+
 def test_a_reference_model_is_counted_without_lora_only():
     """beta > 0 keeps a second copy of the weights; with LoRA the reference is the policy, its adapters disabled."""
     config = qwen2()
