@@ -39,6 +39,7 @@ def _stand_in_overrides(tmp_path, model_path, data, steps=2):
             f"task.args.path={data}", "task.args.eval_split=null", "task.args.eval_fraction=0.25",
             "task.args.prompt_mode=plain", "task.args.config=null", "task.eval_size=4", "rollout.prompts_per_step=2",
             "rollout.n=4", "pods.m=2", "rollout.max_new_tokens=6", f"train.max_steps={steps}", "eval.samples=0",
+            "task.max_prompt_length=0",  # the stand-in's context (512) holds no preset's declared 512 + completion
             f"output_dir={tmp_path / 'run'}", "log.progress=false", "log.tensorboard=false", "log.plot=false"]
 
 
