@@ -11,7 +11,7 @@ import torch
 
 from podsrl.batch import concat_batches
 from podsrl.run.producer import ProducedBatch
-from tests.update.test_shared_prompt import compare, grads, make_batch, make_updater, tiny_model
+from tests.update.test_shared_prompt import compare, grads, make_batch, make_updater, rel, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -78,12 +78,13 @@ def test_the_sampler_log_probs_of_masked_tokens_change_nothing(update, shared):
     changed.sampler_logprobs = batch.sampler_logprobs.masked_fill(masked, -30.0)
     m0, g0 = one_update(batch, shared, *UPDATES[update])
     m1, g1 = one_update(changed, shared, *UPDATES[update])
-    assert torch.equal(g0, g1)
-    assert m0 == m1
+    # equal on the CPU; CUDA's atomic adds may reorder a sum between two runs of one batch
+    assert rel(g1, g0) <= 1e-6, rel(g1, g0)
+    assert m0.keys() == m1.keys() and all(abs(m1[k] - m0[k]) <= 1e-5 * max(1.0, abs(m0[k])) for k in m0)
     # the mask does matter: training the tool's tokens too gives another gradient
     unmasked = batch.select_rows(torch.arange(batch.num_rollouts))
     unmasked.loss_mask = None
-    assert not torch.allclose(one_update(unmasked, shared, *UPDATES[update])[1], g0)
+    assert rel(one_update(unmasked, shared, *UPDATES[update])[1], g0) > 1e-3
 
 
 def test_selection_concatenation_trimming_and_checkpoints_keep_the_mask_aligned():
