@@ -1,6 +1,6 @@
 """The episode runner over a scripted engine: a tool call's answer lands in the context, masked from the loss, and
 the episode continues; faulty tools become error messages and counted faults; turn and token limits end episodes;
-an episode depends on its own seed only."""
+a failing environment ends its episode; an episode depends on its own seed only."""
 
 from __future__ import annotations
 
@@ -166,3 +166,21 @@ def test_each_turn_is_seeded_from_the_rows_seed_and_the_turn_alone():
     n = int(alone.generation.completion_mask[0].sum())
     assert torch.equal(together.generation.completion_ids[2, :n], alone.generation.completion_ids[0, :n])
     assert int(together.generation.completion_mask[2].sum()) == n
+
+
+class BrokenEnvironment(ToolEnvironment):
+    def step(self, assistant_text: str):
+        raise OSError("environment lost")
+
+
+class BrokenTask(ArithmeticToolTask):
+    def environment(self, tool_timeout_s: float) -> ToolEnvironment:
+        return BrokenEnvironment([], tool_timeout_s)
+
+
+def test_an_environment_that_fails_ends_its_episode_counted_without_stopping_the_run():
+    problems = [Problem(uid="p", prompt="47+8=", answer="55")]
+    out = run(ScriptedEngine(calculator_script), BrokenTask(seed=0, eval_size=0), problems, [2], [1, 2])
+    metrics = out.stats.metrics()
+    assert metrics["episode/ended_by_environment_fault"] == 1.0 and metrics["episode/turns"] == 1.0
+    assert int(out.loss_mask.sum()) == int(out.generation.completion_mask.sum()) > 0
