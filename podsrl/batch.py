@@ -30,7 +30,7 @@ class RolloutBatch:
     prompt_ids: torch.Tensor  # [R, Lp] long, left-padded
     prompt_mask: torch.Tensor  # [R, Lp] long, 1 on real prompt tokens
     completion_ids: torch.Tensor  # [R, Lc] long, right-padded
-    completion_mask: torch.Tensor  # [R, Lc] float, 1 on generated tokens (EOS included)
+    completion_mask: torch.Tensor  # [R, Lc] float, 1 on the tokens present in the context (EOS included)
     truncated: torch.Tensor  # [R] bool, stopped by max_new_tokens before EOS
     sampler_logprobs: torch.Tensor | None = None  # [R, Lc] float32, the sampler's log-probs of the sampled tokens
     completions: list[str] | None = None  # decoded completion texts
@@ -39,6 +39,9 @@ class RolloutBatch:
     correct: torch.Tensor | None = None  # [R] bool, verifier correctness (used by per-prompt statistics)
     advantages: torch.Tensor | None = None  # [R] float, sequence-level advantage broadcast to tokens
     policy_version: torch.Tensor | None = None  # [R] long, the optimiser step whose weights sampled the row
+    # [R, Lc] float, 1 on the tokens the model generated: an episode's tool and environment tokens are in the
+    # context (completion_mask) but not trained on. None: every token present was generated (completion_mask).
+    loss_mask: torch.Tensor | None = None
 
     @property
     def num_rollouts(self) -> int:
@@ -54,6 +57,11 @@ class RolloutBatch:
 
     def completion_lengths(self) -> torch.Tensor:
         return self.completion_mask.sum(dim=1).long()
+
+    @property
+    def trained_mask(self) -> torch.Tensor:
+        """[R, Lc] float, 1 on the tokens the loss, the KL and the rollout correction count."""
+        return self.completion_mask if self.loss_mask is None else self.loss_mask
 
     def select_rows(self, rows: torch.Tensor) -> RolloutBatch:
         """A batch holding only `rows` (long indices or bool mask); problems keep their indices."""
@@ -86,6 +94,8 @@ class RolloutBatch:
         )
         if self.sampler_logprobs is not None:
             out.sampler_logprobs = self.sampler_logprobs[:, :length]
+        if self.loss_mask is not None:
+            out.loss_mask = self.loss_mask[:, :length]
         return out
 
 
@@ -125,6 +135,8 @@ def concat_batches(batches: list[RolloutBatch], pad_token_id: int, disjoint: boo
     )
     if all(b.sampler_logprobs is not None for b in batches):
         out.sampler_logprobs = torch.cat([right(b.sampler_logprobs, lc, 0.0) for b in batches])
+    if any(b.loss_mask is not None for b in batches):  # a batch without one trains every token it holds
+        out.loss_mask = torch.cat([right(b.trained_mask, lc, 0) for b in batches])
     if all(b.completions is not None for b in batches):
         out.completions = [c for b in batches for c in b.completions]
     if all(b.advantages is not None for b in batches):

@@ -136,7 +136,7 @@ def init_distributed(device: torch.device, timeout_s: float = 3600.0) -> DistCon
 
 def batch_fingerprint(batch: RolloutBatch, generator: torch.Generator) -> str:
     h = hashlib.sha256()
-    for t in (batch.group_index, batch.completion_ids, batch.completion_mask, batch.advantages,
+    for t in (batch.group_index, batch.completion_ids, batch.completion_mask, batch.loss_mask, batch.advantages,
               generator.get_state()):
         if t is not None:
             t = t.detach().cpu().contiguous()

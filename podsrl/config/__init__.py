@@ -66,7 +66,8 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = _f("arithmetic", "'arithmetic' (built-in), 'dataset' (jsonl/csv/parquet/HF), 'reasoning_gym'.")
+    name: str = _f("arithmetic", "'arithmetic' (built-in), 'arithmetic_tool' (built-in, episodes with a calculator tool: "
+                   "docs/episodes.md), 'dataset' (jsonl/csv/parquet/HF), 'reasoning_gym'.")
     args: dict[str, Any] = _f({}, "Task-specific arguments (e.g. operands/digits/train_size/solution for arithmetic, "
                               "dataset path and columns).")
     eval_size: int = _f(2000, "Held-out problems; fixed by the task seed (0 = no eval set: trains, says so).")
@@ -120,6 +121,16 @@ class RolloutConfig:
         "engine: "
         "eos_token_id (default: the tokenizer's EOS and every eos id of the model's generation config; given, it "
         "replaces them) and pad_token_id."))
+
+
+@dataclass
+class EpisodeConfig:
+    max_turns: int = _f(4, "Episodes (tasks with an environment): most model turns per episode; an episode still "
+                        "calling tools after this many ends there.")
+    max_tokens: int = _f(256, "Episodes: most completion tokens per episode, the model's turns and the environment's "
+                         "messages together (each turn also stops at rollout.max_new_tokens).")
+    tool_timeout_s: float = _f(10.0, "Episodes: seconds a tool call may take; a call that runs longer answers the "
+                               "model with an error and counts as a tool fault.")
 
 
 @dataclass
@@ -293,6 +304,7 @@ class CoreConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     update: UpdateConfig = field(default_factory=UpdateConfig)

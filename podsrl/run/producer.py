@@ -23,6 +23,8 @@ from podsrl.batch import Problem, RolloutBatch, concat_batches
 from podsrl.config import Config
 from podsrl.engines import SamplingParams
 from podsrl.engines.base import RolloutEngine
+from podsrl.episodes.runner import EpisodeRunner
+from podsrl.episodes.stats import EpisodeStats
 from podsrl.methods import StepContext
 from podsrl.methods.base import Method
 from podsrl.prompt_stats import PromptStats
@@ -75,6 +77,7 @@ class StepRecord:
     collect_metrics: list[dict] = field(default_factory=list)  # one per method.collect
     skipped_rollouts: int = 0  # generated, then dropped by the reward policy 'skip' (still compute spent)
     skipped_tokens: int = 0
+    episodes: EpisodeStats = field(default_factory=EpisodeStats)  # what the step's episodes did (if any)
 
 
 class BatchProducer:
@@ -85,6 +88,8 @@ class BatchProducer:
                  sampler_logprobs: bool) -> None:
         self.cfg, self.task, self.tokenizer, self.engine = cfg, task, tokenizer, engine
         self.rewards, self.method = rewards, method
+        # a task with an environment samples episodes (a row is one episode); otherwise one completion a row
+        self.episodes = EpisodeRunner(engine, tokenizer, task, cfg.episode) if task.has_environment() else None
         r = cfg.rollout
         self.sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                        top_k=r.top_k, return_logprobs=sampler_logprobs)
@@ -184,15 +189,22 @@ class BatchProducer:
                            record: StepRecord) -> RolloutBatch:
         """Sample counts[j] rollouts of problems[indices[j]] and score them; group_index refers to `problems`."""
         t0 = time.perf_counter()
-        prompts = [self.tokenizer(problems[i].prompt, add_special_tokens=False).input_ids for i in indices]
         seeds = torch.randint(0, 2**62, (sum(counts),), generator=self.rng)
-        out = self.engine.generate(prompts, counts, self.sampling, seeds)
+        loss_mask = None
+        if self.episodes is None:
+            prompts = [self.tokenizer(problems[i].prompt, add_special_tokens=False).input_ids for i in indices]
+            out = self.engine.generate(prompts, counts, self.sampling, seeds)
+        else:
+            episodes = self.episodes.run([problems[i] for i in indices], counts, self.sampling, seeds)
+            out, loss_mask = episodes.generation, episodes.loss_mask
+            record.episodes.add(episodes.stats)
         t1 = time.perf_counter()
         index_map = torch.tensor(indices, dtype=torch.long)
         batch = RolloutBatch(
             problems=problems, group_index=index_map[out.group_index], prompt_ids=out.prompt_ids,
             prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
             completion_mask=out.completion_mask.float(), truncated=out.truncated, sampler_logprobs=out.logprobs,
+            loss_mask=loss_mask,
         )
         ids = batch.completion_ids.masked_fill(batch.completion_mask == 0, self.tokenizer.pad_token_id)
         batch.completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
@@ -225,5 +237,7 @@ class BatchProducer:
             for part in parts:
                 for k, v in part.items():
                     metrics[k] = metrics.get(k, 0.0) + v / len(parts)
+        if record.episodes.episodes:
+            metrics.update(record.episodes.metrics())
         metrics.update(select_metrics)
         return metrics

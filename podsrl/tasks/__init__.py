@@ -1,4 +1,4 @@
-"""Task registry: built-in arithmetic, datasets (jsonl/csv/parquet/HF), reasoning-gym.
+"""Task registry: built-in arithmetic (plain, or with a calculator tool: episodes), datasets (jsonl/csv/parquet/HF), reasoning-gym.
 
 `task.args` holds each task's own arguments; prompt formatting keys (prompt_mode, system_prompt, template) apply to
 dataset and reasoning-gym tasks, which ask a real model in its chat template by default.
@@ -30,6 +30,10 @@ def build_task(cfg: TaskConfig, tokenizer=None) -> Task:
         from podsrl.tasks.arithmetic import ArithmeticTask
 
         return _construct(ArithmeticTask, "arithmetic", seed=cfg.seed, eval_size=cfg.eval_size, **args)
+    if cfg.name == "arithmetic_tool":
+        from podsrl.tasks.arithmetic_tool import ArithmeticToolTask
+
+        return _construct(ArithmeticToolTask, "arithmetic_tool", seed=cfg.seed, eval_size=cfg.eval_size, **args)
     prompt_args = {k: args.pop(k) for k in PROMPT_KEYS if k in args}
     from podsrl.tasks.templates import prompt_formatter
 
@@ -54,4 +58,4 @@ def build_task(cfg: TaskConfig, tokenizer=None) -> Task:
         name = args.pop("name")
         return _construct(ReasoningGymTask, "reasoning_gym", name, seed=cfg.seed, eval_size=cfg.eval_size,
                           format_prompt=formatter, **args)
-    raise ConfigError(f"task.name: unknown task {cfg.name!r} (choose from arithmetic, dataset, reasoning_gym)")
+    raise ConfigError(f"task.name: unknown task {cfg.name!r} (choose from arithmetic, arithmetic_tool, dataset, reasoning_gym)")

@@ -7,8 +7,12 @@ seed, so the data position of a run is a single integer that a checkpoint stores
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 from podsrl.batch import Problem
+
+if TYPE_CHECKING:
+    from podsrl.episodes.environment import Environment
 
 
 class Task(ABC):
@@ -41,6 +45,15 @@ class Task(ABC):
         verifier; otherwise it falls back to math-verify against `Problem.answer`."""
         cls = type(self)
         return cls.is_correct is not Task.is_correct or cls.score is not Task.score
+
+    def environment(self, tool_timeout_s: float) -> Environment | None:
+        """A fresh environment for one episode (podsrl/episodes), or None: the task's rollouts are single-turn
+        completions of the prompt. `tool_timeout_s` is episode.tool_timeout_s."""
+        return None
+
+    def has_environment(self) -> bool:
+        """True when the task overrides `environment`: its rollouts are episodes."""
+        return type(self).environment is not Task.environment
 
     def reference_completion(self, problem: Problem) -> str:
         """A correct completion for supervised warm-up (built-in tasks only)."""

@@ -139,7 +139,7 @@ class PolicyUpdater:
                                  "log-probs (sample with SamplingParams(return_logprobs=True))")
             if passes > 1:  # the old policy is the trainer's, before this step's first optimiser step
                 old_logprobs = self._precompute(model, batch)
-                correction = self._correction(old_logprobs, batch.sampler_logprobs, batch.completion_mask)
+                correction = self._correction(old_logprobs, batch.sampler_logprobs, batch.trained_mask)
             else:  # filled by the micro-steps with their (detached) log-probs, for the step's metrics
                 self._trainer_logprobs = torch.zeros_like(batch.completion_mask)
         ref_logprobs = self.reference_logprobs(batch) if cfg.algo.beta > 0 else None
@@ -156,7 +156,7 @@ class PolicyUpdater:
                     continue
                 probe = self._probe(batch, mini, generator) if probe_pending else None
                 probe_pending = False
-                stats = aggregation_stats(batch.completion_mask[mini], cfg.rollout.max_new_tokens)
+                stats = aggregation_stats(batch.trained_mask[mini], cfg.rollout.max_new_tokens)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss_total = self._accumulate(batch, mini, stats, old_logprobs, ref_logprobs, correction, sums,
                                               weight_sums, probe)
@@ -188,7 +188,7 @@ class PolicyUpdater:
             if correction is None:  # one pass: the trainer's log-probs are the micro-steps' own
                 if self.dp is not None:  # each rank filled its rows, zeros elsewhere
                     self.dp.all_reduce_(self._trainer_logprobs)
-                correction = self._correction(self._trainer_logprobs, batch.sampler_logprobs, batch.completion_mask)
+                correction = self._correction(self._trainer_logprobs, batch.sampler_logprobs, batch.trained_mask)
                 self._trainer_logprobs = None
             metrics.update(correction.metric_values())
         metrics["train/nonfinite_skipped"] = float(skipped)
@@ -219,7 +219,7 @@ class PolicyUpdater:
     def _micro_step(self, batch, rows, stats, old_logprobs, ref_logprobs, correction=None):
         cfg = self.cfg
         (logp, entropy), width = self._forward(self.model, batch, rows)
-        mask = batch.completion_mask[rows, :width].to(self.device)
+        mask = batch.trained_mask[rows, :width].to(self.device)  # the model's tokens: tool output is context only
         old = logp.detach() if old_logprobs is None else old_logprobs[rows, :width].to(self.device)
         adv = batch.advantages[rows].to(self.device)[:, None].expand_as(logp)
         metrics: dict[str, tuple[float, float]] = {}
