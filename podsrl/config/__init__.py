@@ -283,6 +283,8 @@ class LogConfig:
     log_every: int = _f(10, "When stdout is not a terminal: one plain progress line every N steps ...")
     log_every_seconds: float = _f(60.0, "... or after this many seconds, whichever comes first (warm-up too).")
     plot: bool = _f(True, "Write plots.png (reward and held-out accuracy) in the run dir.")
+    rank_logs: bool = _f(False, "Under torchrun: each rank other than 0, whose console shows its warnings and "
+                         "errors only, also writes all its log lines to <output_dir>/ranks/rank<N>.log.")
     grad_noise: bool = _f(False, "Log grad/noise_var (split-half estimate of the gradient's total variance), "
                           "grad/signal (squared norm) and their ratio on each step's first mini-batch. No extra "
                           "passes, one copy of the gradients; the update is the same up to floating-point "

@@ -48,6 +48,7 @@ from podsrl.run.evaluation import evaluate
 from podsrl.run.facts import run_facts, unread_settings
 from podsrl.run.health import HealthMonitor
 from podsrl.run.lock import RunLock
+from podsrl.run.log import RankLog
 from podsrl.run.producer import BatchProducer, ProducedBatch, StepRecord
 from podsrl.run.tracking import build_metrics_logger, build_progress, read_metrics
 from podsrl.update import PolicyUpdater
@@ -65,6 +66,7 @@ class Trainer:
         self.dist = init_distributed(resolve_device(cfg.model.device))  # torchrun: this rank's place and device
         # One writer per run directory (rank 0 for the job), held until train() returns, with its run.log.
         self.lock = RunLock(self.run_dir, keep_log=True) if self.dist.is_main else None
+        self.rank_log = RankLog(self.run_dir, self.dist.rank) if cfg.log.rank_logs and not self.dist.is_main else None
         try:
             self._build(resume)
         except BaseException:
@@ -248,6 +250,8 @@ class Trainer:
     def _release_run_dir(self) -> None:
         if self.lock is not None:
             self.lock.close()
+        if self.rank_log is not None:
+            self.rank_log.close()
 
     def _train(self) -> dict:
         cfg = self.cfg

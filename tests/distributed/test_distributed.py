@@ -207,9 +207,10 @@ def _train(tmp: Path, name: str, ranks: int, steps: int, resume: bool = False) -
     return [json.loads(line) for line in (tmp / name / "metrics.jsonl").read_text().splitlines()]
 
 
-def _launch(tmp: Path, name: str, ranks: int, steps: int, resume: bool = False) -> subprocess.CompletedProcess:
+def _launch(tmp: Path, name: str, ranks: int, steps: int, resume: bool = False,
+            extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     run = tmp / name
-    args = ["--resume", str(run), f"train.max_steps={steps}"] if resume else [
+    args = ["--resume", str(run), f"train.max_steps={steps}", *extra] if resume else [*extra,
         "--config", "grpo", f"output_dir={run}", f"train.max_steps={steps}", "warmup.steps=0",
         "task.eval_size=8", "eval.samples=0", "log.progress=false", "log.plot=false", "log.tensorboard=false",
         "rollout.prompts_per_step=4", "rollout.n=4", "method=pods", "pods.m=2",
@@ -243,10 +244,14 @@ def test_torchrun_two_ranks_with_resume_match_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_logs_once_and_a_resume_says_the_world_size_changed(tmp_path):
-    """Rank 0 logs the start-up line and the info lines once; rank 1 only warnings and errors. A checkpoint of one
-    process resumed on two ranks says so, in one line."""
+    """Rank 0 logs the start-up line and the info lines once; rank 1 only warnings and errors, and with
+    log.rank_logs all its lines to its own file. A checkpoint of one process resumed on two ranks says so, in one
+    line."""
     _launch(tmp_path, "run", 1, 1)
-    err = _launch(tmp_path, "run", 2, 2, resume=True).stderr
+    err = _launch(tmp_path, "run", 2, 2, resume=True, extra=("log.rank_logs=true",)).stderr
     assert err.count("INFO run: 2 ranks (torchrun, gloo) on cpu, train.strategy=ddp; master float32") == 1
     assert err.count("INFO precision: ") == 1
     assert err.count("WARNING resuming a checkpoint written by 1 rank(s) on 2: each rank now") == 1
+    own = (tmp_path / "run" / "ranks" / "rank1.log").read_text()
+    assert "INFO run: 2 ranks (torchrun, gloo)" in own and "INFO precision: " in own
+    assert not (tmp_path / "run" / "ranks" / "rank0.log").exists()  # rank 0's lines are run.log's
