@@ -1,6 +1,6 @@
 """The episode runner over the fast engine: with each episode's KV cache continued between turns, the same episodes
 (tokens, loss masks, log-probs, endings) as with the whole episode re-prefilled each turn, for fewer prefilled
-tokens."""
+tokens; the runner's session holds no cache once its episodes are over (before the update)."""
 
 from __future__ import annotations
 
@@ -64,6 +64,7 @@ def test_continued_episodes_equal_reprefilled_ones_for_fewer_prefilled_tokens():
         engine.forward.logits = lambda ids, *args, logits=logits, counts=counts: (counts.append(ids.numel()),
                                                                                   logits(ids, *args))[1]
         outputs[continued] = run_episodes(engine)
+        assert not any(session.cached for session in engine.sessions)  # the runner closed its session
     continued, reprefilled = outputs[True], outputs[False]
     assert continued.stats.turns > 12  # episodes went on past their second turn
     assert torch.equal(continued.generation.completion_ids, reprefilled.generation.completion_ids)
