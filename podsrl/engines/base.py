@@ -11,6 +11,8 @@ Contract of `generate`:
 - `logprobs[r, t]` (when returned) is log_softmax(logits / temperature)[token] of the sampled token, i.e. the
   log-prob under the temperature-scaled policy *before* top-p/top-k truncation: exactly what the trainer's forward
   pass computes, so it can serve as the old log-probs of the PPO ratio.
+- `session()` serves episodes turn by turn (`EpisodeSession`): by default each turn is a `generate` over the whole
+  contexts; the fast engine's continues each episode's KV cache instead, with the same outputs.
 - `sync_weights(model)` is called after every optimiser update with the trainer's policy; engines that hold their
   own copy (Ray actors, vLLM) must load the new weights before the next `generate`.
 """
