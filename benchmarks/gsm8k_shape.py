@@ -24,6 +24,12 @@ def word_reward(prompts, completions, **columns):
 '''
 
 
+def token_prompts(count: int, generator: torch.Generator) -> list[list[int]]:
+    """`count` prompts of PROMPT_TOKENS - 20 to + 15 random token ids, for the engine benchmarks without a tokenizer."""
+    return [torch.randint(2, VOCAB, (PROMPT_TOKENS - 20 + 5 * i % 40,), generator=generator).tolist()
+            for i in range(count)]
+
+
 def gsm8k_model(seed: int = 0, hidden: int = 256, layers: int = 6, heads: int = 4, vocab: int = VOCAB,
                 eos: int = 1, pad: int = 0, positions: int = 1024):
     """Random-init Qwen2 with a 32k vocabulary (tied embeddings): ~13M parameters at the default width."""

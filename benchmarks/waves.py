@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.gsm8k_shape import PROMPT_TOKENS, gsm8k_model  # noqa: E402
+from benchmarks.gsm8k_shape import PROMPT_TOKENS, gsm8k_model, token_prompts  # noqa: E402
 from benchmarks.timing import Spread, interleaved, machine_line, ratio  # noqa: E402
 from podsrl.engines import SamplingParams  # noqa: E402
 from podsrl.engines.fast import FastEngine  # noqa: E402
@@ -33,8 +33,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = gsm8k_model(hidden=args.hidden, layers=args.layers).eval()
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(2, 32000, (PROMPT_TOKENS - 20 + 5 * i % 40,), generator=g).tolist()
-               for i in range(args.prompts)]
+    prompts = token_prompts(args.prompts, g)
     counts, seeds = [args.n] * args.prompts, torch.arange(args.prompts * args.n) * 7919
     # stop tokens: 1,000 of the 32k ids (~1/32 a token), so completions end at varied lengths and waves refill
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, stop_token_ids=list(range(2, 1002)))

@@ -11,6 +11,8 @@ Contract of `generate`:
 - `logprobs[r, t]` (when returned) is log_softmax(logits / temperature)[token] of the sampled token, i.e. the
   log-prob under the temperature-scaled policy *before* top-p/top-k truncation: exactly what the trainer's forward
   pass computes, so it can serve as the old log-probs of the PPO ratio.
+- `session()` serves episodes turn by turn (`EpisodeSession`): by default each turn is a `generate` over the whole
+  contexts; the fast engine's continues each episode's KV cache instead, with the same outputs.
 - `sync_weights(model)` is called after every optimiser update with the trainer's policy; engines that hold their
   own copy (Ray actors, vLLM) must load the new weights before the next `generate`.
 """
@@ -66,6 +68,10 @@ class RolloutEngine(ABC):
         seeds: torch.Tensor,
     ) -> GenerationOutput: ...
 
+    def session(self) -> EpisodeSession:
+        """Generation over the turns of episodes (see `EpisodeSession`): this one re-prefills each whole context."""
+        return EpisodeSession(self)
+
     def sync_weights(self, model: torch.nn.Module) -> None:  # noqa: B027 (optional hook)
         """Called after each update. In-process engines share the trainer's module, so nothing to do."""
 
@@ -74,6 +80,32 @@ class RolloutEngine(ABC):
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release workers, processes, GPU memory."""
+
+
+class EpisodeSession:
+    """Generation over the turns of episodes: `generate(keys, contexts, params, seeds)` samples one row per context,
+    `keys[i]` naming context i's episode across calls (an episode not in a call has ended). This one re-prefills each
+    whole context through `engine.generate`; an engine that keeps each episode's KV cache between turns returns its
+    own from `RolloutEngine.session` (`continues`), whose turns prefill only the tokens the cache lacks. `close`
+    frees what the session keeps; it is a context manager."""
+
+    continues = False
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        self.engine = engine
+
+    def generate(self, keys: list, contexts: list[list[int]], params: SamplingParams,
+                 seeds: torch.Tensor) -> GenerationOutput:
+        return self.engine.generate(contexts, [1] * len(contexts), params, seeds)
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Frees what the session keeps between turns (nothing here)."""
+
+    def __enter__(self) -> EpisodeSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,9 @@ Where the time goes in GRPO rollouts (many samples of few prompts, varied length
 - on those models, each decode step one function of static shapes with no host synchronisation inside
   (decode_step.py): forward, sampling and stop flags; under `cuda_graphs` one CUDA graph per (rows, cache length)
   bucket is captured and replayed, so a step costs its kernels, not their launches.
+- episodes (`session`, continuation.py): between turns each episode's KV cache stays on the device and the next
+  turn's prefill computes only the columns its cached prefix lacks (`_prefill`); a row's cache is copied out when
+  it finishes, before a later step or compaction overwrites it.
 Masks and position ids are built here exactly as `generate` builds them, so greedy outputs equal `generate`'s (other
 models run the model's own forward). A Llama-family model it cannot drive is an error naming the cause (see
 models/transformers_api.check_fast_path); other models it cannot drive fall back to HFEngine, logged and recorded.
@@ -26,12 +29,14 @@ from __future__ import annotations
 
 import copy
 import logging
+import weakref
 from collections import deque
 from typing import Any
 
 import torch
 
-from podsrl.engines.base import GenerationOutput, RolloutEngine, SamplingParams, left_pad
+from podsrl.engines.base import EpisodeSession, GenerationOutput, RolloutEngine, SamplingParams, left_pad
+from podsrl.engines.continuation import CachedSession
 from podsrl.engines.decode_step import Buckets, Sampler, StepRunner, StepState, cached_step, step_uniforms
 from podsrl.engines.hf import HFEngine, eval_mode, model_device
 from podsrl.engines.rows import (
@@ -131,6 +136,7 @@ class FastEngine(RolloutEngine):
         self.eos_ids, self.pad_token_id = special_ids(model, tokenizer, options)
         self.fallback: HFEngine | None = None
         self.runner: StepRunner | None = None
+        self.sessions: weakref.WeakSet[CachedSession] = weakref.WeakSet()  # open ones: `release` frees their caches
         reason = cached_forward_problem(model)
         check_fast_path(model, "the fast engine", reason, "rollout.engine: hf")
         if reason is not None:  # an architecture the loop does not know: model.generate, said once and recorded
@@ -183,13 +189,35 @@ class FastEngine(RolloutEngine):
     ) -> GenerationOutput:
         if self.fallback is not None:
             return self.fallback.generate(prompts, counts, params, seeds)
+        return self._generate(prompts, counts, params, seeds)[0]
+
+    def session(self) -> EpisodeSession:
+        """Episodes continue each row's KV cache between turns (continuation.py) on the static-shape step's path;
+        the other paths (the model's own forward, the dynamic cache, the hf fallback) re-prefill each turn."""
+        if self.runner is None:
+            return super().session()
+        session = CachedSession(self)
+        self.sessions.add(session)
+        return session
+
+    def generate_keeping(self, contexts: list[list[int]], params: SamplingParams, seeds: torch.Tensor,
+                         prefixes: list[torch.Tensor | None]) -> tuple[GenerationOutput, list[torch.Tensor | None]]:
+        """One row per context, `prefixes[i]` the cached keys and values of a prefix of context i ([layers, 2,
+        kv_heads, tokens, d], or None): the prefill computes only the rest. Also returns each row's cache after
+        the call over its context and completion but the last token (None for a row that generated nothing)."""
+        return self._generate(contexts, [1] * len(contexts), params, seeds, prefixes)
+
+    def _generate(self, prompts: list[list[int]], counts: list[int], params: SamplingParams, seeds: torch.Tensor,
+                  prefixes: list[torch.Tensor | None] | None = None):
+        """(output, kept): kept is None, or with `prefixes` (one per prompt) each row's cache after the call."""
         rows = check_request(prompts, counts, seeds)
         if rows == 0 or params.max_new_tokens <= 0:
-            return no_token_output(prompts, counts, rows, self.pad_token_id, params.return_logprobs)
+            output = no_token_output(prompts, counts, rows, self.pad_token_id, params.return_logprobs)
+            return output, None if prefixes is None else [None] * rows
         group_index, prompt_ids, prompt_mask = row_prompts(prompts, counts, self.pad_token_id)
         stops = stop_ids(self.eos_ids, params)
         with torch.inference_mode(), eval_mode(self.model):
-            tokens, logprobs = self._decode(prompts, counts, rows, params, seeds, stops)
+            tokens, logprobs, kept = self._decode(prompts, counts, rows, params, seeds, stops, prefixes)
         mask, truncated = completion_mask(tokens, stops)
         return GenerationOutput(
             group_index=group_index,
@@ -199,40 +227,48 @@ class FastEngine(RolloutEngine):
             completion_mask=mask,
             truncated=truncated,
             logprobs=logprobs * mask if params.return_logprobs else None,
-        )
+        ), kept
 
     def release(self) -> None:
-        """Frees what the engine keeps between calls (the step state and KV cache, the graphs that read them): the
-        trainer calls it before the update, so generation's cache never sits beside the update's activations."""
+        """Frees what the engine keeps between calls (the step state and KV cache, the graphs that read them, open
+        episode sessions' caches): the trainer calls it before the update, so generation's cache never sits beside
+        the update's activations (a session's next turn then prefills its episodes whole)."""
+        for session in list(self.sessions):
+            session.close()
         self.state = None
         self.captured_with = None
         if self.runner is not None:
             self.runner.reset()
 
     def _distinct_prompts(self, prompts: list[list[int]], counts: list[int]):
-        """Left-padded distinct prompts and the row -> distinct prompt index that expands them to rows."""
+        """Left-padded distinct prompts, the row -> distinct prompt index that expands them to rows, and the first
+        of `prompts` that is each distinct prompt."""
         slot: dict[tuple[int, ...], int] = {}
         distinct: list[list[int]] = []
+        firsts: list[int] = []
         per_used: list[int] = []
         used_counts: list[int] = []
-        for prompt, count in zip(prompts, counts):
+        for index, (prompt, count) in enumerate(zip(prompts, counts)):
             if count <= 0:
                 continue
             key = tuple(prompt)
             if key not in slot:
                 slot[key] = len(distinct)
                 distinct.append(prompt)
+                firsts.append(index)
             per_used.append(slot[key])
             used_counts.append(count)
         ids, mask = left_pad(distinct, self.pad_token_id)
         expand = torch.repeat_interleave(torch.tensor(per_used), torch.tensor(used_counts))
-        return ids, mask, expand
+        return ids, mask, expand, firsts
 
     def _decode(self, prompts: list[list[int]], counts: list[int], rows: int, params: SamplingParams, seeds,
-                stops: list[int]):
-        """Tokens [R, Lc] (pad after a row's stop) and sampled-token log-probs [R, Lc], decoded in waves: at most
-        `rows_in_flight` rows at once, the rows freed by finished completions refilled from the queue of waiting
-        prompt groups (each row's tokens depend only on its prompt, seed and the weights, not on its wave)."""
+                stops: list[int], prefixes: list[torch.Tensor | None] | None = None):
+        """Tokens [R, Lc] (pad after a row's stop), sampled-token log-probs [R, Lc] and, with `prefixes` (cached
+        keys and values per prompt, see generate_keeping), each row's cache when it finished (else None), decoded
+        in waves: at most `rows_in_flight` rows at once, the rows freed by finished completions refilled from the
+        queue of waiting prompt groups (each row's tokens depend only on its prompt, seed and the weights, not on
+        its wave). Sessions are offered on the stepped path only (`session`), where the cache is `state.cache`."""
         device = model_device(self.model)
         steps = params.max_new_tokens
         sampler = Sampler(greedy=params.greedy or params.temperature <= 0, temperature=float(params.temperature),
@@ -244,7 +280,8 @@ class FastEngine(RolloutEngine):
         if stepped and self.state is not None and self.state.fits(limit, positions, self.state.is_stop.numel(), device):
             positions = self.state.positions  # the kept state's tables: the same tensors the graphs read
         self.forward.begin(positions)
-        queue = deque(_pieces(prompts, counts, limit))
+        queue = deque(_pieces(prompts, counts, limit, prefixes))
+        kept = None if prefixes is None else [None] * rows
         state = cache = None
         live = emitted = tokens = torch.zeros(0, dtype=torch.long, device=device)
         logprobs = torch.zeros(0, dtype=torch.float32, device=device)
@@ -290,6 +327,8 @@ class FastEngine(RolloutEngine):
             emitted = emitted + ~was_finished  # a finished row's padding lands one past its stop token
             lengths[live] = emitted
             finished = finished | (emitted >= steps)
+            if kept is not None:  # before a later step overwrites its last column, or compaction its row
+                _keep_finished(state, finished & ~was_finished, live, kept)
             n_finished, top = (int(x) for x in torch.stack([finished.sum(), state.column[:n].max()]).tolist())
             if n_finished == n and not queue:
                 break
@@ -305,7 +344,7 @@ class FastEngine(RolloutEngine):
         if self.buckets.exact or not stepped:
             self.state = None  # eager decoding keeps no buffers between calls
         used = int(lengths.max())
-        return out_tokens[:, :used].cpu(), out_logprobs[:, :used].cpu()
+        return out_tokens[:, :used].cpu(), out_logprobs[:, :used].cpu(), kept
 
     def rows_in_flight(self, prompts: list[list[int]], counts: list[int], steps: int, top_p: float) -> int:
         """How many rows decode at once: rollout.engine_options.max_rows, else on CUDA as many as the memory plan
@@ -328,32 +367,40 @@ class FastEngine(RolloutEngine):
     def _prefill_pieces(self, pieces, steps: int, stepped: bool, device):
         """Prefill of the pieces' prompts: (logits [rows, V], cache, prompt mask, expand (cache row of each row, or
         None), output rows [rows])."""
-        prompts, counts = [p for p, _, _ in pieces], [c for _, _, c in pieces]
-        out_rows = torch.cat([torch.arange(start, start + c) for _, start, c in pieces]).to(device)
+        prompts, counts = [p for p, _, _, _ in pieces], [c for _, _, c, _ in pieces]
+        prefixes = [prefix for _, _, _, prefix in pieces]
+        out_rows = torch.cat([torch.arange(start, start + c) for _, start, c, _ in pieces]).to(device)
         if self.shared_prefill:
-            ids, mask, expand = self._distinct_prompts(prompts, counts)
+            ids, mask, expand, firsts = self._distinct_prompts(prompts, counts)
+            prefixes = [prefixes[i] for i in firsts]
         else:
             ids, mask = left_pad([p for p, c in zip(prompts, counts) for _ in range(c)], self.pad_token_id)
+            prefixes = [prefix for prefix, c in zip(prefixes, counts) for _ in range(c)]
             expand = None
         width = ids.shape[1]
-        logits, cache = self._prefill(ids, mask, width if stepped else width + steps)
+        logits, cache = self._prefill(ids, mask, width if stepped else width + steps, prefixes)
         if expand is not None:
             expand = expand.to(device)
             logits = logits[expand]
         return logits, cache, mask, expand, out_rows
 
-    def _prefill(self, ids, mask, capacity: int):
-        """Last-position logits of the left-padded prompts and their cache (static: `capacity` positions)."""
+    def _prefill(self, ids, mask, capacity: int, prefixes: list[torch.Tensor | None]):
+        """Last-position logits of the left-padded prompts and their cache (static: `capacity` positions). Where
+        `prefixes` (per prompt, see generate_keeping) cover every prompt but its last `block` tokens, the cache
+        starts with their keys and values and only those last columns run through the model (`block` the most
+        tokens any prompt's prefix lacks: a prompt with fewer recomputes some cached ones, as its padding would)."""
         device = model_device(self.model)
         width = ids.shape[1]
         if self.cache_kind == "static":
             cache = Cache(layers=[SlotLayer(capacity) for _ in range(self.model.config.num_hidden_layers)])
         else:
             cache = new_dynamic_cache(self.model)
+        start = _cached_columns(cache, mask, prefixes)
         valid = mask.to(device).bool()
         positions = (mask.cumsum(1) - 1).masked_fill(mask == 0, 0).to(device)
         causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
-        logits = self.forward.logits(ids.to(device), causal[None, None] & valid[:, None, None, :], positions, cache)
+        allowed = (causal[None, None] & valid[:, None, None, :])[:, :, start:]
+        logits = self.forward.logits(ids[:, start:].to(device), allowed, positions[:, start:], cache)
         return logits, cache
 
     def _step_state(self, rows: int, positions: int, vocab: int, device: torch.device) -> StepState:
@@ -374,15 +421,47 @@ class FastEngine(RolloutEngine):
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
-def _pieces(prompts: list[list[int]], counts: list[int], limit: int) -> list[tuple[list[int], int, int]]:
-    """The queue of a generate call: (prompt, first output row, rows) per prompt group, a group of more than
-    `limit` rows split into pieces of at most `limit` (a piece is admitted whole: its rows share a prefill)."""
+def _pieces(prompts: list[list[int]], counts: list[int], limit: int, prefixes: list | None) -> list[tuple]:
+    """The queue of a generate call: (prompt, first output row, rows, the prompt's cached prefix or None) per
+    prompt group, a group of more than `limit` rows split into pieces of at most `limit` (a piece is admitted
+    whole: its rows share a prefill)."""
     pieces, start = [], 0
-    for prompt, count in zip(prompts, counts):
+    for index, (prompt, count) in enumerate(zip(prompts, counts)):
+        prefix = None if prefixes is None else prefixes[index]
         for offset in range(0, count, limit):
-            pieces.append((prompt, start + offset, min(limit, count - offset)))
+            pieces.append((prompt, start + offset, min(limit, count - offset), prefix))
         start += count
     return pieces
+
+
+def _cached_columns(cache, mask: torch.Tensor, prefixes: list[torch.Tensor | None]) -> int:
+    """Loads the columns of the left-padded prompts (`mask` [P, width]) that every prompt's cached prefix covers
+    into `cache` (static), and returns how many that is: width less the most tokens a prefix lacks (0: none)."""
+    lengths = mask.sum(1).tolist()
+    lacking = [n - (0 if kv is None else kv.shape[3]) for n, kv in zip(lengths, prefixes)]
+    start = mask.shape[1] - max(lacking, default=0)
+    if start <= 0:
+        return 0
+    reference = next(kv for kv in prefixes if kv is not None)
+    layers, _, heads, _, dim = reference.shape
+    columns = reference.new_zeros((layers, 2, len(lengths), heads, start, dim))
+    for row, (n, kv) in enumerate(zip(lengths, prefixes)):
+        cached = n - (mask.shape[1] - start)  # this prompt's tokens before the computed block
+        if cached > 0:
+            columns[:, :, row, :, start - cached :] = kv[:, :, :, :cached]
+    for layer, (keys, values) in zip(cache.layers, columns):
+        layer.hold(keys, values)
+    return start
+
+
+def _keep_finished(state: StepState, newly: torch.Tensor, live: torch.Tensor, kept: list) -> None:
+    """Copies out the cache of each row that finished at this step (`newly` over the batch rows): its columns from
+    its left padding through the one this step wrote (its context and its tokens but the last), into
+    kept[its output row]."""
+    rows = newly.nonzero().squeeze(1)
+    for row, column, pad, out_row in zip(*(t.tolist() for t in (rows, state.column[rows], state.left_pad[rows],
+                                                                 live[rows]))):
+        kept[out_row] = state.cache.columns(row, pad, column + 1)
 
 
 def plan_rows_in_flight(model: torch.nn.Module, shape: ModelShape, prompts: list[list[int]], counts: list[int],

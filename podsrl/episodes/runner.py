@@ -1,8 +1,9 @@
 """The episode runner: all episodes of a generate call advance together, turn by turn.
 
-Each turn is one `engine.generate` call over the live episodes, each row's context being its whole episode so far
-(prompt, model turns, environment messages), re-prefilled. Continuing each row's KV cache instead, appending only
-the environment's tokens, is the next step for the fast engine. A turn stops at EOS, at the end of the model's first
+Each turn is one generate call of the engine's episode session (`engine.session()`) over the live episodes, each
+row's context being its whole episode so far (prompt, model turns, environment messages). The fast engine's session
+keeps each episode's KV cache between turns and prefills only what it lacks (the environment's tokens, the turn's
+last token); other engines' sessions re-prefill the whole context; the runner is the same for both. A turn stops at EOS, at the end of the model's first
 tool call, at rollout.max_new_tokens, or where the episode's token budget runs out. Then the environments step, all
 at once on a thread pool (their tool calls run there, each against episode.tool_timeout_s), and an episode goes on
 with the environment's messages appended, until its environment says it is done, its turns or tokens run out, or
@@ -23,7 +24,7 @@ import torch
 
 from podsrl.batch import Problem
 from podsrl.config import EpisodeConfig
-from podsrl.engines.base import GenerationOutput, RolloutEngine, SamplingParams, left_pad
+from podsrl.engines.base import EpisodeSession, GenerationOutput, RolloutEngine, SamplingParams, left_pad
 from podsrl.engines.sampling import splitmix64
 from podsrl.episodes.environment import Environment
 from podsrl.episodes.render import EpisodeRenderer
@@ -83,22 +84,23 @@ class EpisodeRunner:
                 renderer = EpisodeRenderer(self.tokenizer, env.tools)
                 episodes.append(_Episode(env, renderer, renderer.prompt(env.reset(problem))))
         params = replace(params, stop_token_ids=tuple(params.stop_token_ids) + self.call_end_ids)
-        for turn in range(self.cfg.max_turns):
-            live = [i for i, e in enumerate(episodes) if e.ending is None]
-            if not live:
-                break
-            texts = self._generate_turn([episodes[i] for i in live], params, seeds[live], turn)
-            stepping = [(i, text) for i, text in zip(live, texts) if episodes[i].ending is None]
-            self._step([episodes[i] for i, _ in stepping], [text for _, text in stepping])
+        with self.engine.session() as session:  # what it keeps is freed here, before the update
+            for turn in range(self.cfg.max_turns):
+                live = [i for i, e in enumerate(episodes) if e.ending is None]
+                if not live:
+                    break
+                texts = self._generate_turn(session, live, [episodes[i] for i in live], params, seeds[live], turn)
+                stepping = [(i, text) for i, text in zip(live, texts) if episodes[i].ending is None]
+                self._step([episodes[i] for i, _ in stepping], [text for _, text in stepping])
         return self._output(episodes, counts, params.return_logprobs)
 
-    def _generate_turn(self, live: list[_Episode], params: SamplingParams, seeds: torch.Tensor,
-                       turn: int) -> list[str]:
-        """One model turn of each live episode; returns the turns' texts (an episode out of tokens ends here)."""
+    def _generate_turn(self, session: EpisodeSession, keys: list[int], live: list[_Episode], params: SamplingParams,
+                       seeds: torch.Tensor, turn: int) -> list[str]:
+        """One model turn of each live episode (`keys`: their indices); returns the turns' texts (an episode out of
+        tokens ends here)."""
         budgets = [self.cfg.max_tokens - len(e.tokens) for e in live]
         turn_params = replace(params, max_new_tokens=min(params.max_new_tokens, max(budgets)))
-        out = self.engine.generate([e.prompt + e.tokens for e in live], [1] * len(live), turn_params,
-                                   turn_seeds(seeds, turn))
+        out = session.generate(keys, [e.prompt + e.tokens for e in live], turn_params, turn_seeds(seeds, turn))
         texts = []
         for row, (episode, budget) in enumerate(zip(live, budgets)):
             n = int(out.completion_mask[row].sum())

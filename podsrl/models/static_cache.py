@@ -31,6 +31,15 @@ class SlotLayer(DynamicLayer):  # type: ignore[misc,valid-type]
         self.value_buffer = value_states.new_empty(batch, heads, self.capacity, value_states.shape[-1])
         self.is_initialized = True
 
+    def hold(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Starts the layer holding `keys`/`values` [B, heads, length, d] (a continued context's cached columns):
+        the next update appends after them."""
+        self.lazy_initialization(keys, values)
+        self.length = keys.shape[-2]
+        self.key_buffer[:, :, : self.length] = keys
+        self.value_buffer[:, :, : self.length] = values
+        self._view()
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -118,6 +127,11 @@ class StepCache:
                     target[start : start + rows, :, :width].copy_(source)
                 else:
                     torch.index_select(source, 0, expand, out=target[start : start + rows, :, :width])
+
+    def columns(self, row: int, start: int, end: int) -> torch.Tensor:
+        """A copy of one row's keys and values over columns [start, end): [layers, 2, kv_heads, end - start, d]."""
+        return torch.stack([torch.stack((k[row, :, start:end], v[row, :, start:end]))
+                            for k, v in zip(self.keys, self.values)])
 
     def write(self, index: int, k: torch.Tensor, v: torch.Tensor, column: torch.Tensor,
               length: int) -> tuple[torch.Tensor, torch.Tensor]:
