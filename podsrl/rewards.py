@@ -275,7 +275,7 @@ class RewardManager:
             cols[ENVIRONMENTS] = environments
         keys = {k for p in problems for k in p.metadata}
         for k in sorted(keys):
-            if k in cols or k in ("prompts", "completions", ENVIRONMENTS):
+            if k in cols or k in ("prompts", "completions"):
                 logger.warning("metadata column %r clashes with a reward argument and is not passed", k)
                 continue
             cols[k] = [problems[g].metadata.get(k) for g in rows]

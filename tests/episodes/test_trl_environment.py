@@ -112,11 +112,11 @@ def test_a_tiny_trainer_runs_two_steps_in_a_trl_environment(tmp_path, warmup_cac
 
 
 def add_right_on_even_seeds(context: str, seed: int) -> str:
-    """Asks `add` for the prompt's sum (off by one on odd seeds), then answers with the tool's response."""
-    responses = re.findall(r"<tool_response>(.*?)</tool_response>", context)
-    if responses:
-        return responses[-1] + EOS_TEXT
+    """Asks `add` for the prompt's sum (off by one on odd seeds), then answers the right sum whatever the tool said:
+    only the environment's state tells the episodes apart, not their answers."""
     a, b = map(int, re.match(r"(\d+)\+(\d+)=", context).groups())
+    if "<tool_response>" in context:
+        return str(a + b) + EOS_TEXT
     return call("add", a=a, b=b + seed % 2)
 
 
