@@ -54,6 +54,8 @@ CORRECT_THRESHOLD = 0.5  # a rollout is correct when its `correct` reward is at 
 # ---------------------------------------------------------------------------------------------------------------
 # Built-in reward functions
 
+ENVIRONMENTS = "environments"  # the column of each episode's environment (TRL's reward-function argument)
+
 
 def _problems_from_columns(prompts: Sequence[str], columns: dict[str, Sequence[Any]]) -> list[Problem]:
     """Rebuild the per-rollout Problem a verifier needs from TRL-style columns."""
@@ -74,8 +76,9 @@ class TaskVerifierReward:
         self.__name__ = "correct"
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns: Sequence[Any]) -> list[float]:
+        environments = columns.pop(ENVIRONMENTS, None)
         problems = _problems_from_columns(prompts, columns)
-        return self.task.score_batch(list(completions), problems)
+        return self.task.score_batch(list(completions), problems, environments)
 
 
 class MathVerifyReward:
@@ -263,11 +266,13 @@ class RewardManager:
             logger.warning("no reward named 'correct': every rollout counts as incorrect for per-prompt "
                            "statistics and accuracy metrics")
 
-    def _columns(self, problems: list[Problem], rows: list[int]) -> dict[str, list[Any]]:
+    def _columns(self, problems: list[Problem], rows: list[int], environments: list | None) -> dict[str, list[Any]]:
         cols: dict[str, list[Any]] = {
             "answer": [problems[g].answer for g in rows],
             "problem_uid": [problems[g].uid for g in rows],
         }
+        if environments is not None:
+            cols[ENVIRONMENTS] = environments
         keys = {k for p in problems for k in p.metadata}
         for k in sorted(keys):
             if k in cols or k in ("prompts", "completions"):
@@ -303,13 +308,17 @@ class RewardManager:
         kinds = ["timeouts" if t else ("invalid" if v is None else None) for v, t in zip(values, timed_out)]
         return values, kinds
 
-    def score(self, problems: list[Problem], group_index: torch.Tensor, completions: list[str]) -> RewardResult:
+    def score(self, problems: list[Problem], group_index: torch.Tensor, completions: list[str],
+              environments: list | None = None) -> RewardResult:
+        """`environments`: each row's episode environment, once over (None for single-turn completions); reward
+        functions get them as the `environments` column, as TRL's do."""
         rows = [int(g) for g in group_index.tolist()]
         n = len(rows)
-        if len(completions) != n:
-            raise ValueError(f"{len(completions)} completions for {n} rollouts")
+        if len(completions) != n or (environments is not None and len(environments) != n):
+            raise ValueError(f"{len(completions)} completions and "
+                             f"{n if environments is None else len(environments)} environments for {n} rollouts")
         prompts = [problems[g].prompt for g in rows]
-        cols = self._columns(problems, rows)
+        cols = self._columns(problems, rows, environments)
         valid = torch.ones(n, dtype=torch.bool)
         total = torch.zeros(n, dtype=torch.float64)
         components: dict[str, torch.Tensor] = {}

@@ -80,6 +80,25 @@ class StepRecord:
     episodes: EpisodeStats = field(default_factory=EpisodeStats)  # what the step's episodes did (if any)
 
 
+class EnvironmentRecorder:
+    """The task as the episode runner sees it, keeping the environments it hands out, so that the rewards read each
+    episode's own: the runner creates one per row, in row order (counts[j] for problems[j], as `run` gives them)."""
+
+    def __init__(self, task) -> None:
+        self.task = task
+        self.created: list = []
+
+    def environment(self, tool_timeout_s: float):
+        env = self.task.environment(tool_timeout_s)
+        self.created.append(env)
+        return env
+
+    def take(self) -> list:
+        """The environments created since the last call, oldest first."""
+        created, self.created = self.created, []
+        return created
+
+
 class BatchProducer:
     """Produces each step's batch; see the module docstring. `sampler_logprobs`: whether the update needs the
     sampler's log-probs (PolicyUpdater.needs_sampler_logprobs)."""
@@ -89,7 +108,9 @@ class BatchProducer:
         self.cfg, self.task, self.tokenizer, self.engine = cfg, task, tokenizer, engine
         self.rewards, self.method = rewards, method
         # a task with an environment samples episodes (a row is one episode); otherwise one completion a row
-        self.episodes = EpisodeRunner(engine, tokenizer, task, cfg.episode) if task.has_environment() else None
+        self.environments = EnvironmentRecorder(task)
+        self.episodes = (EpisodeRunner(engine, tokenizer, self.environments, cfg.episode) if task.has_environment()
+                         else None)
         r = cfg.rollout
         self.sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                        top_k=r.top_k, return_logprobs=sampler_logprobs)
@@ -190,13 +211,14 @@ class BatchProducer:
         """Sample counts[j] rollouts of problems[indices[j]] and score them; group_index refers to `problems`."""
         t0 = time.perf_counter()
         seeds = torch.randint(0, 2**62, (sum(counts),), generator=self.rng)
-        loss_mask = None
+        loss_mask = environments = None
         if self.episodes is None:
             prompts = [self.tokenizer(problems[i].prompt, add_special_tokens=False).input_ids for i in indices]
             out = self.engine.generate(prompts, counts, self.sampling, seeds)
         else:
             episodes = self.episodes.run([problems[i] for i in indices], counts, self.sampling, seeds)
             out, loss_mask = episodes.generation, episodes.loss_mask
+            environments = self.environments.take()
             record.episodes.add(episodes.stats)
         t1 = time.perf_counter()
         index_map = torch.tensor(indices, dtype=torch.long)
@@ -208,7 +230,7 @@ class BatchProducer:
         )
         ids = batch.completion_ids.masked_fill(batch.completion_mask == 0, self.tokenizer.pad_token_id)
         batch.completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        result = self.rewards.score(problems, batch.group_index, batch.completions)
+        result = self.rewards.score(problems, batch.group_index, batch.completions, environments)
         batch.rewards, batch.reward_components, batch.correct = result.rewards, result.components, result.correct
         if not bool(result.valid.all()):  # reward policy 'skip': those rollouts never reach the update
             record.skipped_rollouts += int((~result.valid).sum())  # ... but were generated: they count as compute

@@ -1,4 +1,5 @@
-"""Task registry: built-in arithmetic (plain, or with a calculator tool: episodes), datasets (jsonl/csv/parquet/HF), reasoning-gym.
+"""Task registry: built-in arithmetic (plain, or with a calculator tool: episodes), datasets (jsonl/csv/parquet/HF),
+reasoning-gym, a user's TRL environment over a dataset (episodes).
 
 `task.args` holds each task's own arguments; prompt formatting keys (prompt_mode, system_prompt, template) apply to
 dataset and reasoning-gym tasks, which ask a real model in its chat template by default.
@@ -34,6 +35,14 @@ def build_task(cfg: TaskConfig, tokenizer=None) -> Task:
         from podsrl.tasks.arithmetic_tool import ArithmeticToolTask
 
         return _construct(ArithmeticToolTask, "arithmetic_tool", seed=cfg.seed, eval_size=cfg.eval_size, **args)
+    if cfg.name == "trl_environment":
+        from podsrl.tasks.trl_environment import TRLEnvironmentTask
+
+        for key in ("path", "environment"):
+            if key not in args:
+                raise ConfigError(f"task.args.{key}: a trl_environment task needs its dataset (path) and its TRL "
+                                  "environment (environment: 'module:Class')")
+        return _construct(TRLEnvironmentTask, "trl_environment", args.pop("path"), seed=cfg.seed, **args)
     prompt_args = {k: args.pop(k) for k in PROMPT_KEYS if k in args}
     from podsrl.tasks.templates import prompt_formatter
 
@@ -58,4 +67,5 @@ def build_task(cfg: TaskConfig, tokenizer=None) -> Task:
         name = args.pop("name")
         return _construct(ReasoningGymTask, "reasoning_gym", name, seed=cfg.seed, eval_size=cfg.eval_size,
                           format_prompt=formatter, **args)
-    raise ConfigError(f"task.name: unknown task {cfg.name!r} (choose from arithmetic, arithmetic_tool, dataset, reasoning_gym)")
+    raise ConfigError(f"task.name: unknown task {cfg.name!r} (choose from arithmetic, arithmetic_tool, dataset, "
+                      "reasoning_gym, trl_environment)")

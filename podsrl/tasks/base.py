@@ -36,15 +36,18 @@ class Task(ABC):
         """The verifier's reward in [0, 1] (1.0/0.0 unless the task gives partial credit); see `has_verifier`."""
         return 1.0 if self.is_correct(completion, problem) else 0.0
 
-    def score_batch(self, completions: list[str], problems: list[Problem]) -> list[float]:
-        """`score` for many rollouts at once (the `correct` reward calls this; override to vectorise)."""
+    def score_batch(self, completions: list[str], problems: list[Problem],
+                    environments: list[Environment] | None = None) -> list[float]:
+        """`score` for many rollouts at once (the `correct` reward calls this; override to vectorise).
+        `environments`: each episode's environment, once it is over (None for single-turn completions)."""
         return [self.score(c, p) for c, p in zip(completions, problems)]
 
     def has_verifier(self) -> bool:
-        """True when the task overrides `is_correct` or `score`: the `correct` reward then uses the task's own
-        verifier; otherwise it falls back to math-verify against `Problem.answer`."""
+        """True when the task overrides `is_correct`, `score` or `score_batch`: the `correct` reward then uses the
+        task's own verifier; otherwise it falls back to math-verify against `Problem.answer`."""
         cls = type(self)
-        return cls.is_correct is not Task.is_correct or cls.score is not Task.score
+        return (cls.is_correct is not Task.is_correct or cls.score is not Task.score
+                or cls.score_batch is not Task.score_batch)
 
     def environment(self, tool_timeout_s: float) -> Environment | None:
         """A fresh environment for one episode (podsrl/episodes), or None: the task's rollouts are single-turn

@@ -19,14 +19,21 @@ EPISODES = {"task.name": "arithmetic_tool", "model.tiny.max_position_embeddings"
             "episode.max_tokens": 128, "episode.max_turns": 3, "optim.epochs": 2}
 
 
-def test_a_tiny_trainer_runs_two_steps_of_episodes(tmp_path, warmup_cache):
-    trainer = Trainer(load_config(None, tiny_overrides(tmp_path, warmup_cache, **EPISODES)))
+def train_two_episode_steps(run_dir, overrides: list[str]) -> list[dict]:
+    """Train a tiny run of 2 steps of episodes; the steps' metrics, checked to be those of episodes."""
+    trainer = Trainer(load_config(None, overrides))
     assert trainer.producer.episodes is not None
     trainer.train()
-    steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "reward" in r]
+    steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert r["episode/turns"] >= 1 and math.isfinite(r["loss"])
+    return steps
+
+
+def test_a_tiny_trainer_runs_two_steps_of_episodes(tmp_path, warmup_cache):
+    steps = train_two_episode_steps(tmp_path, tiny_overrides(tmp_path, warmup_cache, **EPISODES))
+    for r in steps:
         assert sum(r[f"episode/ended_by_{e}"] for e in ("answer", "turns", "tokens", "environment_fault")) == 1.0
 
 

@@ -1,0 +1,1 @@
+"""Environments of other libraries as podsrl environments (`podsrl.episodes.environment.Environment`)."""
