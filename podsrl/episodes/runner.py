@@ -65,6 +65,7 @@ class EpisodeOutput:
     generation: GenerationOutput  # rows grouped by problem, as `engine.generate` gives them
     loss_mask: torch.Tensor  # [R, Lc] float, 1 on the model's tokens
     stats: EpisodeStats
+    environments: list[Environment]  # row r's episode's environment (its reward, for an environment that has one)
 
 
 class EpisodeRunner:
@@ -178,4 +179,5 @@ class EpisodeRunner:
             truncated=torch.tensor([e.truncated for e in episodes], dtype=torch.bool),
             logprobs=right([e.logprobs for e in episodes], 0.0, torch.float32) if return_logprobs else None,
         )
-        return EpisodeOutput(generation, right([e.generated for e in episodes], 0.0, torch.float32), stats)
+        return EpisodeOutput(generation, right([e.generated for e in episodes], 0.0, torch.float32), stats,
+                             [e.env for e in episodes])

@@ -80,25 +80,6 @@ class StepRecord:
     episodes: EpisodeStats = field(default_factory=EpisodeStats)  # what the step's episodes did (if any)
 
 
-class EnvironmentRecorder:
-    """The task as the episode runner sees it, keeping the environments it hands out, so that the rewards read each
-    episode's own: the runner creates one per row, in row order (counts[j] for problems[j], as `run` gives them)."""
-
-    def __init__(self, task) -> None:
-        self.task = task
-        self.created: list = []
-
-    def environment(self, tool_timeout_s: float):
-        env = self.task.environment(tool_timeout_s)
-        self.created.append(env)
-        return env
-
-    def take(self) -> list:
-        """The environments created since the last call, oldest first."""
-        created, self.created = self.created, []
-        return created
-
-
 class BatchProducer:
     """Produces each step's batch; see the module docstring. `sampler_logprobs`: whether the update needs the
     sampler's log-probs (PolicyUpdater.needs_sampler_logprobs)."""
@@ -108,8 +89,7 @@ class BatchProducer:
         self.cfg, self.task, self.tokenizer, self.engine = cfg, task, tokenizer, engine
         self.rewards, self.method = rewards, method
         # a task with an environment samples episodes (a row is one episode); otherwise one completion a row
-        self.environments = EnvironmentRecorder(task)
-        self.episodes = (EpisodeRunner(engine, tokenizer, self.environments, cfg.episode) if task.has_environment()
+        self.episodes = (EpisodeRunner(engine, tokenizer, task, cfg.episode) if task.has_environment()
                          else None)
         r = cfg.rollout
         self.sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
@@ -218,7 +198,7 @@ class BatchProducer:
         else:
             episodes = self.episodes.run([problems[i] for i in indices], counts, self.sampling, seeds)
             out, loss_mask = episodes.generation, episodes.loss_mask
-            environments = self.environments.take()
+            environments = episodes.environments
             record.episodes.add(episodes.stats)
         t1 = time.perf_counter()
         index_map = torch.tensor(indices, dtype=torch.long)
