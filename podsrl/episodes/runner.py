@@ -177,3 +177,8 @@ class EpisodeRunner:
             logprobs=right([e.logprobs for e in episodes], 0.0, torch.float32) if return_logprobs else None,
         )
         return EpisodeOutput(generation, right([e.generated for e in episodes], 0.0, torch.float32), stats)
+
+
+def task_episodes(engine: RolloutEngine, tokenizer, task, cfg: EpisodeConfig) -> EpisodeRunner | None:
+    """The runner of `task`'s episodes on `engine`, or None where the task is single-turn (no environment)."""
+    return EpisodeRunner(engine, tokenizer, task, cfg) if task.has_environment() else None
