@@ -90,6 +90,7 @@ def cmd_warmup(args) -> int:
 
 def cmd_eval(args) -> int:
     from podsrl.build import base_weights, load_model, load_task, reward_manager, rollout_engine, verifier
+    from podsrl.episodes.runner import task_episodes
     from podsrl.models.loading import resolve_device
     from podsrl.run.evaluation import evaluate
 
@@ -105,7 +106,8 @@ def cmd_eval(args) -> int:
     verify = verifier(reward_manager(cfg, task), task)  # correctness is the `correct` reward alone, as in training
     try:
         metrics = evaluate(engine, tokenizer, problems, verify, cfg.rollout.max_new_tokens, cfg.eval.samples,
-                           cfg.rollout.temperature, cfg.rollout.top_p, cfg.eval.batch_size)
+                           cfg.rollout.temperature, cfg.rollout.top_p, cfg.eval.batch_size,
+                           task_episodes(engine, tokenizer, task, cfg.episode))
     finally:
         engine.close()
     print(json.dumps(metrics))

@@ -181,3 +181,8 @@ class EpisodeRunner:
         )
         return EpisodeOutput(generation, right([e.generated for e in episodes], 0.0, torch.float32), stats,
                              [e.env for e in episodes])
+
+
+def task_episodes(engine: RolloutEngine, tokenizer, task, cfg: EpisodeConfig) -> EpisodeRunner | None:
+    """The runner of `task`'s episodes on `engine`, or None where the task is single-turn (no environment)."""
+    return EpisodeRunner(engine, tokenizer, task, cfg) if task.has_environment() else None

@@ -62,6 +62,11 @@ def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, s
     return model
 
 
+def load_tiny_at_context(path: str | Path, max_position_embeddings: int) -> Qwen2ForCausalLM:
+    """A saved built-in model's weights with another context length: its positions are rotary, not weights."""
+    return Qwen2ForCausalLM.from_pretrained(path, max_position_embeddings=max_position_embeddings)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,5 +1,8 @@
 """Held-out evaluation: greedy pass@1, sampled Avg@k and unbiased pass@k.
 
+For a task with an environment each sample is an episode, run by the same episode runner as training (the model
+calls its tools), and the greedy pass reports the episodes' tool calls and faults.
+
 Sampling seeds are a fixed function of the problem and sample index, so every run of a comparison is scored with the
 same random numbers (common random numbers: differences between methods are not sampling noise of the eval).
 """
@@ -12,6 +15,8 @@ import torch
 
 from podsrl.batch import Problem
 from podsrl.engines.base import RolloutEngine, SamplingParams
+from podsrl.episodes.runner import EpisodeRunner
+from podsrl.episodes.stats import EpisodeStats
 
 EVAL_SEED = 0x5EED
 
@@ -26,7 +31,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def _generate_text(engine: RolloutEngine, tokenizer, problems: list[Problem], counts: int, params: SamplingParams,
-                   batch_size: int) -> list[str]:
+                   batch_size: int, episodes: EpisodeRunner | None, stats: EpisodeStats) -> list[str]:
+    """Each problem's `counts` completions (episodes, with `episodes`: their counts go into `stats`)."""
     texts: list[str] = []
     per_call = max(1, batch_size // counts)
     for start in range(0, len(problems), per_call):
@@ -34,15 +40,23 @@ def _generate_text(engine: RolloutEngine, tokenizer, problems: list[Problem], co
         prompts = [tokenizer(p.prompt, add_special_tokens=False).input_ids for p in chunk]
         idx = torch.arange(start, start + len(chunk)).repeat_interleave(counts)
         seeds = EVAL_SEED * 1_000_003 + idx * 1009 + torch.arange(counts).repeat(len(chunk))
-        out = engine.generate(prompts, [counts] * len(chunk), params, seeds)
+        if episodes is None:
+            out = engine.generate(prompts, [counts] * len(chunk), params, seeds)
+        else:
+            run = episodes.run(chunk, [counts] * len(chunk), params, seeds)
+            out = run.generation
+            stats.add(run.stats)
         ids = out.completion_ids.masked_fill(out.completion_mask == 0, tokenizer.pad_token_id)
         texts.extend(tokenizer.batch_decode(ids, skip_special_tokens=True))
     return texts
 
 
 def evaluate(engine: RolloutEngine, tokenizer, problems: list[Problem], verify, max_new_tokens: int,
-             samples: int = 0, temperature: float = 1.0, top_p: float = 1.0, batch_size: int = 1024) -> dict:
-    """{"eval/accuracy": greedy pass@1, "eval/avg@k", "eval/pass@k", "eval/mean_length"} over `problems`.
+             samples: int = 0, temperature: float = 1.0, top_p: float = 1.0, batch_size: int = 1024,
+             episodes: EpisodeRunner | None = None) -> dict:
+    """{"eval/accuracy": greedy pass@1, "eval/avg@k", "eval/pass@k", "eval/mean_length"} over `problems`; with
+    `episodes` (the task's episode runner on `engine`) each sample is an episode, and the greedy pass adds
+    "eval/tool_calls" and "eval/tool_faults" (per episode) and "eval/turns" (mean per episode).
 
     `verify(problems, group_index, completions) -> [R] bool` is the run's correctness check (the `correct` reward).
     Callers skip evaluation when there is no eval set (the trainer says so at start-up).
@@ -50,14 +64,19 @@ def evaluate(engine: RolloutEngine, tokenizer, problems: list[Problem], verify, 
     if not problems:
         raise ValueError("evaluate: no problems (the caller should skip evaluation without an eval set)")
     greedy = SamplingParams(max_new_tokens=max_new_tokens, greedy=True, return_logprobs=False)
-    texts = _generate_text(engine, tokenizer, problems, 1, greedy, batch_size)
+    stats = EpisodeStats()
+    texts = _generate_text(engine, tokenizer, problems, 1, greedy, batch_size, episodes, stats)
     correct = verify(problems, torch.arange(len(problems)), texts)
     metrics = {"eval/accuracy": float(correct.float().mean()),
                "eval/mean_length": sum(map(len, texts)) / len(texts)}
+    if episodes is not None:
+        metrics.update({"eval/tool_calls": sum(stats.tool_calls.values()) / stats.episodes,
+                        "eval/tool_faults": sum(stats.tool_faults.values()) / stats.episodes,
+                        "eval/turns": stats.turns / stats.episodes})
     if samples > 0:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 return_logprobs=False)
-        texts = _generate_text(engine, tokenizer, problems, samples, params, batch_size)
+        texts = _generate_text(engine, tokenizer, problems, samples, params, batch_size, episodes, EpisodeStats())
         group_index = torch.arange(len(problems)).repeat_interleave(samples)
         per_problem = torch.bincount(group_index, weights=verify(problems, group_index, texts).float(),
                                      minlength=len(problems)).round().long().tolist()

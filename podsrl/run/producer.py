@@ -23,7 +23,7 @@ from podsrl.batch import Problem, RolloutBatch, concat_batches
 from podsrl.config import Config
 from podsrl.engines import SamplingParams
 from podsrl.engines.base import RolloutEngine
-from podsrl.episodes.runner import EpisodeRunner
+from podsrl.episodes.runner import task_episodes
 from podsrl.episodes.stats import EpisodeStats
 from podsrl.methods import StepContext
 from podsrl.methods.base import Method
@@ -89,8 +89,7 @@ class BatchProducer:
         self.cfg, self.task, self.tokenizer, self.engine = cfg, task, tokenizer, engine
         self.rewards, self.method = rewards, method
         # a task with an environment samples episodes (a row is one episode); otherwise one completion a row
-        self.episodes = (EpisodeRunner(engine, tokenizer, task, cfg.episode) if task.has_environment()
-                         else None)
+        self.episodes = task_episodes(engine, tokenizer, task, cfg.episode)
         r = cfg.rollout
         self.sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                        top_k=r.top_k, return_logprobs=sampler_logprobs)

@@ -22,6 +22,7 @@ from podsrl.batch import RolloutBatch
 from podsrl.build import base_weights, load_model, load_task, reward_manager, rollout_engine, verifier
 from podsrl.config import Config, dump_config
 from podsrl.distributed import NullLogger, init_distributed
+from podsrl.episodes.runner import task_episodes
 from podsrl.errors import UnhealthyRun, UserError
 from podsrl.fileio import write_text_atomic
 from podsrl.fsdp import build_data_parallel
@@ -113,6 +114,8 @@ class Trainer:
         else:
             self.generator_model, self.engine, self.eval_engine, self.eval_tokenizer = async_engines(
                 cfg, self.generation_model, self.tokenizer, self.dist.enabled)
+        # a task with an environment is evaluated on episodes, as it trains
+        self.eval_episodes = task_episodes(self.eval_engine, self.eval_tokenizer, self.task, cfg.episode)
         rewards = reward_manager(cfg, self.task)
         self.verify = verifier(rewards, self.task)
         method = METHODS[cfg.method](cfg)
@@ -231,7 +234,7 @@ class Trainer:
             self.eval_engine.sync_weights(self.generation_model)
         metrics = evaluate(self.eval_engine, self.eval_tokenizer, self.eval_problems, self.verify,
                            cfg.rollout.max_new_tokens, cfg.eval.samples, cfg.rollout.temperature,
-                           cfg.rollout.top_p, cfg.eval.batch_size)
+                           cfg.rollout.top_p, cfg.eval.batch_size, self.eval_episodes)
         # its kept state (as many rows as the device held at the eval) is not the training waves' the plan counts,
         # and under train.async the eval engine idles beside the update until the next eval: freed either way
         self.eval_engine.release()

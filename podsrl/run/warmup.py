@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from podsrl.config import Config, TaskConfig, to_dict
-from podsrl.models.loading import build_char_tokenizer, build_tiny_model, resolve_device
+from podsrl.config import Config, TaskConfig, TinyModelConfig, to_dict
+from podsrl.models.loading import build_char_tokenizer, build_tiny_model, load_tiny_at_context, resolve_device
 from podsrl.run.tracking import build_progress
 from podsrl.tasks import build_task
 
@@ -27,6 +27,13 @@ log = logging.getLogger("podsrl")
 
 # Bumped whenever the built-in task or warm-up code changes what a given config produces, so stale caches are ignored.
 WARMUP_VERSION = 2
+# Built-in tasks whose warm-up changed since, by version: in their key alone, so other keys (the shipped warm-up's)
+# stay. arithmetic_tool 1: reference episodes with calculator calls, validated on episodes (so episode.* counts).
+TASK_VERSIONS = {"arithmetic_tool": 1}
+# Built-in episode tasks and the single-turn task of the same prompts whose warm-up theirs continues: the sums are
+# learned on bare answers (short rows), then warmup.episode_steps on reference episodes teach the calls.
+PLAIN_TASKS = {"arithmetic_tool": "arithmetic"}
+EPISODE_KEYS = ("episode_steps", "episode_batch_size")  # warmup.* read by the episode phase alone
 
 
 def warmup_task_config(task: TaskConfig) -> TaskConfig:
@@ -42,12 +49,32 @@ def warmup_key(cfg: Config) -> str:
     shaping = {"version": WARMUP_VERSION, "tiny": to_dict(cfg.model.tiny), "task": task, "warmup": to_dict(cfg.warmup)}
     for key in ("cache_dir", "shipped"):  # where the weights are found, not what they are
         shaping["warmup"].pop(key)
+    if cfg.task.name in TASK_VERSIONS:
+        shaping.update(task_version=TASK_VERSIONS[cfg.task.name], episode=to_dict(cfg.episode))
+    else:
+        for key in EPISODE_KEYS:
+            shaping["warmup"].pop(key)
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # Warm-ups shipped with the package, one directory per key: the default run's, so every machine starts RL from the
 # same weights (tests/test_shipped_warmup.py checks the key and shapes against the current code).
 SHIPPED = Path(__file__).parents[1] / "warmups"
+
+
+def plain_warmup_config(cfg: Config) -> Config | None:
+    """The config of the single-turn warm-up an episode task's warm-up starts from (its task's plain twin, without
+    the episode task's own arguments, at the default context), or None for a task whose warm-up starts from fresh
+    weights."""
+    plain = PLAIN_TASKS.get(cfg.task.name)
+    if plain is None:
+        return None
+    args = {k: v for k, v in cfg.task.args.items() if k != "tool_share"}
+    # at the built-in model's own context, which the plain task's rows fit: positions are rotary, not weights, so
+    # the weights serve the episodes' longer context, and the default run's warm-up (the shipped one) is shared
+    tiny = dataclasses.replace(cfg.model.tiny, max_position_embeddings=TinyModelConfig().max_position_embeddings)
+    return dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, name=plain, args=args),
+                               model=dataclasses.replace(cfg.model, tiny=tiny))
 
 
 def warmup_path(cfg: Config) -> Path:
@@ -65,7 +92,8 @@ def needs_warmup(cfg: Config) -> bool:
 
 
 def sft_batch(tokenizer, prompts: list[str], targets: list[str]):
-    """Right-padded ids, attention mask and labels (-100 on prompt and padding), EOS after each target."""
+    """Right-padded ids, attention mask and labels (-100 on prompt and padding), EOS after each target. A prompt is
+    the context of a model turn, so an episode's tool answers in it get no loss, as RolloutBatch.loss_mask in RL."""
     eos = tokenizer.eos_token_id
     rows = []
     for p, t in zip(prompts, targets):
@@ -83,11 +111,17 @@ def sft_batch(tokenizer, prompts: list[str], targets: list[str]):
     return ids, mask, labels
 
 
+def reference_rows(task, problems) -> tuple[list[str], list[str]]:
+    """(contexts, targets): one supervised row per model turn of each problem's reference episode."""
+    turns = [turn for p in problems for turn in task.reference_turns(p)]
+    return [context for context, _ in turns], [target for _, target in turns]
+
+
 def validation_tokens(tokenizer, task, problems) -> int:
-    """New tokens the validation generates: the longest reference completion and its EOS, at least 8 (the fixed cap
-    it had before worked solutions: warm-ups whose answers have at most 7 characters are unchanged)."""
-    longest = max(len(tokenizer(task.reference_completion(p), add_special_tokens=False).input_ids) for p in problems)
-    return max(8, longest + 1)
+    """New tokens (per turn) the validation generates: the longest reference turn and its EOS, at least 8 (the fixed
+    cap it had before worked solutions: warm-ups whose answers have at most 7 characters are unchanged)."""
+    _, targets = reference_rows(task, problems)
+    return max(8, max(len(tokenizer(t, add_special_tokens=False).input_ids) for t in targets) + 1)
 
 
 @torch.no_grad()
@@ -104,6 +138,31 @@ def greedy_accuracy(model, tokenizer, task, problems, max_new_tokens: int = 8) -
     return sum(task.is_correct(t, p) for t, p in zip(texts, problems)) / len(problems)
 
 
+def episode_validation(model, tokenizer, task, problems, max_new_tokens: int, cfg: Config) -> dict:
+    """Greedy pass@1 of the episodes of a task with an environment, and their tool calls and faults per episode:
+    the held-out evaluation's own measure (run through the episode runner), on the warm-up's validation stream."""
+    from podsrl.engines.hf import HFEngine
+    from podsrl.episodes.runner import EpisodeRunner
+    from podsrl.run.evaluation import evaluate
+
+    def verify(problems_, group_index, texts):
+        return torch.tensor([task.is_correct(t, problems_[g]) for t, g in zip(texts, group_index.tolist())])
+
+    engine = HFEngine(model, tokenizer)  # generates in eval mode, the model's train mode kept
+    return evaluate(engine, tokenizer, problems, verify, max_new_tokens, batch_size=len(problems),
+                    episodes=EpisodeRunner(engine, tokenizer, task, cfg.episode))
+
+
+def validate(model, tokenizer, task, problems, max_new_tokens: int, cfg: Config) -> dict:
+    """{"validation_accuracy": greedy accuracy, and for episodes "validation_tool_calls" and
+    "validation_tool_faults" (per episode)}."""
+    if not task.has_environment():
+        return {"validation_accuracy": greedy_accuracy(model, tokenizer, task, problems, max_new_tokens)}
+    m = episode_validation(model, tokenizer, task, problems, max_new_tokens, cfg)
+    return {"validation_accuracy": m["eval/accuracy"], "validation_tool_calls": m["eval/tool_calls"],
+            "validation_tool_faults": m["eval/tool_faults"]}
+
+
 def run_warmup(cfg: Config, progress: bool = True, use_shipped: bool = True) -> Path:
     """The warmed-up base checkpoint's directory: the shipped one of this key (unless warmup.shipped is false or
     `use_shipped` is False: `podsrl warmup` builds this machine's own), else the cached one, else trained and
@@ -115,12 +174,19 @@ def run_warmup(cfg: Config, progress: bool = True, use_shipped: bool = True) -> 
     if (out / "config.json").is_file():
         return out
     task = build_task(warmup_task_config(cfg.task))
-    tokenizer = build_char_tokenizer()
+    w = cfg.warmup
     # On the run's device (a 25M model would take hours on a few CPU cores); the cache key ignores the device, so a
     # warm-up made on one machine serves runs on another. Weights are built on the CPU first: the same start anywhere.
     device = resolve_device(cfg.model.device)
-    model = build_tiny_model(cfg.model.tiny, tokenizer, seed=cfg.warmup.seed).to(device)
-    w = cfg.warmup
+    tokenizer = build_char_tokenizer()
+    plain = plain_warmup_config(cfg)
+    if plain is None:
+        model = build_tiny_model(cfg.model.tiny, tokenizer, seed=w.seed)
+        steps, batch_size, target_accuracy = w.steps, w.batch_size, w.target_accuracy
+    else:  # the episodes' calls on top of the plain warm-up's sums; a fixed number of steps
+        model = load_tiny_at_context(run_warmup(plain, progress, use_shipped), cfg.model.tiny.max_position_embeddings)
+        steps, batch_size, target_accuracy = w.episode_steps, w.episode_batch_size, 0.0
+    model.to(device)
     gen = torch.Generator().manual_seed(w.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=w.lr, weight_decay=0.0)
     # Linear warm-up of the LR over 50 steps, then constant: the stopping step is set by the accuracy target.
@@ -132,17 +198,16 @@ def run_warmup(cfg: Config, progress: bool = True, use_shipped: bool = True) -> 
     start = time.perf_counter()
     accuracy, steps_run = float("nan"), 0
     model.train()
-    bar = build_progress(cfg, w.steps, progress, label="warm-up")
+    bar = build_progress(cfg, steps, progress, label="warm-up" if plain is None else "episode warm-up")
     try:
-        for step in range(w.steps):
-            if w.target_accuracy > 0 and step > 0 and step % w.check_every == 0:
-                accuracy = greedy_accuracy(model, tokenizer, task, validation, max_new_tokens)
-                if accuracy >= w.target_accuracy:
+        for step in range(steps):
+            if target_accuracy > 0 and step > 0 and step % w.check_every == 0:
+                accuracy = validate(model, tokenizer, task, validation, max_new_tokens, cfg)["validation_accuracy"]
+                if accuracy >= target_accuracy:
                     break
-            idx = torch.randint(0, 10**8, (w.batch_size,), generator=gen).tolist()
+            idx = torch.randint(0, 10**8, (batch_size,), generator=gen).tolist()
             problems = [task.problem(offset + i) for i in idx]
-            ids, mask, labels = sft_batch(tokenizer, [p.prompt for p in problems],
-                                          [task.reference_completion(p) for p in problems])
+            ids, mask, labels = sft_batch(tokenizer, *reference_rows(task, problems))
             loss = model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device)).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -157,9 +222,11 @@ def run_warmup(cfg: Config, progress: bool = True, use_shipped: bool = True) -> 
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    if w.target_accuracy > 0:
-        accuracy = greedy_accuracy(model, tokenizer, task, validation, max_new_tokens)
-    info = {"seconds": time.perf_counter() - start, "steps": steps_run, "validation_accuracy": accuracy}
+    validation_metrics = {"validation_accuracy": accuracy}
+    if target_accuracy > 0 or task.has_environment():  # an episode task's warm-up says how often it calls
+        validation_metrics = validate(model, tokenizer, task, validation, max_new_tokens, cfg)
+    accuracy = validation_metrics["validation_accuracy"]
+    info = {"seconds": time.perf_counter() - start, "steps": steps_run, **validation_metrics}
     (tmp / "warmup.json").write_text(json.dumps(info))
     out.parent.mkdir(parents=True, exist_ok=True)
     try:

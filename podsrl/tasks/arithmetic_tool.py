@@ -5,17 +5,23 @@ An episode is the plain task's prompt ("47+8+93="); the model may answer at once
     <tool_call>{"name": "calculator", "arguments": {"expression": "47+8"}}</tool_call>
 
 read `<tool_response>55</tool_response>` and go on. The answer checked is what follows the last tool response.
-Problems, the held-out split and the warm-up's reference completions (the bare answer) are the plain task's, so the
-warm-up teaches the sums, not the call syntax.
+Problems and the held-out split are the plain task's. The warm-up's reference episodes teach the call syntax: a share
+`tool_share` of them call the calculator on the sum of the first k operands (k drawn from 2 to all of them), read
+its answer and give the sum; the rest answer at once, as in the plain task. So the warmed-up model does both, and RL
+has calling, where to call, and answering at once to choose between.
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import random
 
 from podsrl.batch import Problem
 from podsrl.episodes.environment import ToolEnvironment
-from podsrl.episodes.render import RESPONSE_END
+from podsrl.episodes.render import RESPONSE_END, RESPONSE_START
+from podsrl.episodes.tools import CALL_END, CALL_START
+from podsrl.errors import ConfigError
 from podsrl.tasks.arithmetic import ArithmeticTask
 
 MAX_EXPRESSION = 64  # characters: products of longer integer expressions grow without bound
@@ -47,6 +53,25 @@ def _evaluate(node: ast.AST) -> int:
 
 class ArithmeticToolTask(ArithmeticTask):
     name = "arithmetic_tool"
+
+    def __init__(self, tool_share: float = 0.5, **args) -> None:
+        if isinstance(tool_share, bool) or not isinstance(tool_share, (int, float)) or not 0 <= tool_share <= 1:
+            raise ConfigError(f"task.args.tool_share: must be a number in [0, 1] (the share of warm-up reference "
+                              f"episodes that call the calculator), got {tool_share!r}")
+        super().__init__(**args)
+        self.tool_share = float(tool_share)
+
+    def reference_turns(self, problem: Problem) -> list[tuple[str, str]]:
+        """The answer at once, or (a share `tool_share`, drawn per problem) a calculator call on the sum of the first
+        k operands, then the sum after its answer; the tool's answer written as the char-level model reads it."""
+        rng = random.Random(f"turns-{self.seed}-{problem.uid}")
+        if rng.random() >= self.tool_share:
+            return super().reference_turns(problem)
+        operands = problem.prompt.rstrip("=").split("+")
+        expression = "+".join(operands[: rng.randint(2, len(operands))])
+        call = CALL_START + json.dumps({"name": "calculator", "arguments": {"expression": expression}}) + CALL_END
+        response = f"{RESPONSE_START}{calculator(expression)}{RESPONSE_END}"
+        return [(problem.prompt, call), (problem.prompt + call + response, self.reference_completion(problem))]
 
     def environment(self, tool_timeout_s: float) -> ToolEnvironment:
         return ToolEnvironment([calculator], tool_timeout_s)

@@ -61,3 +61,9 @@ class Task(ABC):
     def reference_completion(self, problem: Problem) -> str:
         """A correct completion for supervised warm-up (built-in tasks only)."""
         raise NotImplementedError(f"task {self.name!r} has no reference completions for warm-up")
+
+    def reference_turns(self, problem: Problem) -> list[tuple[str, str]]:
+        """A correct episode as the warm-up trains on it: (context, model turn) pairs, each context the text the
+        model reads before that turn (the prompt, earlier turns and the environment's answers), on which there is
+        no loss. A single-turn task's is its prompt and reference completion."""
+        return [(problem.prompt, self.reference_completion(problem))]

@@ -16,7 +16,8 @@ from tests.episodes.scripted import EOS_TEXT, ScriptedEngine
 from tests.episodes.test_runner import calculator_script
 
 EPISODES = {"task.name": "arithmetic_tool", "model.tiny.max_position_embeddings": 160, "rollout.max_new_tokens": 16,
-            "episode.max_tokens": 128, "episode.max_turns": 3, "optim.epochs": 2}
+            "episode.max_tokens": 128, "episode.max_turns": 3, "optim.epochs": 2, "warmup.episode_steps": 3,
+            "warmup.validation_size": 8}
 
 
 def train_two_episode_steps(run_dir, overrides: list[str]) -> list[dict]:
