@@ -29,6 +29,8 @@ def test_overrides_win_over_the_file_and_are_typed():
     ("method=ppo", "method"),
     ("optim.lr=-1", "optim.lr"),
     ("log.progress=maybe", "log.progress"),
+    ("task.name=dataset", "warmup.steps"),  # the built-in model's warm-up has no reference completions there
+    ("task.name=trl_environment", "warmup.steps"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -11,6 +11,8 @@ from podsrl.errors import ConfigError
 if TYPE_CHECKING:
     from podsrl.config import Config
 
+NO_REFERENCES = ("dataset", "trl_environment")  # tasks without reference completions to warm up on
+
 
 def validate(cfg: Config) -> None:
     """Cross-field checks, each naming the offending key."""
@@ -82,9 +84,9 @@ def validate(cfg: Config) -> None:
     t = cfg.model.tiny
     need(t.hidden_size % t.num_heads == 0, "model.tiny.hidden_size", "must be divisible by model.tiny.num_heads")
     need(t.num_heads % 2 == 0 or t.num_heads == 1, "model.tiny.num_heads", "must be even (or 1)")
-    need(not (cfg.model.name_or_path == "tiny" and cfg.warmup.steps > 0 and cfg.task.name == "dataset"),
-         "warmup.steps", "the built-in model's warm-up needs reference completions, which a dataset task does not "
-         "have: set warmup.steps=0, or give model.name_or_path")
+    need(not (cfg.model.name_or_path == "tiny" and cfg.warmup.steps > 0 and cfg.task.name in NO_REFERENCES),
+         "warmup.steps", f"the built-in model's warm-up needs reference completions, which a {cfg.task.name} task "
+         "does not have: set warmup.steps=0, or give model.name_or_path")
     # bring-your-own data, rewards and logging
     need(0 <= cfg.task.eval_fraction < 1, "task.eval_fraction", "must be in [0, 1)")
     need(cfg.task.max_prompt_length >= 0, "task.max_prompt_length", "must be >= 0 (0 = the model's context)")
