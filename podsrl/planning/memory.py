@@ -335,7 +335,10 @@ def generation_in_flight(shape: ModelShape, work: Workload) -> dict[str, int]:
     prefill_tokens = prompts * work.prompt_length
     prefill = (2 * prompts * shape.heads * work.prompt_length**2 * 4
                + prefill_tokens * (3 * shape.intermediate + shape.qkv_width + 2 * shape.hidden) * e)
-    return {"kv_cache": kv_position * (rows * length + prefill_tokens) + state,
+    # episodes: the session's copies of the rank's live episodes' caches (engines/continuation.py), kept between
+    # turns and through the next turn's call
+    sessions = kv_position * work.rank_rows * length if work.episodes else 0
+    return {"kv_cache": kv_position * (rows * length + prefill_tokens) + state + sessions,
             "workspace": max(sampling + decode_attention, prefill)}
 
 

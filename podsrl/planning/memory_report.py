@@ -33,7 +33,7 @@ def render(plan: MemoryPlan, model: str) -> str:
         f"({s.trained_params / 1e6:.1f}M trained{', LoRA' if s.lora else ''}), {s.layers} layers, hidden {s.hidden}, "
         f"heads {s.heads}/{s.kv_heads} x {s.head_dim}, vocabulary {s.vocab}",
         f"step: {w.prompts} prompts x {w.n} generated, {w.m} trained per prompt; prompt {w.prompt_length} + "
-        f"completion {w.completion_length} tokens; master {w.dtype}, compute {w.compute_dtype}; beta {w.beta}; "
+        f"{'episode' if w.episodes else 'completion'} {w.completion_length} tokens; master {w.dtype}, compute {w.compute_dtype}; beta {w.beta}; "
         f"device {w.device}, {_gib(plan.memory)} GiB ({plan.reserve:.0%} kept free: {_gib(plan.budget)} GiB usable)",
         f"per rank of {w.world_size}: train.strategy={w.strategy}"
         + (" (one process: nothing sharded)" if w.strategy == "fsdp" and not w.sharded else "")
@@ -176,12 +176,15 @@ def workload_from_config(cfg, prompt_length: int, device: str, world_size: int =
 
     from podsrl.methods import METHODS
     from podsrl.models.precision import resolve_compute_dtype
+    from podsrl.tasks import has_episodes
 
     m = METHODS[cfg.method].trained_per_prompt(cfg)
     compute = str(resolve_compute_dtype(cfg, device))
+    episodes = has_episodes(cfg.task.name)  # a row holds a whole episode: up to episode.max_tokens
     return Workload(
         prompts=cfg.rollout.prompts_per_step, n=cfg.rollout.n, m=m, prompt_length=prompt_length,
-        completion_length=cfg.rollout.max_new_tokens, dtype=cfg.model.dtype, compute_dtype=compute.split(".")[-1],
+        completion_length=cfg.episode.max_tokens if episodes else cfg.rollout.max_new_tokens, episodes=episodes,
+        dtype=cfg.model.dtype, compute_dtype=compute.split(".")[-1],
         beta=cfg.algo.beta, logits_chunk=cfg.update.logits_chunk, top_p=cfg.rollout.top_p, device=device,
         async_generator=("none" if not cfg.train.asynchronous.enabled
                          else "ray" if cfg.rollout.engine == "ray" else "in_process"),

@@ -7,6 +7,7 @@ dataset and reasoning-gym tasks, which ask a real model in its chat template by 
 
 from __future__ import annotations
 
+import importlib
 import inspect
 
 from podsrl.config import TaskConfig
@@ -14,6 +15,25 @@ from podsrl.errors import ConfigError
 from podsrl.tasks.base import Task
 
 PROMPT_KEYS = ("prompt_mode", "system_prompt", "template")
+CLASSES = {  # task.name -> (module, class), imported when asked for
+    "arithmetic": ("podsrl.tasks.arithmetic", "ArithmeticTask"),
+    "arithmetic_tool": ("podsrl.tasks.arithmetic_tool", "ArithmeticToolTask"),
+    "dataset": ("podsrl.tasks.datasets", "DatasetTask"),
+    "reasoning_gym": ("podsrl.tasks.reasoning_gym", "ReasoningGymTask"),
+    "trl_environment": ("podsrl.tasks.trl_environment", "TRLEnvironmentTask"),
+}
+
+
+def task_class(name: str) -> type[Task]:
+    if name not in CLASSES:
+        raise ConfigError(f"task.name: unknown task {name!r} (choose from {', '.join(CLASSES)})")
+    module, cls = CLASSES[name]
+    return getattr(importlib.import_module(module), cls)
+
+
+def has_episodes(name: str) -> bool:
+    """Whether task `name`'s rollouts are episodes (its class gives an environment), known without building it."""
+    return task_class(name).environment is not Task.environment
 
 
 def _construct(cls, key: str, *args, **kwargs):
@@ -28,21 +48,16 @@ def _construct(cls, key: str, *args, **kwargs):
 def build_task(cfg: TaskConfig, tokenizer=None) -> Task:
     args = dict(cfg.args)
     if cfg.name == "arithmetic":
-        from podsrl.tasks.arithmetic import ArithmeticTask
-
-        return _construct(ArithmeticTask, "arithmetic", seed=cfg.seed, eval_size=cfg.eval_size, **args)
+        return _construct(task_class("arithmetic"), "arithmetic", seed=cfg.seed, eval_size=cfg.eval_size, **args)
     if cfg.name == "arithmetic_tool":
-        from podsrl.tasks.arithmetic_tool import ArithmeticToolTask
-
-        return _construct(ArithmeticToolTask, "arithmetic_tool", seed=cfg.seed, eval_size=cfg.eval_size, **args)
+        return _construct(task_class("arithmetic_tool"), "arithmetic_tool", seed=cfg.seed, eval_size=cfg.eval_size,
+                          **args)
     if cfg.name == "trl_environment":
-        from podsrl.tasks.trl_environment import TRLEnvironmentTask
-
         for key in ("path", "environment"):
             if key not in args:
                 raise ConfigError(f"task.args.{key}: a trl_environment task needs its dataset (path) and its TRL "
                                   "environment (environment: 'module:Class')")
-        return _construct(TRLEnvironmentTask, "trl_environment", args.pop("path"), seed=cfg.seed, **args)
+        return _construct(task_class("trl_environment"), "trl_environment", args.pop("path"), seed=cfg.seed, **args)
     prompt_args = {k: args.pop(k) for k in PROMPT_KEYS if k in args}
     from podsrl.tasks.templates import prompt_formatter
 
@@ -50,22 +65,18 @@ def build_task(cfg: TaskConfig, tokenizer=None) -> Task:
     formatter = prompt_formatter(tokenizer, mode, prompt_args.get("system_prompt"),
                                  prompt_args.get("template", "{question}"))
     if cfg.name == "dataset":
-        from podsrl.tasks.datasets import DatasetTask
-
         if "path" not in args:
             raise ConfigError("task.args.path: a dataset task needs a file path or a Hugging Face dataset name")
         source = args.pop("path")
         args.setdefault("eval_limit", cfg.eval_size)
         if args.get("eval_split") is None and args.get("eval_path") is None:  # no eval set given: hold one out (task.eval_fraction, unless args say)
             args.setdefault("eval_fraction", cfg.eval_fraction if cfg.eval_size else 0.0)
-        return _construct(DatasetTask, "dataset", source, seed=cfg.seed, format_prompt=formatter, **args)
+        return _construct(task_class("dataset"), "dataset", source, seed=cfg.seed, format_prompt=formatter, **args)
     if cfg.name == "reasoning_gym":
-        from podsrl.tasks.reasoning_gym import ReasoningGymTask
-
         if "name" not in args:
             raise ConfigError("task.args.name: a reasoning_gym task needs a dataset name (e.g. chain_sum)")
         name = args.pop("name")
-        return _construct(ReasoningGymTask, "reasoning_gym", name, seed=cfg.seed, eval_size=cfg.eval_size,
+        return _construct(task_class("reasoning_gym"), "reasoning_gym", name, seed=cfg.seed, eval_size=cfg.eval_size,
                           format_prompt=formatter, **args)
-    raise ConfigError(f"task.name: unknown task {cfg.name!r} (choose from arithmetic, arithmetic_tool, dataset, "
-                      "reasoning_gym, trl_environment)")
+    task_class(cfg.name)  # an unknown name: its ConfigError naming task.name
+    raise AssertionError(f"task {cfg.name!r} is in CLASSES but not built here")

@@ -410,3 +410,24 @@ def test_the_plan_runs_on_every_bundled_preset(stand_in, world_size, capsys):
         args = ["plan", preset, *local, "--memory", "--gpu-memory", "80GiB", "--world-size", str(world_size)]
         assert main(args) == 0, (preset, capsys.readouterr().err)
         assert f"per rank of {world_size}: train.strategy=" in capsys.readouterr().out
+
+
+def test_an_episode_task_is_planned_with_its_whole_episode_and_the_sessions_caches(capsys):
+    """arithmetic_tool's rows hold whole episodes (episode.max_tokens), and between turns the fast engine's session
+    keeps every live episode's cache beside the turn's own (engines/continuation.py): the plan counts both."""
+    from podsrl.config import load_config
+    from podsrl.planning.memory_report import workload_from_config
+
+    cfg = load_config("podsrl/configs/arithmetic_tool.yaml")
+    work = workload_from_config(cfg, 40, "cpu")
+    assert work.episodes and work.completion_length == cfg.episode.max_tokens != cfg.rollout.max_new_tokens
+    shape = mw.model_shape(qwen2())
+    single = dataclasses.replace(work, episodes=False)
+    kv_position = shape.layers * 2 * shape.kv_heads * shape.head_dim * work.engine_e
+    sessions = kv_position * work.rank_rows * (work.prompt_length + work.completion_length)
+    assert (mp.generation_in_flight(shape, work)["kv_cache"]
+            == mp.generation_in_flight(shape, single)["kv_cache"] + sessions)
+    assert not workload_from_config(load_config(None), 40, "cpu").episodes
+    assert main(["plan", "arithmetic_tool", "--memory", "--gpu-memory", "8GiB"]) == 0
+    assert f"episode {cfg.episode.max_tokens} tokens" in capsys.readouterr().out
+
