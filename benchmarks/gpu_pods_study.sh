@@ -11,11 +11,13 @@
 #
 #   bash benchmarks/gpu_pods_study.sh                          # on the GPU machine
 #
-# How the 9 minutes divide (from the one-seed H100 pilot in docs/results.md: warm-up 34 s, each run ~20 s of start-up,
-# evals and saving beyond its training budget): the warm-up ~35 s (on the GPU: its cache, 100 MB of float32 weights,
-# is over what a device call carries), then 6 runs (2 arms x 3 seeds) of 55 s of training + ~20 s = ~450 s, ~490 s in
-# all; --deadline 530 stops the compare before the call's end, keeping whole pairs of seeds.
-#   bash benchmarks/gpu_pods_study.sh --seeds "1 2" --budget 60
+# How the 9 minutes divide (from the 3-seed H200 study of 2026-11-27 in docs/results.md): the warm-up ~40 s (on the
+# GPU: its cache, 100 MB of float32 weights, is over what a device call carries); a 2-step priming run of the GRPO
+# arm, ~35 s, that pays the machine's first-run costs outside the comparison (without it the first run, GRPO seed 1,
+# spent ~10-15 s of its budget on them); then 6 runs (2 arms x 3 seeds) of 45 s of training + ~26 s of start-up,
+# evals and saving = ~430 s; ~505 s in all. --deadline 530 stops the compare before the call's end, keeping whole
+# pairs of seeds.
+#   bash benchmarks/gpu_pods_study.sh --seeds "4 5" --budget 55   # two more seeds of the 2026-11-27 study (~400 s)
 #   bash benchmarks/gpu_pods_study.sh --smoke --out /tmp/ps    # on a CPU: the plumbing, tiny sizes, ~1 minute
 #
 # Wheels carried to the machine (benchmarks/gpu_wheels.sh) are installed first when .whl/ exists; the study needs
@@ -28,6 +30,7 @@ runs=/tmp/gpu_pods_study_runs  # outside --out: the run dirs hold checkpoints, t
 smoke=0
 seeds="1 2 3"
 budget=""
+prime=1
 deadline=530  # 9 minutes less time to write the report and the step table
 while [ $# -gt 0 ]; do
     case $1 in
@@ -37,6 +40,7 @@ while [ $# -gt 0 ]; do
         --seeds) seeds=$2; shift 2 ;;
         --budget) budget=$2; shift 2 ;;
         --deadline) deadline=$2; shift 2 ;;
+        --no-prime) prime=0; shift ;;
         *) echo "gpu_pods_study.sh: unknown argument $1 (see the header)" >&2; exit 2 ;;
     esac
 done
@@ -51,8 +55,8 @@ if [ "$smoke" = 1 ]; then
             rollout.prompts_per_step=2 rollout.max_new_tokens=12 train.eval_every=2)
     pods_n=4 pods_m=2 grpo_n=2 budget=${budget:-2}
 fi
-# Training seconds per run: 6 runs of ~75 s with start-up and evals, after a warm-up of ~35 s (the header).
-budget=${budget:-55}
+# Training seconds per run: 6 runs of ~71 s with start-up and evals, after the warm-up and the priming run (the header).
+budget=${budget:-45}
 
 mkdir -p "$out"
 summary=$out/summary.txt log=$out/log.txt
@@ -129,6 +133,12 @@ if part warmup 180 "$py" -m podsrl warmup --config "$preset" "${study[@]}" outpu
     arms=$(write_arms 2>>"$log") || echo "arms: failed (see log.txt)" | tee -a "$summary"
     # Runs go one at a time (podsrl compare has no other mode), seed-major, so a run has the GPU to itself and
     # equal wall-clock means equal GPU time; a call cut short still holds whole (GRPO, PODS) pairs of seeds.
+    # A machine's first training run pays one-time costs inside its training clock that the later runs do not (on
+    # an H200, 3 steps took 13.2 s of it where a step takes ~1.2 s): a 2-step run of the baseline arm pays them
+    # outside the comparison.
+    # shellcheck disable=SC2086
+    [ -n "$arms" ] && [ "$prime" = 1 ] && part prime 90 "$py" -m podsrl train --config "$(head -n 1 <<<"$arms")" "${study[@]}" \
+        train.max_steps=2 output_dir="$runs/prime"
     left=$((deadline > SECONDS + 1 ? deadline - SECONDS : 1))
     # shellcheck disable=SC2086  # $arms and $seeds are lists of words
     [ -n "$arms" ] && part compare "$left" "$py" -m podsrl compare $arms "${study[@]}" \

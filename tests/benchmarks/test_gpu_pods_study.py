@@ -1,4 +1,4 @@
-"""benchmarks/gpu_pods_study.sh's plumbing on the CPU (tiny sizes): warm-up, the two arms, `podsrl compare`, the
+"""benchmarks/gpu_pods_study.sh's plumbing on the CPU (tiny sizes): warm-up, the two arms, a priming run, `podsrl compare`, the
 report and the per-run step table, each part recorded in summary.txt; a run cut short by the deadline is recorded."""
 
 import os
@@ -23,7 +23,7 @@ def test_smoke_study_runs_every_part_and_writes_the_report(tmp_path):
     result, out = study(tmp_path, "--seeds", "1 2")
     assert result.returncode == 0, result.stderr
     summary = (out / "summary.txt").read_text()
-    for part in ("warmup: ok", "compare: ok", "steps: written", "gpu_pods_study: done"):
+    for part in ("warmup: ok", "prime: ok", "compare: ok", "steps: written", "gpu_pods_study: done"):
         assert part in summary, summary
     assert '"validation_accuracy"' in summary  # the warm-up's outcome
     assert sorted(p.name for p in out.iterdir()) == ["accuracy.png", "log.txt", "results.csv", "results.md",
