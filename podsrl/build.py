@@ -20,7 +20,7 @@ from podsrl.tasks import build_task
 from podsrl.tasks.base import Task
 from podsrl.tasks.prompt_length import limit_task_prompts, model_context
 
-Verify = Callable[[list[Problem], torch.Tensor, list[str]], torch.Tensor]
+Verify = Callable[..., torch.Tensor]  # (problems, group_index, completions, environments=None) -> [R] bool
 
 
 def base_weights(cfg: Config, progress: bool = False) -> str | None:
@@ -86,9 +86,10 @@ def verifier(rewards: RewardManager, task: Task) -> Verify:
     specs = [s for s in rewards.specs if s.name == "correct"]
     manager = RewardManager(specs, task, rewards.on_error, rewards.timeout_s) if specs else None
 
-    def verify(problems: list[Problem], group_index: torch.Tensor, completions: list[str]) -> torch.Tensor:
+    def verify(problems: list[Problem], group_index: torch.Tensor, completions: list[str],
+               environments: list | None = None) -> torch.Tensor:
         if manager is None:
             return torch.zeros(len(completions), dtype=torch.bool)
-        return manager.score(problems, group_index, completions).correct
+        return manager.score(problems, group_index, completions, environments=environments).correct
 
     return verify

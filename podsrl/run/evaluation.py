@@ -31,9 +31,12 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def _generate_text(engine: RolloutEngine, tokenizer, problems: list[Problem], counts: int, params: SamplingParams,
-                   batch_size: int, episodes: EpisodeRunner | None, stats: EpisodeStats) -> list[str]:
-    """Each problem's `counts` completions (episodes, with `episodes`: their counts go into `stats`)."""
+                   batch_size: int, episodes: EpisodeRunner | None,
+                   stats: EpisodeStats) -> tuple[list[str], list | None]:
+    """Each problem's `counts` completions, and with `episodes` their episodes' environments (which an
+    environment's reward reads) and their counts in `stats`."""
     texts: list[str] = []
+    environments: list | None = None if episodes is None else []
     per_call = max(1, batch_size // counts)
     for start in range(0, len(problems), per_call):
         chunk = problems[start : start + per_call]
@@ -46,9 +49,10 @@ def _generate_text(engine: RolloutEngine, tokenizer, problems: list[Problem], co
             run = episodes.run(chunk, [counts] * len(chunk), params, seeds)
             out = run.generation
             stats.add(run.stats)
+            environments.extend(run.environments)
         ids = out.completion_ids.masked_fill(out.completion_mask == 0, tokenizer.pad_token_id)
         texts.extend(tokenizer.batch_decode(ids, skip_special_tokens=True))
-    return texts
+    return texts, environments
 
 
 def evaluate(engine: RolloutEngine, tokenizer, problems: list[Problem], verify, max_new_tokens: int,
@@ -58,15 +62,16 @@ def evaluate(engine: RolloutEngine, tokenizer, problems: list[Problem], verify, 
     `episodes` (the task's episode runner on `engine`) each sample is an episode, and the greedy pass adds
     "eval/tool_calls" and "eval/tool_faults" (per episode) and "eval/turns" (mean per episode).
 
-    `verify(problems, group_index, completions) -> [R] bool` is the run's correctness check (the `correct` reward).
+    `verify(problems, group_index, completions, environments) -> [R] bool` is the run's correctness check (the
+    `correct` reward; `environments`: each episode's environment, None for single-turn completions).
     Callers skip evaluation when there is no eval set (the trainer says so at start-up).
     """
     if not problems:
         raise ValueError("evaluate: no problems (the caller should skip evaluation without an eval set)")
     greedy = SamplingParams(max_new_tokens=max_new_tokens, greedy=True, return_logprobs=False)
     stats = EpisodeStats()
-    texts = _generate_text(engine, tokenizer, problems, 1, greedy, batch_size, episodes, stats)
-    correct = verify(problems, torch.arange(len(problems)), texts)
+    texts, environments = _generate_text(engine, tokenizer, problems, 1, greedy, batch_size, episodes, stats)
+    correct = verify(problems, torch.arange(len(problems)), texts, environments)
     metrics = {"eval/accuracy": float(correct.float().mean()),
                "eval/mean_length": sum(map(len, texts)) / len(texts)}
     if episodes is not None:
@@ -76,9 +81,10 @@ def evaluate(engine: RolloutEngine, tokenizer, problems: list[Problem], verify, 
     if samples > 0:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 return_logprobs=False)
-        texts = _generate_text(engine, tokenizer, problems, samples, params, batch_size, episodes, EpisodeStats())
+        texts, environments = _generate_text(engine, tokenizer, problems, samples, params, batch_size, episodes,
+                                             EpisodeStats())
         group_index = torch.arange(len(problems)).repeat_interleave(samples)
-        per_problem = torch.bincount(group_index, weights=verify(problems, group_index, texts).float(),
+        per_problem = torch.bincount(group_index, weights=verify(problems, group_index, texts, environments).float(),
                                      minlength=len(problems)).round().long().tolist()
         metrics[f"eval/avg@{samples}"] = sum(per_problem) / (samples * len(problems))
         metrics[f"eval/pass@{samples}"] = sum(pass_at_k(samples, c, samples) for c in per_problem) / len(problems)

@@ -145,7 +145,7 @@ def episode_validation(model, tokenizer, task, problems, max_new_tokens: int, cf
     from podsrl.episodes.runner import EpisodeRunner
     from podsrl.run.evaluation import evaluate
 
-    def verify(problems_, group_index, texts):
+    def verify(problems_, group_index, texts, environments=None):  # the task's own check: no environment reward
         return torch.tensor([task.is_correct(t, problems_[g]) for t, g in zip(texts, group_index.tolist())])
 
     engine = HFEngine(model, tokenizer)  # generates in eval mode, the model's train mode kept

@@ -45,6 +45,15 @@ def _construct(cls, key: str, *args, **kwargs):
     return cls(*args, **kwargs)
 
 
+def _with_eval_set(args: dict, cfg: TaskConfig) -> dict:
+    """A dataset's task args with its eval set's size (task.eval_size) and, where no eval split or file is given,
+    the share of its questions held out (task.eval_fraction, unless the args say)."""
+    args.setdefault("eval_limit", cfg.eval_size)
+    if args.get("eval_split") is None and args.get("eval_path") is None:
+        args.setdefault("eval_fraction", cfg.eval_fraction if cfg.eval_size else 0.0)
+    return args
+
+
 def build_task(cfg: TaskConfig, tokenizer=None) -> Task:
     args = dict(cfg.args)
     if cfg.name == "arithmetic":
@@ -57,7 +66,8 @@ def build_task(cfg: TaskConfig, tokenizer=None) -> Task:
             if key not in args:
                 raise ConfigError(f"task.args.{key}: a trl_environment task needs its dataset (path) and its TRL "
                                   "environment (environment: 'module:Class')")
-        return _construct(task_class("trl_environment"), "trl_environment", args.pop("path"), seed=cfg.seed, **args)
+        return _construct(task_class("trl_environment"), "trl_environment", args.pop("path"), seed=cfg.seed,
+                          **_with_eval_set(args, cfg))
     prompt_args = {k: args.pop(k) for k in PROMPT_KEYS if k in args}
     from podsrl.tasks.templates import prompt_formatter
 
@@ -68,10 +78,8 @@ def build_task(cfg: TaskConfig, tokenizer=None) -> Task:
         if "path" not in args:
             raise ConfigError("task.args.path: a dataset task needs a file path or a Hugging Face dataset name")
         source = args.pop("path")
-        args.setdefault("eval_limit", cfg.eval_size)
-        if args.get("eval_split") is None and args.get("eval_path") is None:  # no eval set given: hold one out (task.eval_fraction, unless args say)
-            args.setdefault("eval_fraction", cfg.eval_fraction if cfg.eval_size else 0.0)
-        return _construct(task_class("dataset"), "dataset", source, seed=cfg.seed, format_prompt=formatter, **args)
+        return _construct(task_class("dataset"), "dataset", source, seed=cfg.seed, format_prompt=formatter,
+                          **_with_eval_set(args, cfg))
     if cfg.name == "reasoning_gym":
         if "name" not in args:
             raise ConfigError("task.args.name: a reasoning_gym task needs a dataset name (e.g. chain_sum)")

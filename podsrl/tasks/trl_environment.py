@@ -7,7 +7,8 @@ reward is the environment's `get_reward()` at the end of the episode, the `corre
 counts as correct at a reward >= 0.5, as for any reward). The prompt goes to the chat template as the user's
 message, so it is the dataset's text as it is (no prompt_mode/template).
 
-No held-out evaluation: evaluation samples single-turn completions, and an environment's reward needs its episode.
+Held-out evaluation runs episodes too, each in a fresh environment scored by its `get_reward()`; the eval set is the
+`dataset` task's (`eval_split` / `eval_path`, else `task.eval_fraction` of the distinct questions held out).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from podsrl.tasks.datasets import DatasetTask
 class TRLEnvironmentTask(DatasetTask):
     def __init__(self, source: str, *, environment: str, seed: int = 0, config: str | None = None,
                  split: str = "train", prompt_column: str | None = None, answer_column: str | None = None,
-                 id_column: str | None = None, answer_format: str = "auto") -> None:
+                 id_column: str | None = None, answer_format: str = "auto", eval_split: str | None = None,
+                 eval_path: str | None = None, eval_config: str | None = None, eval_fraction: float = 0.0,
+                 eval_limit: int | None = None) -> None:
         from podsrl.rewards import load_function
 
         try:
@@ -34,7 +37,9 @@ class TRLEnvironmentTask(DatasetTask):
                 raise ConfigError(f"task.args.environment: {environment!r} gives a {type(probe).__name__} without "
                                   f"a {method} method (a TRL environment defines reset(**row) and get_reward())")
         super().__init__(source, seed=seed, config=config, split=split, prompt_column=prompt_column,
-                         answer_column=answer_column, id_column=id_column, answer_format=answer_format)
+                         answer_column=answer_column, id_column=id_column, answer_format=answer_format,
+                         eval_split=eval_split, eval_path=eval_path, eval_config=eval_config,
+                         eval_fraction=eval_fraction, eval_limit=eval_limit)
         self.name = f"trl_environment:{type(probe).__name__}"
 
     def environment(self, tool_timeout_s: float) -> TRLEnvironment:
@@ -46,6 +51,3 @@ class TRLEnvironmentTask(DatasetTask):
             raise ValueError(f"task {self.name!r} scores episodes by their environment's get_reward(); these "
                              "completions came without one")
         return [env.reward() for env in environments]
-
-    def eval_set(self) -> list[Problem]:
-        return []

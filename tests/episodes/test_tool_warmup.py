@@ -104,7 +104,7 @@ def test_evaluation_runs_episodes_where_the_task_has_an_environment():
     problems = task.eval_set()
     engine = ScriptedEngine(answers_with_the_calculator)
 
-    def verify(problems_, group_index, texts):
+    def verify(problems_, group_index, texts, environments=None):
         return torch.tensor([task.is_correct(t, problems_[g]) for t, g in zip(texts, group_index.tolist())])
 
     runner = EpisodeRunner(engine, TOKENIZER, task, EpisodeConfig(max_turns=3, max_tokens=128))

@@ -143,6 +143,30 @@ def test_each_episode_is_rewarded_by_its_own_environment(tmp_path, warmup_cache)
     trainer.close_engines()
 
 
+def add_right_for_even_a(context: str, seed: int) -> str:
+    """Asks `add` for the prompt's sum where its first operand is even (one more where it is odd), then answers the
+    right sum whatever the tool said: only the environment's reward tells the episodes apart."""
+    a, b = map(int, re.match(r"(\d+)\+(\d+)=", context).groups())
+    if "<tool_response>" in context:
+        return str(a + b) + EOS_TEXT
+    return call("add", a=a, b=b + a % 2)
+
+
+def test_held_out_evaluation_runs_episodes_scored_by_their_environments(tmp_path, warmup_cache):
+    overrides = run_overrides(tmp_path, warmup_cache, **{"rollout.max_new_tokens": 96, "task.eval_fraction": 0.25,
+                                                          "eval.samples": 2})
+    trainer = Trainer(load_config(None, overrides))
+    held_out = [p.prompt for p in trainer.eval_problems]
+    assert len(held_out) == 3 and not set(held_out) & {p.prompt for p in trainer.task.train_problems}
+    trainer.eval_episodes.engine = ScriptedEngine(add_right_for_even_a)
+    metrics = trainer.run_eval()
+    even = sum(int(p.split("+")[0]) % 2 == 0 for p in held_out) / len(held_out)
+    assert 0 < even < 1  # both kinds of episode held out
+    assert metrics["eval/accuracy"] == pytest.approx(even) == metrics["eval/avg@2"]  # every answer text is right
+    assert metrics["eval/tool_calls"] == 1.0 and metrics["eval/turns"] == 2.0
+    trainer.close_engines()
+
+
 def test_an_environment_without_get_reward_is_refused_naming_the_field(tmp_path, warmup_cache):
     overrides = run_overrides(tmp_path, warmup_cache)
     overrides = [o.replace(":AdderEnv", ":NoReward") for o in overrides]
