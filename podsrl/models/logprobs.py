@@ -91,7 +91,8 @@ class _FromLogits(torch.autograd.Function):
                 s = slice(start, start + c)
                 grad = _grad_z_(_scaled(logits[s], temp), targets[s], lse[s], entropy[s],
                                 None if g_logp is None else g_logp[s], None if g_entropy is None else g_entropy[s])
-                out[s] = grad / temp
+                out[s] = grad.div_(temp)
+                del grad  # before the next chunk's are made: one chunk's [c, V] buffers live at a time
         return out, None, None, None
 
 
@@ -117,6 +118,7 @@ class _FromHidden(torch.autograd.Function):
                 logp.append(target)
                 ent.append(entropy)
                 lse.append(norm)
+                del z  # before the next chunk's logits are made: one [chunk, V] float32 tensor at a time
         logp_t, entropy, lse_t = torch.cat(logp), torch.cat(ent), torch.cat(lse)
         ctx.save_for_backward(hidden, weight, bias, targets, lse_t, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
@@ -157,6 +159,7 @@ class _FromHidden(torch.autograd.Function):
                         d_weight.addmm_(grad.t(), h)
                 if d_bias is not None:
                     d_bias += grad_z.sum(0) if mixed else grad.sum(0)
+                del z, grad_z, grad  # before the next chunk's are made: one chunk's [c, V] buffers live at a time
         return d_hidden, d_weight, d_bias, None, None, None
 
 

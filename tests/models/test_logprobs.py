@@ -108,3 +108,32 @@ def test_shared_prompt_plain_and_sampler_log_probs_agree_under_bfloat16_autocast
     torch.testing.assert_close(plain, sampled, rtol=0, atol=1e-4)
     torch.testing.assert_close(shared, sampled, rtol=0, atol=1e-4)
     torch.testing.assert_close(shared, plain, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("head", [True, False], ids=["from_hidden", "from_logits"])
+def test_one_chunks_buffers_are_alive_at_a_time(head):
+    """The forward and backward over several chunks hold no more [chunk, V] buffers than over one chunk: each
+    chunk's logits, probabilities and gradient are freed before the next chunk's are made (the memory plan counts
+    one chunk's). Beyond the chunks' buffers, only the [N]- and [N, D]-sized results grow with N."""
+    from tests.live_memory import PeakLiveBytes
+
+    chunk, vocab, dim = 32, 1000, 8
+    chunk_bytes = chunk * vocab * 4
+
+    def peak(n: int) -> int:
+        torch.manual_seed(0)
+        hidden = torch.randn(n, dim, requires_grad=True)
+        weight = torch.randn(vocab, dim, requires_grad=True)
+        tokens = torch.randint(0, vocab, (n,))
+        with PeakLiveBytes() as m:
+            if head:
+                logp, entropy = head_logprobs_and_entropy(hidden, weight, None, tokens, temperature=0.7, chunk=chunk)
+            else:
+                logp, entropy = token_logprobs_and_entropy(hidden @ weight.t(), tokens, temperature=0.7, chunk=chunk)
+            (logp.sum() + entropy.sum()).backward()
+        return m.peak
+
+    grows_with_n = 3 * chunk * (dim * 4 + 4 * 8)  # [N, D] gradients and the [N] statistics of 3 more chunks
+    if not head:
+        grows_with_n += 2 * 3 * chunk_bytes  # the [N, V] logits and their gradient
+    assert peak(4 * chunk) - peak(chunk) - grows_with_n < chunk_bytes / 2
