@@ -311,6 +311,27 @@ def test_close_and_release_leave_no_session_on_the_actors(pool):
     assert held() == [(0, 0), (0, 0)]
 
 
+def test_episodes_through_a_pool_equal_the_in_process_engines(pool):
+    """The episode runner over a second pool (two actors of the built-in model): the episodes (tokens, loss masks,
+    log-probs, endings) of the in-process fast engine; once the runner is done no actor holds a session."""
+    from podsrl.engines.ray import RayEngine
+    from tests.episodes.scripted import TOKENIZER
+    from tests.episodes.test_continued_episodes import episode_model, run_episodes
+
+    model = episode_model(torch.device("cpu"))
+    engine = RayEngine(model, TOKENIZER, num_workers=2, cpus_per_worker=0)  # the module's pool holds Ray's CPUs
+    try:
+        through_pool = run_episodes(engine)
+        assert on_actors(engine, lambda w: len(w.sessions)) == [0, 0]
+    finally:
+        engine.close()
+    in_process = run_episodes(FastEngine(model, TOKENIZER))
+    assert through_pool.stats.turns > 12  # episodes went on past their second turn
+    assert_same(through_pool.generation, in_process.generation)
+    assert torch.equal(through_pool.loss_mask, in_process.loss_mask)
+    assert through_pool.stats.metrics() == in_process.stats.metrics()
+
+
 def test_a_pool_larger_than_the_local_ray_is_refused_at_once(pool):
     from podsrl.engines.ray import RayEngine
     from podsrl.errors import ConfigError
