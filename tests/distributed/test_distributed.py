@@ -124,11 +124,11 @@ def episode_turns(engine, prefills: list[int]) -> dict:
 
 
 def session_engine():
-    from tests.engines.test_continuation import counting_prefills
+    from benchmarks.episode_continuation import count_prefills
     from tests.engines.test_engines import make_model as continuation_model
 
     engine = FastEngine(continuation_model("qwen", peak=3.0, eos_bias=1.0), Tok(), cuda_graphs=False)
-    return engine, counting_prefills(engine)
+    return engine, count_prefills(engine)
 
 
 def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:

@@ -261,13 +261,14 @@ def test_pool_sessions_continue_each_episode_on_the_actor_holding_its_cache(pool
 def test_a_pool_session_turn_prefills_only_what_its_actors_cache_lacks(pool):
     """Two episodes, one per actor: each actor's second prefill is its episode's last sampled token and the
     environment's answer; a fresh session's first turn prefills the whole contexts."""
-    from tests.engines.test_continuation import TEMPERATURE, counting_prefills
+    from benchmarks.episode_continuation import count_prefills
+    from tests.engines.test_continuation import TEMPERATURE
     from tests.engines.test_engines import random_prompts
 
     engine, _ = pool
 
     def count(worker) -> None:
-        worker.prefills = counting_prefills(worker.engine)
+        worker.prefills = count_prefills(worker.engine)
 
     def counted(worker) -> list[int]:
         del worker.engine.forward.logits  # the class's method again

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.episode_continuation import count_prefills
 from podsrl.batch import Problem
 from podsrl.config import EpisodeConfig, TinyModelConfig
 from podsrl.engines.base import EpisodeSession, SamplingParams
@@ -64,10 +65,7 @@ def test_continued_episodes_equal_reprefilled_ones_for_fewer_prefilled_tokens():
         engine = FastEngine(model, TOKENIZER)
         if not continued:
             engine.session = lambda engine=engine: EpisodeSession(engine)
-        counts = prefilled[continued] = []
-        logits = engine.forward.logits
-        engine.forward.logits = lambda ids, *args, logits=logits, counts=counts: (counts.append(ids.numel()),
-                                                                                  logits(ids, *args))[1]
+        prefilled[continued] = count_prefills(engine)
         outputs[continued] = run_episodes(engine)
         assert not any(session.cached for session in engine.sessions)  # the runner closed its session
     continued, reprefilled = outputs[True], outputs[False]
