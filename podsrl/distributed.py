@@ -4,7 +4,8 @@ Design: every rank runs the same loop with the same seed, so prompt order, promp
 stay identical on every rank without being sent anywhere, and a checkpoint written by rank 0 resumes every rank.
 - Generation is not repeated: the engine is wrapped so each rank generates a contiguous shard of each request's
   prompt groups and the shards are all-gathered; every rank then holds the same rollouts, bit for bit. With the fast
-  engine (per-row seeds) they equal a one-process run's, for any number of ranks.
+  engine (per-row seeds) they equal a one-process run's, for any number of ranks. Episodes shard by episode: each
+  stays on the rank that generated its first turn, where the rank's engine continues its KV cache (ShardedSession).
 - Scoring and selection run on every rank on identical inputs (cheap next to generation and the update). A
   fingerprint of the selected batch and RNG is compared before each update as a guard (a reward function with a
   timeout could disagree across ranks): on a mismatch rank 0's batch and RNG state are broadcast.
@@ -26,15 +27,15 @@ import hashlib
 import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from podsrl.batch import RolloutBatch
-from podsrl.engines.base import GenerationOutput, RolloutEngine, SamplingParams
+from podsrl.engines.base import EpisodeSession, GenerationOutput, RolloutEngine, SamplingParams
 from podsrl.engines.rows import check_request
-from podsrl.engines.shards import merge_outputs, shard_groups
+from podsrl.engines.shards import EpisodeShards, merge_outputs, merge_rows, shard_groups
 
 log = logging.getLogger("podsrl")
 
@@ -169,6 +170,14 @@ class ShardedEngine(RolloutEngine):
         parts = [(shards[r], out) for r, out in enumerate(gathered) if out is not None]
         return merge_outputs(parts, self.pad_token_id, params.return_logprobs)
 
+    def session(self) -> EpisodeSession:
+        """Where this rank's engine continues episodes' KV caches, each rank continues its own episodes'
+        (ShardedSession); otherwise each turn is a sharded `generate` over the whole contexts."""
+        local = self.inner.session()
+        if not local.continues:
+            return super().session()
+        return ShardedSession(self, local)
+
     @property
     def sampler(self) -> str:
         return self.inner.sampler
@@ -181,6 +190,38 @@ class ShardedEngine(RolloutEngine):
 
     def close(self) -> None:
         self.inner.close()
+
+
+class ShardedSession(EpisodeSession):
+    """Episodes over the ranks: every rank makes the same calls, each generates the turns of the episodes
+    `EpisodeShards` gives it (an episode stays on the rank that holds its cache) in its engine's session, and the
+    turns are all-gathered and put back in the call's order. A rank none of whose episodes is live closes its
+    session; `close` (the runner's) and the engine's `release` close it too."""
+
+    continues = True
+
+    def __init__(self, engine: ShardedEngine, local: EpisodeSession) -> None:
+        super().__init__(engine)
+        self.local = local
+        self.shards = EpisodeShards(engine.ctx.world_size)
+
+    def generate(self, keys: list[Hashable], contexts: list[list[int]], params: SamplingParams,
+                 seeds: torch.Tensor) -> GenerationOutput:
+        if not contexts:
+            return super().generate(keys, contexts, params, seeds)
+        ctx = self.engine.ctx
+        split = self.shards.split(keys)
+        mine, turn = split[ctx.rank], None
+        if mine:
+            turn = self.local.generate([keys[r] for r in mine], [contexts[r] for r in mine], params, seeds[mine])
+        else:
+            self.local.close()
+        gathered: list = [None] * ctx.world_size
+        dist.all_gather_object(gathered, turn, group=ctx.cpu_group)
+        return merge_rows(list(zip(split, gathered)), self.engine.pad_token_id, params.return_logprobs)
+
+    def close(self) -> None:
+        self.local.close()
 
 
 class DataParallel:

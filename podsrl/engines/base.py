@@ -12,7 +12,8 @@ Contract of `generate`:
   log-prob under the temperature-scaled policy *before* top-p/top-k truncation: exactly what the trainer's forward
   pass computes, so it can serve as the old log-probs of the PPO ratio.
 - `session()` serves episodes turn by turn (`EpisodeSession`): by default each turn is a `generate` over the whole
-  contexts; the fast engine's continues each episode's KV cache instead, with the same outputs.
+  contexts; the fast engine's continues each episode's KV cache instead, with the same outputs, and so do the Ray
+  pool's and torchrun's sharded engine's over it (each episode stays where its cache is).
 - `sync_weights(model)` is called after every optimiser update with the trainer's policy; engines that hold their
   own copy (Ray actors, vLLM) must load the new weights before the next `generate`.
 """

@@ -7,6 +7,12 @@ request with an in-process engine (fast by default, hf when asked).
   and every actor receives the same reference; actors on one node read the shared copy.
 - Faults: a shard whose actor died or raised is retried on a fresh actor (built from the model put at start-up plus
   the latest weights), at most `max_retries` times per shard and call, then `WorkerFailure` says what happened.
+- Episodes (`session`): each episode's turns run on the actor it was first given to (shards.EpisodeShards), in that
+  actor's fast-engine session (continuation.py), so a turn prefills only what the actor's cache of the episode
+  lacks. A replaced actor starts with no caches: its episodes' next turn prefills them whole. Memory: each actor
+  holds its live episodes' caches between turns; an actor with no live episode drops its session, and the
+  session's `close` (the runner's) and the engine's `release` (the trainer's, before each update) drop every
+  actor's.
 
 Options (`rollout.engine_options`): num_workers (2), address (None: start a local Ray; "auto" or "host:port" joins a
 cluster), num_cpus (local Ray only), cpus_per_worker (1, also the actor's torch threads), gpus_per_worker (0),
@@ -20,18 +26,21 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import itertools
 import logging
 import os
 import time
+import weakref
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from podsrl.engines.base import GenerationOutput, RolloutEngine, SamplingParams
+from podsrl.engines.base import EpisodeSession, GenerationOutput, RolloutEngine, SamplingParams
 from podsrl.engines.hf import model_device
 from podsrl.engines.rows import check_request, no_token_output, special_ids
-from podsrl.engines.shards import merge_outputs, shard_groups
+from podsrl.engines.shards import EpisodeShards, merge_outputs, merge_rows, shard_groups
 
 logger = logging.getLogger("podsrl")
 
@@ -80,9 +89,31 @@ class RolloutWorker:
         from podsrl.engines import build_engine
 
         self.engine = build_engine(engine, self.model, None, **options)
+        self.sessions: dict[int, EpisodeSession] = {}  # the pool's open episode sessions (RaySession.id) here
 
     def generate(self, prompts, counts, params, seeds) -> GenerationOutput:
         return self.engine.generate(prompts, counts, params, seeds)
+
+    def continues(self) -> bool:
+        """Whether this actor's engine continues episodes' KV caches (the fast engine on its static-shape step)."""
+        with self.engine.session() as session:
+            return session.continues
+
+    def session_generate(self, session_id: int, keys: list, contexts: list[list[int]], params: SamplingParams,
+                         seeds: torch.Tensor) -> GenerationOutput | None:
+        """A turn of this actor's episodes of session `session_id`, in this actor's session of it (opened on its
+        first turn here). No episodes: the actor's have all ended, so its session is closed."""
+        if not keys:
+            self.close_session(session_id)
+            return None
+        if session_id not in self.sessions:
+            self.sessions[session_id] = self.engine.session()
+        return self.sessions[session_id].generate(keys, contexts, params, seeds)
+
+    def close_session(self, session_id: int) -> None:
+        session = self.sessions.pop(session_id, None)
+        if session is not None:
+            session.close()
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -154,6 +185,9 @@ class RayEngine(RolloutEngine):
                 f"ray engine: {num_workers} actors ({cpus_per_worker} CPU, {gpus_per_worker} GPU each) did not "
                 f"start within startup_timeout_s={startup_timeout_s}; free resources: "
                 f"{ray.available_resources()}") from None
+        self.continues = ray.get(self.workers[0].continues.remote())
+        self.sessions: weakref.WeakSet[RaySession] = weakref.WeakSet()  # open ones: `release` closes them
+        self._session_ids = itertools.count()
         self.restarts = 0
         self.startup_seconds = time.perf_counter() - t0
         self.last_sync_seconds = 0.0
@@ -194,32 +228,41 @@ class RayEngine(RolloutEngine):
             return no_token_output(prompts, counts, rows, self.pad_token_id, params.return_logprobs)
         seeds = seeds.long().cpu()
         shards = shard_groups(counts, len(self.workers))
-        results: dict[int, GenerationOutput] = {}
-        attempts = [0] * len(shards)
-        pending: dict[Any, int] = {}  # object ref -> shard (= worker) index
+
+        def shard_call(s) -> Callable:
+            return lambda worker: worker.generate.remote(prompts[s.start:s.end], counts[s.start:s.end], params,
+                                                         seeds[s.row_start:s.row_end])
+
+        results = self.on_workers({k: shard_call(s) for k, s in enumerate(shards) if s.rows > 0},
+                                  lambda k: f"shard {k} (prompts {shards[k].start}-{shards[k].end - 1})")
+        parts = [(shards[k], results[k]) for k in sorted(results)]
+        return merge_outputs(parts, self.pad_token_id, params.return_logprobs)
+
+    def on_workers(self, calls: dict[int, Callable], what: Callable[[int], str]) -> dict[int, Any]:
+        """Each call's result, `calls[k](actor k)` being a remote call to actor k (all submitted at once). A call
+        whose actor died or raised, or every pending one when none finished within timeout_s, is retried on a fresh
+        actor, at most max_retries times per call; `what(k)` names call k's work in the failure."""
+        results: dict[int, Any] = {}
+        attempts = dict.fromkeys(calls, 0)
+        pending: dict[Any, int] = {}  # object ref -> worker index
 
         def submit(k: int) -> None:
-            s = shards[k]
-            ref = self.workers[k].generate.remote(prompts[s.start:s.end], counts[s.start:s.end], params,
-                                                  seeds[s.row_start:s.row_end])
-            pending[ref] = k
+            pending[calls[k](self.workers[k])] = k
 
         def failed(k: int, error: BaseException) -> None:
             attempts[k] += 1
             if attempts[k] > self.max_retries:
                 raise WorkerFailure(
-                    f"ray engine: shard {k} (prompts {shards[k].start}-{shards[k].end - 1}) failed "
-                    f"{attempts[k]} times, the bound set by rollout.engine_options.max_retries="
-                    f"{self.max_retries}; last error: {error}") from error
+                    f"ray engine: {what(k)} failed {attempts[k]} times, the bound set by "
+                    f"rollout.engine_options.max_retries={self.max_retries}; last error: {error}") from error
             self._restart(k, error)
             submit(k)
 
-        for k, s in enumerate(shards):
-            if s.rows > 0:
-                submit(k)
+        for k in calls:
+            submit(k)
         while pending:
             ready, _ = self._ray.wait(list(pending), num_returns=1, timeout=self.timeout_s)
-            if not ready:  # nothing finished in timeout_s: every pending shard counts as failed
+            if not ready:  # nothing finished in timeout_s: every pending call counts as failed
                 stuck = list(pending.items())
                 pending.clear()
                 for _, k in stuck:
@@ -230,8 +273,28 @@ class RayEngine(RolloutEngine):
                 results[k] = self._ray.get(ready[0])
             except (self._ray.exceptions.RayActorError, self._ray.exceptions.RayTaskError) as e:
                 failed(k, e)
-        parts = [(shards[k], results[k]) for k in sorted(results)]
-        return merge_outputs(parts, self.pad_token_id, params.return_logprobs)
+        return results
+
+    def session(self) -> EpisodeSession:
+        """Episodes continue their KV caches on the actors that hold them (RaySession) where the actors' engine
+        continues them; otherwise each turn is a `generate` over the whole contexts."""
+        if not self.continues:
+            return super().session()
+        session = RaySession(self, next(self._session_ids))
+        self.sessions.add(session)
+        return session
+
+    def close_session(self, session_id: int) -> None:
+        """Every actor drops its session `session_id` (an actor that died holds none)."""
+        for ref in [w.close_session.remote(session_id) for w in self.workers]:
+            with contextlib.suppress(self._ray.exceptions.RayActorError):
+                self._ray.get(ref)
+
+    def release(self) -> None:
+        """Closes the open episode sessions: the actors free their caches (a session's next turn then prefills its
+        episodes whole)."""
+        for session in list(self.sessions):
+            session.close()
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """One `ray.put` of the trainable weights; every actor loads from that one object."""
@@ -255,3 +318,37 @@ class RayEngine(RolloutEngine):
         self.workers = []
         if getattr(self, "_owns_ray", False) and self._ray.is_initialized():
             self._ray.shutdown()
+
+
+class RaySession(EpisodeSession):
+    """The pool's episode session (see the module docstring)."""
+
+    continues = True
+
+    def __init__(self, engine: RayEngine, session_id: int) -> None:
+        super().__init__(engine)
+        self.id = session_id
+        self.shards = EpisodeShards(len(engine.workers))
+        self.busy: set[int] = set()  # the actors holding a session of it
+
+    def generate(self, keys: list[Hashable], contexts: list[list[int]], params: SamplingParams,
+                 seeds: torch.Tensor) -> GenerationOutput:
+        rows = check_request(contexts, [1] * len(contexts), seeds)
+        if rows == 0 or params.max_new_tokens <= 0:
+            return no_token_output(contexts, [1] * rows, rows, self.engine.pad_token_id, params.return_logprobs)
+        seeds = seeds.long().cpu()
+        split = self.shards.split(keys)
+
+        def turn(mine: list[int]) -> Callable:  # an empty turn closes the actor's session (its episodes ended)
+            return lambda worker: worker.session_generate.remote(self.id, [keys[r] for r in mine],
+                                                                 [contexts[r] for r in mine], params, seeds[mine])
+
+        calls = {k: turn(mine) for k, mine in enumerate(split) if mine or k in self.busy}
+        results = self.engine.on_workers(calls, lambda k: f"the episode turns of worker {k}")
+        self.busy = {k for k, mine in enumerate(split) if mine}
+        return merge_rows([(split[k], results[k]) for k in sorted(self.busy)], self.engine.pad_token_id,
+                          params.return_logprobs)
+
+    def close(self) -> None:
+        self.engine.close_session(self.id)
+        self.busy = set()

@@ -3,11 +3,16 @@
 Used by the Ray actor pool (one shard per actor) and by data-parallel training (one shard per rank). Shards are
 contiguous runs of prompts, so the merged rows come out in the same order as one unsharded call; with per-row seeds
 (the fast engine) the merged output equals the unsharded one.
+
+Episode sessions (one row per context, turn after turn) shard by episode instead (`EpisodeShards`): an episode
+stays on the shard that holds its KV cache, so a shard's rows need not be contiguous and `merge_rows` puts them
+back in the call's order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Hashable
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -79,3 +84,45 @@ def merge_outputs(parts: list[tuple[Shard, GenerationOutput]], pad_token_id: int
         truncated=torch.cat([o.truncated for o in outs]),
         logprobs=logprobs,
     )
+
+
+class EpisodeShards:
+    """Which shard generates each episode of a session: the one it was first given to (its KV cache lives there),
+    for as long as it is live; an episode first seen goes to the shard with the fewest live episodes. An episode
+    not in a call has ended and is forgotten. Deterministic in the calls' keys, so every rank of a torchrun run
+    splits alike."""
+
+    def __init__(self, num_shards: int) -> None:
+        self.num_shards = num_shards
+        self.home: dict[Hashable, int] = {}
+
+    def split(self, keys: list) -> list[list[int]]:
+        """Each shard's rows of a call (indices into `keys`, in call order)."""
+        self.home = {key: self.home[key] for key in keys if key in self.home}
+        load = [0] * self.num_shards
+        for shard in self.home.values():
+            load[shard] += 1
+        for key in keys:
+            if key not in self.home:
+                self.home[key] = load.index(min(load))
+                load[self.home[key]] += 1
+        rows: list[list[int]] = [[] for _ in range(self.num_shards)]
+        for row, key in enumerate(keys):
+            rows[self.home[key]].append(row)
+        return rows
+
+
+def merge_rows(parts: list[tuple[list[int], GenerationOutput | None]], pad_token_id: int,
+               with_logprobs: bool) -> GenerationOutput:
+    """One output of a one-row-per-context call from its shards' outputs, `parts` pairing each shard's rows (indices
+    into the call, as `EpisodeShards.split` gives them) with their output: rows back in the call's order."""
+    parts = [(rows, out) for rows, out in parts if rows]
+    shards, start = [], 0
+    for rows, _ in parts:
+        shards.append(Shard(start, start + len(rows), start, start + len(rows)))
+        start += len(rows)
+    merged = merge_outputs([(s, out) for s, (_, out) in zip(shards, parts)], pad_token_id, with_logprobs)
+    order = torch.tensor([row for rows, _ in parts for row in rows]).argsort()
+    reordered = {f.name: getattr(merged, f.name)[order] for f in fields(merged) if getattr(merged, f.name) is not None}
+    reordered["group_index"] = torch.arange(len(order))  # one row per context
+    return replace(merged, **reordered)

@@ -2,8 +2,9 @@
 
 Each turn is one generate call of the engine's episode session (`engine.session()`) over the live episodes, each
 row's context being its whole episode so far (prompt, model turns, environment messages). The fast engine's session
-keeps each episode's KV cache between turns and prefills only what it lacks (the environment's tokens, the turn's
-last token); other engines' sessions re-prefill the whole context; the runner is the same for both. A turn stops at EOS, at the end of the model's first
+(also in the Ray pool's actors and on each torchrun rank) keeps each episode's KV cache between turns and prefills
+only what it lacks (the environment's tokens, the turn's last token); other engines' sessions re-prefill the whole
+context; the runner is the same for both. A turn stops at EOS, at the end of the model's first
 tool call, at rollout.max_new_tokens, or where the episode's token budget runs out. Then the environments step, all
 at once on a thread pool (their tool calls run there, each against episode.tool_timeout_s), and an episode goes on
 with the environment's messages appended, until its environment says it is done, its turns or tokens run out, or

@@ -17,6 +17,8 @@ CASES = {
     "update_speed": ["--device", "cpu", "--repeats", "1", "--workload", "default", "--skip-memory"],
     "scale": ["--hidden", "32", "--layers", "1", "--prompts", "2", "--n", "2", "--max-new-tokens", "4",
               "--update-rows", "4", "--micro", "2", "--repeats", "1", "--skip-ray"],
+    "episode_continuation": ["--episodes", "2", "--turns", "2", "--max-new-tokens", "4", "--answer-tokens", "4",
+                             "--repeats", "1", "--hidden", "32", "--layers", "1"],
 }
 
 

@@ -1,7 +1,7 @@
 """Data parallel: a 2-process gloo update equals the one-process update on the same batch (also with PODS
 down-sampling, several mini-batches and epochs, uneven groups, an odd row count, one row for two ranks, and the
-split-half gradient-noise metrics); sharded generation equals one in-process call; rank agreement; and an end-to-end
-torchrun run (with resume) against one process."""
+split-half gradient-noise metrics); sharded generation equals one in-process call; episodes continued on the rank
+holding each one's cache; rank agreement; and an end-to-end torchrun run (with resume) against one process."""
 
 from __future__ import annotations
 
@@ -100,6 +100,37 @@ def generation_request():
     return prompts, counts, torch.randint(0, 2**62, (sum(counts),), generator=g)
 
 
+def episode_turns(engine, prefills: list[int]) -> dict:
+    """Three turns of five episodes (one ends after the second) through `engine`'s session: the turns' contexts,
+    seeds and outputs, the episodes its local session held after each turn, and `prefills` once it is released."""
+    from tests.engines.test_continuation import SAMPLED, next_contexts
+    from tests.engines.test_engines import random_prompts
+
+    session = engine.session()
+    record: dict = {"continues": session.continues, "turns": [], "held": []}
+    keys, contexts = [0, 1, 2, 3, 4], random_prompts([3, 7, 5, 2, 6], seed=3)
+    for turn in range(3):
+        seeds = torch.arange(len(keys)) * 7919 + 31 * turn
+        out = session.generate(keys, contexts, SAMPLED, seeds)
+        record["turns"].append((list(keys), contexts, seeds, out))
+        record["held"].append(sorted(getattr(session, "local", session).cached))
+        contexts = next_contexts(contexts, out, turn)
+        if turn == 1:  # episode 3 ended: the next call does not ask for it
+            keys, contexts = keys[:3] + keys[4:], contexts[:3] + contexts[4:]
+    engine.release()  # the trainer's, before the update
+    record["released"] = getattr(session, "local", session).cached
+    record["prefills"] = list(prefills)
+    return record
+
+
+def session_engine():
+    from benchmarks.episode_continuation import count_prefills
+    from tests.engines.test_engines import make_model as continuation_model
+
+    engine = FastEngine(continuation_model("qwen", peak=3.0, eos_bias=1.0), Tok(), cuda_graphs=False)
+    return engine, count_prefills(engine)
+
+
 def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
     from podsrl.distributed import init_distributed
 
@@ -113,6 +144,8 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
     engine = ctx.wrap_engine(FastEngine(make_model(3), Tok()))
     out["generated"] = engine.generate(*generation_request()[:2], SamplingParams(max_new_tokens=8),
                                        generation_request()[2])
+    inner, prefills = session_engine()
+    out["episodes"] = episode_turns(ctx.wrap_engine(inner), prefills)
     out["agree"] = ctx.agree(rank == 1)  # rank 0 says False
     batch, gen = make_batch([3, 2], seed=9), torch.Generator().manual_seed(4)
     batch.advantages = torch.ones(5)
@@ -161,6 +194,33 @@ def test_sharded_generation_equals_one_call(two_ranks):
         for f in ("group_index", "prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated"):
             assert torch.equal(getattr(out, f), getattr(whole, f)), f
         torch.testing.assert_close(out.logprobs, whole.logprobs, atol=1e-5, rtol=0)
+
+
+def test_sharded_sessions_continue_each_episode_on_its_rank(two_ranks):
+    """Each rank continues the episodes it generated first (0, 2, 4 and 1, 3), prefilling what one process
+    continuing only those episodes prefills; every rank gets every turn, with the tokens of a fresh engine over the
+    whole contexts and log-probs of a fresh forward; release leaves no cache."""
+    from tests.engines.test_continuation import SAMPLED, TEMPERATURE
+    from tests.engines.test_engines import full_forward_logprobs
+
+    for rank, r in enumerate(two_ranks):
+        episodes = r["episodes"]
+        assert episodes["continues"]
+        home = {0: 0, 1: 1, 2: 0, 3: 1, 4: 0}  # episode -> the rank holding its cache
+        assert episodes["held"] == [[key for key in keys if home[key] == rank] for keys, *_ in episodes["turns"]]
+        assert episodes["released"] == {}
+        engine, prefills = session_engine()
+        for _, contexts, seeds, out in episodes["turns"]:
+            fresh = FastEngine(engine.model, Tok(), cuda_graphs=False).generate(contexts, [1] * len(contexts),
+                                                                               SAMPLED, seeds)
+            for f in ("completion_ids", "completion_mask", "truncated"):
+                assert torch.equal(getattr(out, f), getattr(fresh, f)), f
+            assert torch.allclose(out.logprobs, full_forward_logprobs(engine.model, out, TEMPERATURE), atol=1e-4)
+        alone = engine.session()  # this rank's episodes only, in one process
+        for keys, contexts, seeds, _ in episodes["turns"]:
+            mine = [i for i, key in enumerate(keys) if home[key] == rank]
+            alone.generate([keys[i] for i in mine], [contexts[i] for i in mine], SAMPLED, seeds[mine])
+        assert episodes["prefills"] == prefills
 
 
 def test_ranks_take_rank_zero_decisions_and_batch(two_ranks):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.episode_continuation import count_prefills
 from podsrl.engines import SamplingParams
 from podsrl.engines.base import EpisodeSession
 from podsrl.engines.fast import FastEngine
@@ -34,19 +35,6 @@ def next_contexts(contexts, out, turn: int) -> list[list[int]]:
         turn_ids = out.completion_ids[row, : n - 1 if row == 1 and n > 1 else n].tolist()
         grown.append(context + turn_ids + tool_answer(turn, row))
     return grown
-
-
-def counting_prefills(engine) -> list[int]:
-    """Records the query positions (rows x columns) of each prefill the engine runs."""
-    counts: list[int] = []
-    logits = engine.forward.logits
-
-    def counted(ids, *args):
-        counts.append(ids.numel())
-        return logits(ids, *args)
-
-    engine.forward.logits = counted
-    return counts
 
 
 def test_continued_turns_equal_a_fresh_forward_and_a_reprefilled_generate():
@@ -84,7 +72,7 @@ def test_a_continued_turn_prefills_only_the_tokens_its_cache_lacks():
     model = make_model("qwen", peak=3.0, eos_bias=1.0)
     params = SamplingParams(max_new_tokens=6, temperature=TEMPERATURE)
     engine = FastEngine(model, Tok(), cuda_graphs=False)
-    prefills = counting_prefills(engine)
+    prefills = count_prefills(engine)
     contexts = random_prompts([9, 4], seed=5)
     seeds = torch.tensor([3, 8])
     with engine.session() as session:
@@ -96,7 +84,7 @@ def test_a_continued_turn_prefills_only_the_tokens_its_cache_lacks():
         session.generate([0, 1], grown, params, seeds + 1)
     assert prefills[1] == 2 * (1 + 5)
     reprefill = FastEngine(model, Tok(), cuda_graphs=False)
-    counted = counting_prefills(reprefill)
+    counted = count_prefills(reprefill)
     EpisodeSession(reprefill).generate([0, 1], grown, params, seeds + 1)
     assert counted == [2 * max(len(g) for g in grown)]
 
@@ -106,7 +94,7 @@ def test_a_lone_continued_row_prefills_exactly_what_it_lacks():
     model = make_model("qwen", peak=3.0, eos_bias=-5.0)  # no stop: every turn runs max_new_tokens
     params = SamplingParams(max_new_tokens=5, temperature=TEMPERATURE)
     engine = FastEngine(model, Tok(), cuda_graphs=False)
-    prefills = counting_prefills(engine)
+    prefills = count_prefills(engine)
     context = random_prompts([8], seed=2)[0]
     with engine.session() as session:
         out = session.generate(["episode"], [context], params, torch.tensor([4]))

@@ -1,5 +1,6 @@
-"""The Ray rollout pool: same rollouts as the in-process fast engine, weight sync, actor replacement, retry bound.
-Also the sharding helpers it shares with data-parallel training (no Ray needed for those)."""
+"""The Ray rollout pool: same rollouts as the in-process fast engine, weight sync, actor replacement, retry bound;
+episodes continued on the actor holding each one's KV cache. Also the sharding helpers it shares with data-parallel
+training (no Ray needed for those)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from podsrl.engines.base import SamplingParams
 from podsrl.engines.fast import FastEngine
-from podsrl.engines.shards import merge_outputs, shard_groups
+from podsrl.engines.shards import EpisodeShards, merge_outputs, merge_rows, shard_groups
 from tests.tiny_lm import PAD, assert_rows_end_at_their_first_stop, chat_model, chat_request, tiny_causal_lm
 from tests.tiny_lm import TokStub as Tok
 
@@ -76,6 +77,24 @@ def test_merged_shards_equal_one_call():
     parts = [(s, engine.generate(prompts[s.start:s.end], counts[s.start:s.end], params,
                                  seeds[s.row_start:s.row_end])) for s in shards if s.rows > 0]
     assert_same(merge_outputs(parts, PAD, with_logprobs=True), whole)
+
+
+def test_episode_shards_keep_each_episode_on_its_shard_and_merge_rows_restores_the_call_order():
+    """Episodes stay where they were first put while live, a new one goes to the least-loaded shard; each shard
+    generating its rows alone and `merge_rows` give one call's output."""
+    shards = EpisodeShards(2)
+    assert shards.split(["a", "b", "c", "d", "e"]) == [[0, 2, 4], [1, 3]]
+    assert shards.split(["c", "e", "f", "g"]) == [[0, 1], [2, 3]]  # a, b, d ended: f and g fill shard 1
+    assert shards.home == {"c": 0, "e": 0, "f": 1, "g": 1}
+    engine = FastEngine(make_model(), Tok())
+    contexts = [p for p in request(5)[0] if p]
+    seeds = torch.arange(len(contexts)) * 7 + 1
+    params = SamplingParams(max_new_tokens=10)
+    split = EpisodeShards(3).split(list(range(len(contexts))))
+    parts = [(rows, engine.generate([contexts[r] for r in rows], [1] * len(rows), params, seeds[rows]))
+             for rows in split]
+    assert_same(merge_rows(parts, PAD, with_logprobs=True),
+                engine.generate(contexts, [1] * len(contexts), params, seeds))
 
 
 def test_vllm_engine_names_what_is_missing():
@@ -204,6 +223,114 @@ def test_the_actors_stop_at_every_eos_of_the_generation_config(pool):
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     ended = assert_rows_end_at_their_first_stop(out, {im_end, tokenizer.eos_token_id}, params.max_new_tokens)
     assert ended.get(im_end, 0) > 0
+
+
+def on_actors(engine, read) -> list:
+    """`read(actor body)` run in each of the pool's actors."""
+    return ray.get([w.__ray_call__.remote(read) for w in engine.workers])
+
+
+def test_pool_sessions_continue_each_episode_on_the_actor_holding_its_cache(pool):
+    """Three turns of five episodes (one ends after the second; an actor is killed after the first, its episodes'
+    next turn prefilled whole on the replacement): each turn samples the tokens an in-process engine samples from the
+    whole contexts with the same seeds, with log-probs of a fresh forward; each episode stays on its first actor."""
+    from tests.engines.test_continuation import SAMPLED, TEMPERATURE, next_contexts
+    from tests.engines.test_engines import full_forward_logprobs, random_prompts
+
+    engine, model = pool
+    session = engine.session()
+    assert session.continues
+    keys, contexts = [0, 1, 2, 3, 4], random_prompts([3, 7, 5, 2, 6], seed=3)
+    restarts = engine.restarts
+    with session:
+        for turn in range(3):
+            seeds = torch.arange(len(keys)) * 7919 + 31 * turn
+            out = session.generate(keys, contexts, SAMPLED, seeds)
+            fresh = FastEngine(model, Tok()).generate(contexts, [1] * len(contexts), SAMPLED, seeds)
+            assert_same(out, fresh)
+            assert torch.allclose(out.logprobs, full_forward_logprobs(model, out, TEMPERATURE), atol=1e-4)
+            assert session.shards.home == {k: k % 2 for k in keys}
+            contexts = next_contexts(contexts, out, turn)
+            if turn == 0:
+                ray.kill(engine.workers[0], no_restart=True)
+            if turn == 1:  # episode 3 ended: the next call does not ask for it
+                keys, contexts = keys[:3] + keys[4:], contexts[:3] + contexts[4:]
+    assert engine.restarts == restarts + 1
+
+
+def test_a_pool_session_turn_prefills_only_what_its_actors_cache_lacks(pool):
+    """Two episodes, one per actor: each actor's second prefill is its episode's last sampled token and the
+    environment's answer; a fresh session's first turn prefills the whole contexts."""
+    from benchmarks.episode_continuation import count_prefills
+    from tests.engines.test_continuation import TEMPERATURE
+    from tests.engines.test_engines import random_prompts
+
+    engine, _ = pool
+
+    def count(worker) -> None:
+        worker.prefills = count_prefills(worker.engine)
+
+    def counted(worker) -> list[int]:
+        del worker.engine.forward.logits  # the class's method again
+        return worker.prefills
+
+    on_actors(engine, count)
+    params = SamplingParams(max_new_tokens=6, temperature=TEMPERATURE)
+    contexts, answers = random_prompts([9, 4], seed=5), [[5, 6, 7], [5, 6, 7, 8, 9]]
+    seeds = torch.tensor([3, 8])
+    with engine.session() as session:
+        out = session.generate([0, 1], contexts, params, seeds)
+        grown = [c + out.completion_ids[r, : int(out.completion_mask[r].sum())].tolist() + a
+                 for r, (c, a) in enumerate(zip(contexts, answers))]
+        session.generate([0, 1], grown, params, seeds + 1)
+    assert on_actors(engine, counted) == [[9, 1 + 3], [4, 1 + 5]]
+
+
+def test_close_and_release_leave_no_session_on_the_actors(pool):
+    """What the actors hold between turns: each its live episodes' caches; an actor whose episodes all ended, none;
+    after the trainer's release (before the update) and the runner's close, no actor holds a session, and a released
+    session's next turn prefills its episodes whole for the same tokens."""
+    from tests.engines.test_continuation import SAMPLED
+    from tests.engines.test_engines import random_prompts
+
+    engine, _ = pool
+
+    def held() -> list[tuple[int, int]]:  # per actor: (its open sessions, episode caches in its engine's sessions)
+        return on_actors(engine, lambda w: (len(w.sessions), sum(len(s.cached) for s in w.engine.sessions)))
+
+    contexts, seeds = random_prompts([4, 6, 5], seed=7), torch.tensor([1, 2, 3])
+    session = engine.session()
+    out = session.generate([0, 1, 2], contexts, SAMPLED, seeds)
+    assert held() == [(1, 2), (1, 1)]
+    session.generate([1], contexts[1:2], SAMPLED, seeds[1:2])  # episodes 0 and 2 (actor 0's) ended
+    assert held() == [(0, 0), (1, 1)]
+    engine.release()
+    assert held() == [(0, 0), (0, 0)]
+    again = session.generate([0, 1, 2], contexts, SAMPLED, seeds)
+    assert_same(again, out)
+    session.close()
+    assert held() == [(0, 0), (0, 0)]
+
+
+def test_episodes_through_a_pool_equal_the_in_process_engines(pool):
+    """The episode runner over a second pool (two actors of the built-in model): the episodes (tokens, loss masks,
+    log-probs, endings) of the in-process fast engine; once the runner is done no actor holds a session."""
+    from podsrl.engines.ray import RayEngine
+    from tests.episodes.scripted import TOKENIZER
+    from tests.episodes.test_continued_episodes import episode_model, run_episodes
+
+    model = episode_model(torch.device("cpu"))
+    engine = RayEngine(model, TOKENIZER, num_workers=2, cpus_per_worker=0)  # the module's pool holds Ray's CPUs
+    try:
+        through_pool = run_episodes(engine)
+        assert on_actors(engine, lambda w: len(w.sessions)) == [0, 0]
+    finally:
+        engine.close()
+    in_process = run_episodes(FastEngine(model, TOKENIZER))
+    assert through_pool.stats.turns > 12  # episodes went on past their second turn
+    assert_same(through_pool.generation, in_process.generation)
+    assert torch.equal(through_pool.loss_mask, in_process.loss_mask)
+    assert through_pool.stats.metrics() == in_process.stats.metrics()
 
 
 def test_a_pool_larger_than_the_local_ray_is_refused_at_once(pool):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.episode_continuation import count_prefills
 from podsrl.batch import Problem
 from podsrl.config import EpisodeConfig, TinyModelConfig
 from podsrl.engines.base import EpisodeSession, SamplingParams
@@ -49,20 +50,22 @@ def run_episodes(engine) -> tuple:
     return runner.run(problems, [3, 3], params, torch.arange(6) * 1009 + 17)
 
 
-def test_continued_episodes_equal_reprefilled_ones_for_fewer_prefilled_tokens():
+def episode_model(device: torch.device):
+    """The built-in char-level model, small, with room for four turns and their tool answers."""
     cfg = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
                           max_position_embeddings=256)
-    model = build_tiny_model(cfg, TOKENIZER, seed=1).to(device_under_test())
+    return build_tiny_model(cfg, TOKENIZER, seed=1).to(device)
+
+
+def test_continued_episodes_equal_reprefilled_ones_for_fewer_prefilled_tokens():
+    model = episode_model(device_under_test())
     prefilled = {}
     outputs = {}
     for continued in (True, False):
         engine = FastEngine(model, TOKENIZER)
         if not continued:
             engine.session = lambda engine=engine: EpisodeSession(engine)
-        counts = prefilled[continued] = []
-        logits = engine.forward.logits
-        engine.forward.logits = lambda ids, *args, logits=logits, counts=counts: (counts.append(ids.numel()),
-                                                                                  logits(ids, *args))[1]
+        prefilled[continued] = count_prefills(engine)
         outputs[continued] = run_episodes(engine)
         assert not any(session.cached for session in engine.sessions)  # the runner closed its session
     continued, reprefilled = outputs[True], outputs[False]
