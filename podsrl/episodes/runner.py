@@ -18,6 +18,7 @@ is 1 on the model's tokens only, and its sampler log-probs are 0 on the environm
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -76,9 +77,10 @@ class EpisodeRunner:
         call_end = tokenizer.get_vocab().get(CALL_END)
         self.call_end_ids = () if call_end is None else (call_end,)
 
-    def run(self, problems: list[Problem], counts: list[int], params: SamplingParams,
-            seeds: torch.Tensor) -> EpisodeOutput:
-        """counts[j] episodes of problems[j]; `seeds[r]` seeds row r's episode."""
+    def run(self, problems: list[Problem], counts: list[int], params: SamplingParams, seeds: torch.Tensor,
+            after_turn: Callable[[], None] | None = None) -> EpisodeOutput:
+        """counts[j] episodes of problems[j]; `seeds[r]` seeds row r's episode. `after_turn` is called once each
+        turn's environments have stepped (the producer's fault-injection site)."""
         episodes = []
         for problem, count in zip(problems, counts):
             for _ in range(count):
@@ -94,6 +96,8 @@ class EpisodeRunner:
                 texts = self._generate_turn(session, live, [episodes[i] for i in live], params, seeds[live], turn)
                 stepping = [(i, text) for i, text in zip(live, texts) if episodes[i].ending is None]
                 self._step([episodes[i] for i, _ in stepping], [text for _, text in stepping])
+                if after_turn is not None:
+                    after_turn()
         return self._output(episodes, counts, params.return_logprobs)
 
     def _generate_turn(self, session: EpisodeSession, keys: list[int], live: list[_Episode], params: SamplingParams,

@@ -3,8 +3,10 @@
     PODSRL_FAULTS="kill@ckpt_manifest:4; nan@loss:2,3; term@step:5-6"
 
 Each entry is `<action>@<site>:<steps>`, steps being a comma list of numbers and a-b ranges, or `*` for all.
-Sites are named points in the trainer and the checkpoint writer, keyed by the training step they belong to:
+Sites are named points in the trainer, the producer and the checkpoint writer, keyed by the training step they
+belong to:
     step            start of training step N (before its prompts are drawn)
+    turn            each turn of the episodes of step N's batch, its environments stepped: episodes in flight
     loss            the update of step N: `fire` returns True and the trainer makes the advantages NaN
     ckpt_begin      saving the checkpoint of step N: temporary directory created, nothing written yet
     ckpt_model      ... model weights written, optimiser/RNG/state not yet
@@ -14,7 +16,7 @@ Sites are named points in the trainer and the checkpoint writer, keyed by the tr
 Actions: kill (SIGKILL this process), term / int (send SIGTERM / SIGINT to it), raise (RuntimeError),
 enospc / erofs (OSError "no space left" / "read-only file system"), nan (only `fire`'s return value).
 The variable is read on each call (cached per value), so a test can set it in-process; an unset variable costs
-one dictionary lookup per call, and the call sites are once per step or per checkpoint, never per token.
+one dictionary lookup per call, and the call sites are once per step, episode turn or checkpoint, never per token.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import signal
 
 ENV = "PODSRL_FAULTS"
 ACTIONS = ("kill", "term", "int", "raise", "enospc", "erofs", "nan")
-SITES = ("step", "loss", "ckpt_begin", "ckpt_model", "ckpt_manifest", "ckpt_rename", "ckpt_prune")
+SITES = ("step", "turn", "loss", "ckpt_begin", "ckpt_model", "ckpt_manifest", "ckpt_rename", "ckpt_prune")
 ALL = -1  # step wildcard
 
 _cache: tuple[str, dict[str, list[tuple[str, frozenset[int]]]]] = ("", {})

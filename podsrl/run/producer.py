@@ -29,6 +29,7 @@ from podsrl.methods import StepContext
 from podsrl.methods.base import Method
 from podsrl.prompt_stats import PromptStats
 from podsrl.rewards import RewardManager
+from podsrl.run import faults
 
 TIMERS = ("time/generate", "time/score", "time/select", "time/update")
 
@@ -133,7 +134,8 @@ class BatchProducer:
             cfg=self.cfg, stats=self.stats, rng=self.rng, step=step,
             epoch=self.data_position // self.epoch_size if self.epoch_size else 0, epoch_size=self.epoch_size,
             pad_token_id=self.tokenizer.pad_token_id,
-            generate=lambda problems, indices, counts: self.generate_and_score(problems, indices, counts, record),
+            generate=lambda problems, indices, counts: self.generate_and_score(problems, indices, counts, record,
+                                                                               step),
             draw=self.next_problems)
 
     def next_problems(self, count: int) -> list[Problem]:
@@ -186,8 +188,9 @@ class BatchProducer:
         return kept, metrics
 
     def generate_and_score(self, problems: list[Problem], indices: list[int], counts: list[int],
-                           record: StepRecord) -> RolloutBatch:
-        """Sample counts[j] rollouts of problems[indices[j]] and score them; group_index refers to `problems`."""
+                           record: StepRecord, step: int) -> RolloutBatch:
+        """Sample counts[j] rollouts of problems[indices[j]] (for the batch of step `step`, 0-based) and score them;
+        group_index refers to `problems`."""
         t0 = time.perf_counter()
         seeds = torch.randint(0, 2**62, (sum(counts),), generator=self.rng)
         loss_mask = environments = None
@@ -195,7 +198,8 @@ class BatchProducer:
             prompts = [self.tokenizer(problems[i].prompt, add_special_tokens=False).input_ids for i in indices]
             out = self.engine.generate(prompts, counts, self.sampling, seeds)
         else:
-            episodes = self.episodes.run([problems[i] for i in indices], counts, self.sampling, seeds)
+            episodes = self.episodes.run([problems[i] for i in indices], counts, self.sampling, seeds,
+                                         after_turn=lambda: faults.fire("turn", step + 1))
             out, loss_mask = episodes.generation, episodes.loss_mask
             environments = episodes.environments
             record.episodes.add(episodes.stats)

@@ -1,0 +1,96 @@
+"""Episodes resume exactly: a run of the episode task (arithmetic with a calculator) killed while a step's episodes
+are in flight (fault site `turn`: after a turn's tool calls, before the next turn), synchronously or with
+train.async's batches generated ahead, and resumed, equals the unkilled run (every record but time/*, and the final
+weights). A step's episodes are not checkpointed: they are regenerated from the step's saved producer state (data
+position, RNG) and weights, and a row's turns are seeded by its own seed alone. Under train.async the batches
+produced ahead, episodes included, are in the checkpoint with their loss masks."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+from podsrl.config import load_config
+from podsrl.run.checkpoint import latest_checkpoint, load_in_flight
+from podsrl.run.trainer import Trainer
+from podsrl.update import PolicyUpdater
+from tests.faults.common import assert_same_run, last_step, records, resume_argv, tiny, train_argv
+
+# The built-in episode task at the docs' char-level sizes. Its warm-up teaches the call on every reference episode
+# (tool_share 1), so the tiny model calls the calculator in a good share of its episodes: they run several turns.
+EPISODES = {"task.name": "arithmetic_tool", "task.args": "{operands: 2, digits: 1, tool_share: 1.0}",
+            "model.tiny.max_position_embeddings": 160, "rollout.max_new_tokens": 96, "episode.max_tokens": 128,
+            "episode.max_turns": 3, "warmup.episode_steps": 300, "warmup.episode_batch_size": 8,
+            "warmup.validation_size": 8, "warmup.lr": 0.003, "optim.lr": 1e-4}
+ASYNC = {"train.async.enabled": True, "train.async.max_staleness": 1, "train.async.generator_threads": 1}
+
+
+@pytest.fixture(scope="module")
+def episode_cache(warm_cache, tmp_path_factory):
+    """The episode task's warm-up, trained once for the module (beside the plain one in the session's cache)."""
+    from podsrl.run.warmup import run_warmup
+
+    run_warmup(load_config(None, tiny(tmp_path_factory.mktemp("unused"), warm_cache, **EPISODES)), progress=False)
+    return warm_cache
+
+
+def config(run, cache, **extra):
+    return load_config("podsrl/configs/grpo.yaml", tiny(run, cache, **EPISODES, **extra))
+
+
+def assert_multi_turn(run) -> None:
+    """Every step's episodes called the calculator and ran more than one turn on average: the kill lands between
+    turns of live episodes, not after one-turn answers."""
+    steps = [r for r in records(run) if "reward" in r]
+    assert steps and all(r["episode/turns"] > 1 and r["episode/tool_calls/calculator"] > 0 for r in steps), steps
+
+
+def test_sigkill_with_episodes_in_flight_resumes_exactly(tmp_path, launcher, episode_cache):
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    assert launcher.run(train_argv(reference, episode_cache, **EPISODES)).code == 0
+    assert_multi_turn(reference)
+    # SIGKILL after the first turn of step 4's episodes: step 3 done and logged, the checkpoint is step 2's
+    result = launcher.run(train_argv(run, episode_cache, **EPISODES), env={"PODSRL_FAULTS": "kill@turn:4"})
+    assert result.code == -signal.SIGKILL, result.stderr[-3000:]
+    assert last_step(run) == 3 and latest_checkpoint(run).name == "step-00000002"
+    result = launcher.run(resume_argv(run))
+    assert result.code == 0, result.stderr[-3000:]
+    assert_same_run(run, reference)
+
+
+@pytest.fixture
+def updated_batches(monkeypatch):
+    """The batches the learner updates on, as it got them (loss and completion masks)."""
+    seen: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    update = PolicyUpdater.update
+
+    def spy(self, batch, *args, **kwargs):
+        seen.append((batch.completion_mask.clone(), None if batch.loss_mask is None else batch.loss_mask.clone()))
+        return update(self, batch, *args, **kwargs)
+
+    monkeypatch.setattr(PolicyUpdater, "update", spy)
+    return seen
+
+
+def test_async_episodes_train_model_tokens_and_resume_exactly_with_batches_in_flight(
+        tmp_path, episode_cache, monkeypatch, updated_batches):
+    Trainer(config(tmp_path / "straight", episode_cache, **ASYNC)).train()
+    assert_multi_turn(tmp_path / "straight")
+    # every batch reached the learner from the generator thread with its loss mask: tool tokens in the context,
+    # out of the loss
+    assert len(updated_batches) == 6 and all(loss is not None for _, loss in updated_batches)
+    assert all(bool((loss <= present).all()) for present, loss in updated_batches)
+    assert sum(float((present - loss).sum()) for present, loss in updated_batches) > 0
+    # dies while the generator runs step 4's episodes (during step 3's update), after the step-2 checkpoint, which
+    # holds step 3's batch generated ahead: episodes with tool answers, their mask saved
+    monkeypatch.setenv("PODSRL_FAULTS", "raise@turn:4")
+    with pytest.raises(RuntimeError, match="injected fault at turn:4"):
+        Trainer(config(tmp_path / "crashed", episode_cache, **ASYNC)).train()
+    monkeypatch.delenv("PODSRL_FAULTS")
+    [ahead] = load_in_flight(latest_checkpoint(tmp_path / "crashed"))
+    kept = ahead["kept"]
+    assert kept["loss_mask"] is not None and float((kept["completion_mask"] - kept["loss_mask"]).sum()) > 0
+    Trainer(config(tmp_path / "crashed", episode_cache, **ASYNC), resume=True).train()
+    assert_same_run(tmp_path / "crashed", tmp_path / "straight")
