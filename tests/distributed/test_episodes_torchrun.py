@@ -1,7 +1,8 @@
-"""Episodes under torchrun: the episode task (arithmetic with a calculator) on 2 gloo ranks, killed while step 3's
-episodes are in flight and resumed on 2 ranks, equals the one-process run: the same episodes (episode/* metrics
-equal), the update's numbers to float rounding, as for single-turn runs (test_distributed.py). Each rank samples its
-share of every turn's rows through the sharded engine; the shares are gathered before the environments step."""
+"""Episodes under torchrun. Each of 2 gloo ranks samples its share of every turn's rows through the sharded engine,
+the shares gathered before the environments step, and the episodes equal one process's. The episode task (arithmetic
+with a calculator) on 2 ranks, killed while step 3's episodes are in flight and resumed on 2 ranks, equals the
+one-process run: the same episodes (episode/* metrics equal), the update's numbers to float rounding, as for
+single-turn runs (test_distributed.py)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,59 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
+from podsrl.batch import Problem
 from podsrl.config import load_config
+from podsrl.tasks.arithmetic_tool import ArithmeticToolTask
+from tests.episodes.scripted import EOS_TEXT, ScriptedEngine
+from tests.episodes.test_runner import calculator_script, run
 from tests.faults.common import tiny
 from tests.faults.test_episodes_resume import EPISODES
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.cpu_only("two gloo ranks on CPU (torchrun)")]
+
+
+def _calls_on_odd_seeds(context: str, seed: int) -> str:
+    """Turns of odd seeds call the calculator (and then answer with its result), the others answer at once: only
+    some episodes live on to a second turn."""
+    return calculator_script(context, seed) if seed % 2 else "7" + EOS_TEXT
+
+
+def _episodes(engine):
+    problems = [Problem(uid=f"p{i}", prompt=f"{i + 2}+{i + 5}=", answer=str(2 * i + 7)) for i in range(3)]
+    return run(engine, ArithmeticToolTask(seed=0, eval_size=0), problems, [3, 2, 2], list(range(10, 17)))
+
+
+def _episode_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    from podsrl.distributed import init_distributed
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    engine = ScriptedEngine(_calls_on_odd_seeds)
+    out = _episodes(init_distributed(torch.device("cpu")).wrap_engine(engine))
+    torch.save({"out": out, "rows": [len(c["contexts"]) for c in engine.calls]}, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_each_rank_samples_its_share_of_each_turn_and_the_episodes_equal_one_process(tmp_path):
+    mp.spawn(_episode_rank, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    engine = ScriptedEngine(_calls_on_odd_seeds)
+    single = _episodes(engine)
+    turns = [len(c["contexts"]) for c in engine.calls]
+    assert turns[0] == 7 and 0 < turns[1] < 7  # every episode's first turn, then the callers' next
+    # the rows of each turn split between the ranks (whole contexts, as even as they go), none sampled twice
+    assert [a + b for a, b in zip(ranks[0]["rows"], ranks[1]["rows"])] == turns
+    assert all(abs(a - b) <= 1 for a, b in zip(ranks[0]["rows"], ranks[1]["rows"]))
+    for r in ranks:
+        out = r["out"]
+        for f in ("group_index", "prompt_ids", "completion_ids", "completion_mask", "truncated", "logprobs"):
+            assert torch.equal(getattr(out.generation, f), getattr(single.generation, f)), f
+        assert torch.equal(out.loss_mask, single.loss_mask) and out.stats == single.stats
 
 
 def _train(run: Path, cache: Path, ranks: int, faults: str = "", resume: bool = False) -> int:

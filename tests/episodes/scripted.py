@@ -20,6 +20,7 @@ class ScriptedEngine(RolloutEngine):
     seeds and max_new_tokens."""
 
     name = "scripted"
+    pad_token_id = TOKENIZER.pad_token_id
 
     def __init__(self, script: Callable[[str, int], str]) -> None:
         self.script = script
