@@ -47,14 +47,18 @@ def assert_multi_turn(run) -> None:
     assert steps and all(r["episode/turns"] > 1 and r["episode/tool_calls/calculator"] > 0 for r in steps), steps
 
 
-def test_sigkill_with_episodes_in_flight_resumes_exactly(tmp_path, launcher, episode_cache):
+@pytest.mark.parametrize("run_ahead", [False, True], ids=["sync", "async"])
+def test_sigkill_with_episodes_in_flight_resumes_exactly(tmp_path, launcher, episode_cache, run_ahead):
+    extra = {**EPISODES, **(ASYNC if run_ahead else {})}
     reference, run = tmp_path / "reference", tmp_path / "run"
-    assert launcher.run(train_argv(reference, episode_cache, **EPISODES)).code == 0
+    assert launcher.run(train_argv(reference, episode_cache, **extra)).code == 0
     assert_multi_turn(reference)
-    # SIGKILL after the first turn of step 4's episodes: step 3 done and logged, the checkpoint is step 2's
-    result = launcher.run(train_argv(run, episode_cache, **EPISODES), env={"PODSRL_FAULTS": "kill@turn:4"})
+    # SIGKILL after the first turn of step 4's episodes, the checkpoint being step 2's. Synchronously step 3 is done
+    # and logged; under train.async the generator runs step 4's episodes beside step 3's update, and the
+    # checkpoint holds step 3's batch, generated ahead.
+    result = launcher.run(train_argv(run, episode_cache, **extra), env={"PODSRL_FAULTS": "kill@turn:4"})
     assert result.code == -signal.SIGKILL, result.stderr[-3000:]
-    assert last_step(run) == 3 and latest_checkpoint(run).name == "step-00000002"
+    assert last_step(run) in ((2, 3) if run_ahead else (3,)) and latest_checkpoint(run).name == "step-00000002"
     result = launcher.run(resume_argv(run))
     assert result.code == 0, result.stderr[-3000:]
     assert_same_run(run, reference)
