@@ -22,8 +22,7 @@ from podsrl.config import load_config
 from podsrl.tasks.arithmetic_tool import ArithmeticToolTask
 from tests.episodes.scripted import EOS_TEXT, ScriptedEngine
 from tests.episodes.test_runner import calculator_script, run
-from tests.faults.common import tiny
-from tests.faults.test_episodes_resume import EPISODES
+from tests.faults.common import EPISODES, tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.cpu_only("two gloo ranks on CPU (torchrun)")]

@@ -15,6 +15,14 @@ HERE = Path(__file__).resolve().parent
 REWARDS = HERE / "rewards_faulty.py"
 MAX_STEPS, SAVE_EVERY = 6, 2
 
+# Overrides for `tiny`: the built-in episode task at the docs' char-level sizes. Its warm-up teaches the call on
+# every reference episode (tool_share 1), so the tiny model calls the calculator in a good share of its episodes:
+# they run several turns.
+EPISODES = {"task.name": "arithmetic_tool", "task.args": "{operands: 2, digits: 1, tool_share: 1.0}",
+            "model.tiny.max_position_embeddings": 160, "rollout.max_new_tokens": 96, "episode.max_tokens": 128,
+            "episode.max_turns": 3, "warmup.episode_steps": 300, "warmup.episode_batch_size": 8,
+            "warmup.validation_size": 8, "warmup.lr": 0.003, "optim.lr": 1e-4}
+
 
 def tiny(run_dir: Path, cache: str | Path, **extra) -> list[str]:
     """Overrides for a run of a few seconds: a 1-layer model, 4 prompts x 4 rollouts, 6-token completions."""

@@ -16,14 +16,8 @@ from podsrl.config import load_config
 from podsrl.run.checkpoint import latest_checkpoint, load_in_flight
 from podsrl.run.trainer import Trainer
 from podsrl.update import PolicyUpdater
-from tests.faults.common import assert_same_run, last_step, records, resume_argv, tiny, train_argv
+from tests.faults.common import EPISODES, assert_same_run, last_step, records, resume_argv, tiny, train_argv
 
-# The built-in episode task at the docs' char-level sizes. Its warm-up teaches the call on every reference episode
-# (tool_share 1), so the tiny model calls the calculator in a good share of its episodes: they run several turns.
-EPISODES = {"task.name": "arithmetic_tool", "task.args": "{operands: 2, digits: 1, tool_share: 1.0}",
-            "model.tiny.max_position_embeddings": 160, "rollout.max_new_tokens": 96, "episode.max_tokens": 128,
-            "episode.max_turns": 3, "warmup.episode_steps": 300, "warmup.episode_batch_size": 8,
-            "warmup.validation_size": 8, "warmup.lr": 0.003, "optim.lr": 1e-4}
 ASYNC = {"train.async.enabled": True, "train.async.max_staleness": 1, "train.async.generator_threads": 1}
 
 
