@@ -207,6 +207,30 @@ class RewardResult:
     has_correct: bool = True  # False: no reward named `correct`, so `correct` carries no information
 
 
+def _spread_metrics(name: str, component: torch.Tensor) -> dict[str, float]:
+    """Mean and std of a reward's values over the rows that have one."""
+    finite = component[~component.isnan()]
+    return {f"rewards/{name}/mean": float(finite.mean()) if finite.numel() else float("nan"),
+            f"rewards/{name}/std": float(finite.std()) if finite.numel() > 1 else 0.0}
+
+
+def merge_results(parts: list[tuple[list[int], RewardResult]]) -> RewardResult:
+    """One result for the rows of several `score` calls, each given with the rows it scored, in row order: faults,
+    invalid rollouts and times add up, each reward's mean and std are over all the rows."""
+    order = torch.tensor([row for rows, _ in parts for row in rows], dtype=torch.long).argsort()
+    results = [result for _, result in parts]
+
+    def cat(values: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(values)[order]
+
+    components = {name: cat([r.components[name] for r in results]) for name in results[0].components}
+    metrics = {key: sum(r.metrics[key] for r in results) for key in results[0].metrics}
+    for name, component in components.items():
+        metrics.update(_spread_metrics(name, component))
+    return RewardResult(cat([r.rewards for r in results]), components, cat([r.correct for r in results]),
+                        cat([r.valid for r in results]), metrics, results[0].has_correct)
+
+
 class _Fault(Exception):
     """One reward call went wrong as a whole (raised, timed out, wrong count)."""
 
@@ -350,9 +374,7 @@ class RewardManager:
                                f"every value faulty ({', '.join(f'{k}={v}' for k, v in counts.items() if v)})")
             components[spec.name] = comp.float()
             total += spec.weight * torch.nan_to_num(comp, nan=0.0)
-            finite = comp[~comp.isnan()]
-            metrics[f"rewards/{spec.name}/mean"] = float(finite.mean()) if finite.numel() else float("nan")
-            metrics[f"rewards/{spec.name}/std"] = float(finite.std()) if finite.numel() > 1 else 0.0
+            metrics.update(_spread_metrics(spec.name, comp))
             for k, v in counts.items():
                 metrics[f"rewards/{spec.name}/{k}"] = float(v)
             metrics[f"time/reward/{spec.name}"] = time.perf_counter() - start

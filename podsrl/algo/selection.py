@@ -168,6 +168,15 @@ def max_variance_subset(rewards: torch.Tensor, mask: torch.Tensor, m: int) -> to
     return torch.where((counts <= m).unsqueeze(1), mask, keep)  # small groups keep every valid row
 
 
+def max_variance_decided(finished: torch.Tensor, m: int) -> bool:
+    """Whether the max-variance m-subset of a group of rewards in [0, 1] is already among its finished rollouts'
+    rewards `finished`, whatever its other rollouts get: m reward values in [0, 1] have the largest variance when
+    they sit at the ends, as evenly as m allows, so once the finished hold floor(m/2) of each end and one more of
+    either, no other reward can give a subset of more variance. Values inside (0, 1), and NaN, count for neither."""
+    ones, zeros = int((finished >= 1).sum()), int((finished <= 0).sum())
+    return min(ones, zeros) >= m // 2 and ones + zeros >= m
+
+
 def max_reward_subset(rewards: torch.Tensor, mask: torch.Tensor, m: int) -> torch.Tensor:
     """Keep mask of each group's m largest rewards; among equal rewards, earlier rows win."""
     _check(rewards, mask, m)

@@ -10,6 +10,12 @@ at once on a thread pool (their tool calls run there, each against episode.tool_
 with the environment's messages appended, until its environment says it is done, its turns or tokens run out, or
 its environment fails (a raising `step` ends that episode, counted).
 
+With an early stop (`GroupStop`, from a method's `episode_stop_rule`), the episodes that end in a turn are scored
+then, through the caller's reward path (each once), and the method's rule is asked of every group with episodes
+still live, given its finished episodes' rewards; a decided group's live episodes end there ("stopped"), before
+their next turn, so their remaining tokens are never generated. Without one, episodes are scored by the caller
+after the run, as single-turn rollouts are.
+
 A row's seed for turn t derives from its own seed and t alone, so an episode depends on (weights, problem, seed),
 not on which other episodes share its calls. The episode's completion is everything after the prompt; its loss mask
 is 1 on the model's tokens only, and its sampler log-probs are 0 on the environment's.
@@ -63,11 +69,24 @@ class _Episode:
 
 
 @dataclass
+class GroupStop:
+    """Stopping a group's live episodes between turns. `score(rows, groups, tokens, environments)` rewards the
+    episodes just finished ([len(rows)] rewards; the caller keeps the full result, so no episode is scored twice):
+    their row indices, problem indices, completion tokens and environments. `decided(rewards, live)` is the
+    method's rule: whether no episode still live (`live` of them) can change what the group trains, given the
+    rewards of its finished episodes."""
+
+    score: Callable[[list[int], list[int], list[list[int]], list[Environment]], torch.Tensor]
+    decided: Callable[[torch.Tensor, int], bool]
+
+
+@dataclass
 class EpisodeOutput:
     generation: GenerationOutput  # rows grouped by problem, as `engine.generate` gives them
     loss_mask: torch.Tensor  # [R, Lc] float, 1 on the model's tokens
     stats: EpisodeStats
     environments: list[Environment]  # row r's episode's environment (its reward, for an environment that has one)
+    stopped: torch.Tensor  # [R] bool: stopped by a GroupStop before its end (unscored, not to be trained)
 
 
 class EpisodeRunner:
@@ -78,9 +97,10 @@ class EpisodeRunner:
         self.call_end_ids = () if call_end is None else (call_end,)
 
     def run(self, problems: list[Problem], counts: list[int], params: SamplingParams, seeds: torch.Tensor,
-            after_turn: Callable[[], None] | None = None) -> EpisodeOutput:
-        """counts[j] episodes of problems[j]; `seeds[r]` seeds row r's episode. `after_turn` is called once each
-        turn's environments have stepped (the producer's fault-injection site)."""
+            stop: GroupStop | None = None, after_turn: Callable[[], None] | None = None) -> EpisodeOutput:
+        """counts[j] episodes of problems[j]; `seeds[r]` seeds row r's episode; `stop`: score episodes as they
+        finish and stop the live ones of decided groups. `after_turn` is called once each turn's environments have
+        stepped (the producer's fault-injection site)."""
         episodes = []
         for problem, count in zip(problems, counts):
             for _ in range(count):
@@ -88,6 +108,7 @@ class EpisodeRunner:
                 renderer = EpisodeRenderer(self.tokenizer, env.tools)
                 episodes.append(_Episode(env, renderer, renderer.prompt(env.reset(problem))))
         params = replace(params, stop_token_ids=tuple(params.stop_token_ids) + self.call_end_ids)
+        rewards: dict[int, float] = {}  # row -> reward of a finished episode (with a GroupStop)
         with self.engine.session() as session:  # what it keeps is freed here, before the update
             for turn in range(self.cfg.max_turns):
                 live = [i for i, e in enumerate(episodes) if e.ending is None]
@@ -96,9 +117,30 @@ class EpisodeRunner:
                 texts = self._generate_turn(session, live, [episodes[i] for i in live], params, seeds[live], turn)
                 stepping = [(i, text) for i, text in zip(live, texts) if episodes[i].ending is None]
                 self._step([episodes[i] for i, _ in stepping], [text for _, text in stepping])
+                if stop is not None:
+                    self._stop_decided(episodes, counts, stop, rewards)
                 if after_turn is not None:
                     after_turn()
         return self._output(episodes, counts, params.return_logprobs)
+
+    @staticmethod
+    def _stop_decided(episodes: list[_Episode], counts: list[int], stop: GroupStop, rewards: dict[int, float]) -> None:
+        """Score the episodes that ended this turn, then stop the live episodes of every group the rule decides."""
+        groups = [j for j, count in enumerate(counts) for _ in range(count)]
+        finished = [i for i, e in enumerate(episodes) if e.ending is not None and e.ending != "stopped"
+                    and i not in rewards]
+        if finished:
+            values = stop.score(finished, [groups[i] for i in finished], [episodes[i].tokens for i in finished],
+                                [episodes[i].env for i in finished])
+            rewards.update(zip(finished, values.tolist()))
+        start = 0
+        for count in counts:
+            rows = range(start, start + count)
+            start += count
+            live = [i for i in rows if episodes[i].ending is None]
+            if live and stop.decided(torch.tensor([rewards[i] for i in rows if i in rewards]), len(live)):
+                for i in live:
+                    episodes[i].ending = "stopped"
 
     def _generate_turn(self, session: EpisodeSession, keys: list[int], live: list[_Episode], params: SamplingParams,
                        seeds: torch.Tensor, turn: int) -> list[str]:
@@ -185,7 +227,8 @@ class EpisodeRunner:
             logprobs=right([e.logprobs for e in episodes], 0.0, torch.float32) if return_logprobs else None,
         )
         return EpisodeOutput(generation, right([e.generated for e in episodes], 0.0, torch.float32), stats,
-                             [e.env for e in episodes])
+                             [e.env for e in episodes],
+                             torch.tensor([e.ending == "stopped" for e in episodes], dtype=torch.bool))
 
 
 def task_episodes(engine: RolloutEngine, tokenizer, task, cfg: EpisodeConfig) -> EpisodeRunner | None:

@@ -5,7 +5,12 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-ENDINGS = ("answer", "turns", "tokens", "environment_fault")  # why an episode ended
+import torch
+
+from podsrl.batch import RolloutBatch
+
+# why an episode ended; "stopped": the method's rule stopped it between turns, its group being decided (never scored)
+ENDINGS = ("answer", "turns", "tokens", "environment_fault", "stopped")
 
 
 @dataclass
@@ -28,9 +33,21 @@ class EpisodeStats:
         n = max(self.episodes, 1)
         out = {"episode/turns": self.turns / n,
                "episode/tool_calls": float(sum(self.tool_calls.values())),
-               "episode/tool_faults": float(sum(self.tool_faults.values()))}
+               "episode/tool_faults": float(sum(self.tool_faults.values())),
+               "episode/stopped": float(self.endings["stopped"])}
         out.update({f"episode/ended_by_{e}": self.endings[e] / n for e in ENDINGS})
         for name in sorted(self.tool_calls):
             out[f"episode/tool_calls/{name}"] = float(self.tool_calls[name])
             out[f"episode/tool_faults/{name}"] = float(self.tool_faults[name])
         return out
+
+
+def trained_metrics(kept: RolloutBatch) -> dict[str, float]:
+    """What the trained episodes look like (an early-stopping rule keeps the episodes that finish first): model
+    turns per episode (runs of model tokens: every turn but the last is a tool call, unless the turns ran out) and
+    completion tokens per episode (model and environment tokens)."""
+    mask = kept.trained_mask
+    starts = torch.cat([mask[:, :1], (mask[:, 1:] > mask[:, :-1]).float()], dim=1)
+    n = max(kept.num_rollouts, 1)
+    return {"episode/trained_turns": float(starts.sum()) / n,
+            "episode/trained_length": float(kept.completion_lengths().sum()) / n}

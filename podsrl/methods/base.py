@@ -27,6 +27,8 @@ if TYPE_CHECKING:  # podsrl.config composes its sections from the methods, so th
 
 # (problems, indices, counts) -> counts[j] scored rollouts of problems[indices[j]]; group_index refers to `problems`
 Generate = Callable[[list[Problem], list[int], list[int]], RolloutBatch]
+# an early stop of a group's episodes: (rewards of its finished episodes, count still live) -> whether to stop them
+EpisodeStopRule = Callable[[torch.Tensor, int], bool]
 # token modulation: (advantages, log_ratio, logprobs, entropy, mask) -> ([B, T] factor, metrics)
 TokenModulation = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
@@ -88,6 +90,12 @@ class Method:
     def refill_count(self, missing: int, zero_variance_fraction: float) -> int:
         """Prompts to draw in a zero-variance refill round when `missing` informative groups are short."""
         return missing
+
+    def episode_stop_rule(self) -> EpisodeStopRule | None:
+        """For a task with episodes: a rule the runner asks between turns of whether a group's live episodes can
+        stop, their tokens never generated, because its finished episodes already decide what it trains (their
+        rewards, the count still live); None (every episode runs to its end). Never asked for single-turn tasks."""
+        return None
 
     def token_modulation(self) -> TokenModulation | None:
         """A per-token advantage factor applied in the update (DynaMO), or None."""

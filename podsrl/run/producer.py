@@ -23,12 +23,12 @@ from podsrl.batch import Problem, RolloutBatch, concat_batches
 from podsrl.config import Config
 from podsrl.engines import SamplingParams
 from podsrl.engines.base import RolloutEngine
-from podsrl.episodes.runner import task_episodes
-from podsrl.episodes.stats import EpisodeStats
+from podsrl.episodes.runner import GroupStop, task_episodes
+from podsrl.episodes.stats import EpisodeStats, trained_metrics
 from podsrl.methods import StepContext
 from podsrl.methods.base import Method
 from podsrl.prompt_stats import PromptStats
-from podsrl.rewards import RewardManager
+from podsrl.rewards import RewardManager, RewardResult, merge_results
 from podsrl.run import faults
 
 TIMERS = ("time/generate", "time/score", "time/select", "time/update")
@@ -78,7 +78,24 @@ class StepRecord:
     collect_metrics: list[dict] = field(default_factory=list)  # one per method.collect
     skipped_rollouts: int = 0  # generated, then dropped by the reward policy 'skip' (still compute spent)
     skipped_tokens: int = 0
+    stopped_rollouts: int = 0  # episodes a method's rule stopped between turns: the turns they took were spent
+    stopped_tokens: int = 0
     episodes: EpisodeStats = field(default_factory=EpisodeStats)  # what the step's episodes did (if any)
+
+
+class FinishedScores:
+    """A generate call's episodes scored as the runner finishes them (GroupStop.score): each through the rewards
+    once, the results kept (`parts`, each with its rows) for the batch."""
+
+    def __init__(self, producer: BatchProducer, problems: list[Problem], index_map: torch.Tensor) -> None:
+        self.producer, self.problems, self.index_map = producer, problems, index_map
+        self.parts: list[tuple[list[int], RewardResult]] = []
+
+    def __call__(self, rows: list[int], groups: list[int], tokens: list[list[int]], environments: list) -> torch.Tensor:
+        result = self.producer.rewards.score(self.problems, self.index_map[groups], self.producer.decode(tokens),
+                                             environments)
+        self.parts.append((rows, result))
+        return result.rewards
 
 
 class BatchProducer:
@@ -123,11 +140,14 @@ class BatchProducer:
         # the method's per-step state moves here, in step order, on the side that reads it (collect)
         method_metrics = self.method.end_step(record.generated, ctx)
         metrics = self._generation_metrics(record, {**select_metrics, **method_metrics})
+        if self.episodes is not None:
+            metrics.update(trained_metrics(kept))
         rewards = sum(b.num_rollouts for b in record.generated)
         tokens = sum(int(b.completion_lengths().sum()) for b in record.generated)
-        return ProducedBatch(kept=kept, metrics=metrics, generated_rollouts=rewards + record.skipped_rollouts,
-                             generated_tokens=tokens + record.skipped_tokens, timers=record.timers,
-                             generated=record.generated)
+        return ProducedBatch(kept=kept, metrics=metrics,
+                             generated_rollouts=rewards + record.skipped_rollouts + record.stopped_rollouts,
+                             generated_tokens=tokens + record.skipped_tokens + record.stopped_tokens,
+                             timers=record.timers, generated=record.generated)
 
     def _context(self, record: StepRecord, step: int) -> StepContext:
         return StepContext(
@@ -193,27 +213,39 @@ class BatchProducer:
         group_index refers to `problems`."""
         t0 = time.perf_counter()
         seeds = torch.randint(0, 2**62, (sum(counts),), generator=self.rng)
-        loss_mask = environments = None
+        loss_mask = environments = stopped = None
+        index_map = torch.tensor(indices, dtype=torch.long)
+        finished = None  # the episodes' rewards, scored by the runner as they finished (with a method's stop rule)
         if self.episodes is None:
             prompts = [self.tokenizer(problems[i].prompt, add_special_tokens=False).input_ids for i in indices]
             out = self.engine.generate(prompts, counts, self.sampling, seeds)
         else:
-            episodes = self.episodes.run([problems[i] for i in indices], counts, self.sampling, seeds,
+            rule = self.method.episode_stop_rule()
+            finished = None if rule is None else FinishedScores(self, problems, index_map)
+            stop = None if rule is None else GroupStop(finished, rule)
+            episodes = self.episodes.run([problems[i] for i in indices], counts, self.sampling, seeds, stop,
                                          after_turn=lambda: faults.fire("turn", step + 1))
-            out, loss_mask = episodes.generation, episodes.loss_mask
+            out, loss_mask, stopped = episodes.generation, episodes.loss_mask, episodes.stopped
             environments = episodes.environments
             record.episodes.add(episodes.stats)
         t1 = time.perf_counter()
-        index_map = torch.tensor(indices, dtype=torch.long)
         batch = RolloutBatch(
             problems=problems, group_index=index_map[out.group_index], prompt_ids=out.prompt_ids,
             prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
             completion_mask=out.completion_mask.float(), truncated=out.truncated, sampler_logprobs=out.logprobs,
             loss_mask=loss_mask,
         )
-        ids = batch.completion_ids.masked_fill(batch.completion_mask == 0, self.tokenizer.pad_token_id)
-        batch.completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        result = self.rewards.score(problems, batch.group_index, batch.completions, environments)
+        if stopped is not None and bool(stopped.any()):  # spent, never scored, not trained
+            record.stopped_rollouts += int(stopped.sum())
+            record.stopped_tokens += int(batch.completion_mask[stopped].sum())
+            batch = batch.select_rows(~stopped)
+            environments = [e for e, s in zip(environments, stopped.tolist()) if not s]
+        batch.completions = self.decode([row[mask > 0].tolist() for row, mask in
+                                         zip(batch.completion_ids, batch.completion_mask)])
+        if finished is not None and finished.parts:
+            result = merge_results(finished.parts)
+        else:
+            result = self.rewards.score(problems, batch.group_index, batch.completions, environments)
         batch.rewards, batch.reward_components, batch.correct = result.rewards, result.components, result.correct
         if not bool(result.valid.all()):  # reward policy 'skip': those rollouts never reach the update
             record.skipped_rollouts += int((~result.valid).sum())  # ... but were generated: they count as compute
@@ -223,6 +255,10 @@ class BatchProducer:
         record.timers["time/score"] += time.perf_counter() - t1
         record.reward_metrics.append(result.metrics)
         return batch
+
+    def decode(self, completions: list[list[int]]) -> list[str]:
+        """The texts the rewards read (and the batch keeps)."""
+        return self.tokenizer.batch_decode(completions, skip_special_tokens=True)
 
     def _generation_metrics(self, record: StepRecord, select_metrics: dict) -> dict[str, float]:
         generated = record.generated
