@@ -77,6 +77,9 @@ class DeviceOps:
         key = id(t)
         self._device[key] = weakref.ref(t, lambda _, key=key: self._device.pop(key, None))
 
+    def unmark(self, t: torch.Tensor) -> None:
+        self._device.pop(id(t), None)
+
     def on_device(self, t) -> bool:
         if not isinstance(t, torch.Tensor):
             return False
@@ -169,7 +172,10 @@ class _Functions(TorchFunctionMode):
         if name in HOST_READS and ops.on_device(source):
             ops._sync(name)
             out = func(*args, **kwargs)
-            return out.clone() if out is source else out  # a host copy (on the CPU .cpu() returns its source)
+            out = out.clone() if out is source else out  # a host copy (on the CPU .cpu() returns its source)
+            if isinstance(out, torch.Tensor):
+                ops.unmark(out)
+            return out
         out = func(*args, **kwargs)
         if source is None and "device" in kwargs and isinstance(out, torch.Tensor):  # made there: torch.zeros(...,
             ops.mark(out)  # device=d); host tensors are made without naming a device

@@ -69,4 +69,5 @@ def test_the_count_sees_what_cuda_would_wait_for():
         torch.ones(3).to(cpu)
         weight[weight > 0]
         weight[torch.tensor([0, 2])]
-    assert ops.syncs["other"] == 4 and ops.transfers["other"] == 2
+        weight.cpu() * torch.ones(4, 3)  # read back: a host tensor from then on
+    assert ops.syncs["other"] == 5 and ops.transfers["other"] == 2
