@@ -19,6 +19,13 @@ on the CPU, one torch thread. With `--baseline REV` the same counts and times ar
 REV (extracted to a temporary directory) in child processes, the two arms interleaved round by round.
 
     python benchmarks/update_ops.py [--hidden 64] [--repeats 5] [--baseline REV]
+    python benchmarks/update_ops.py --diagnose cuda [--repeats 5]
+
+`--diagnose DEVICE` is for a GPU: it times the update (at the study's width, 512) in four interleaved arms that
+separate what the CPU count cannot see: a fresh batch each update as in training (new shapes every time), the same
+batch again (shapes seen before), fresh batches with cuDNN's attention backend off, and a fresh batch after a
+generation of the step's 2,048 rollouts and the engine's release (as the trainer runs it); with the CUDA
+allocator's retries and cudaMalloc/cudaFree calls during each arm's updates.
 """
 
 from __future__ import annotations
@@ -48,58 +55,75 @@ PROMPTS, KEPT = 32, 16  # PODS 64 -> 16 over 32 prompts
 PHASES = ("plan", "forward", "backward", "loss and metrics", "clip", "optimiser", "weight sync")
 
 
-def workload(hidden: int, overrides: list[str] = (), seed: int = 0):
-    """(updater, engine, batch) of the study's update at width `hidden`; `seed` draws the model, the prompts (the
-    task's problems seed x 32 on) and the completions."""
-    from podsrl.batch import Problem, RolloutBatch
-    from podsrl.build import rollout_engine
-    from podsrl.config import load_config
-    from podsrl.methods import METHODS
-    from podsrl.models.loading import build_char_tokenizer, build_tiny_model
-    from podsrl.run.facts import run_facts
-    from podsrl.tasks import build_task
-    from podsrl.update import PolicyUpdater
-    from podsrl.update.optimizer import build_optimizer
+class Study:
+    """The study's update at width `hidden` on `device`: its updater, the fast engine over the policy, and batches
+    (`batch(seed)`: the task's problems seed x 32 on, 16 completions each)."""
 
-    cfg = load_config(CONFIG, ["model.device=cpu", "model.compute_dtype=bfloat16", f"model.tiny.hidden_size={hidden}",
-                               f"model.tiny.intermediate_size={3 * hidden}", *overrides])
-    facts = run_facts(cfg, torch.device("cpu"))
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_model(cfg.model.tiny, tokenizer, seed=seed)
-    optimizer, scheduler = build_optimizer(cfg, model, sharded=False)
-    updater = PolicyUpdater(model, optimizer, scheduler, cfg, facts, modulation=METHODS[cfg.method](cfg).token_modulation())
-    engine = rollout_engine(cfg, model, tokenizer)
-    task = build_task(cfg.task, tokenizer)
-    prompts = [tokenizer(task.problem(seed * PROMPTS + i).prompt)["input_ids"] for i in range(PROMPTS)]
-    gen = torch.Generator().manual_seed(seed)
-    symbols = tokenizer.convert_tokens_to_ids(list("0123456789+=,;"))
-    rows, width, longest = PROMPTS * KEPT, cfg.rollout.max_new_tokens, max(map(len, prompts))
-    prompt_ids = torch.full((rows, longest), tokenizer.pad_token_id)
-    prompt_mask = torch.zeros(rows, longest, dtype=torch.long)
-    completion_ids = torch.full((rows, width), tokenizer.pad_token_id)
-    completion_mask = torch.zeros(rows, width)
-    for r in range(rows):
-        p = prompts[r // KEPT]
-        prompt_ids[r, longest - len(p):] = torch.tensor(p)
-        prompt_mask[r, longest - len(p):] = 1
-        length = int(torch.randint(10, 36, (1,), generator=gen))
-        tokens = torch.tensor(symbols)[torch.randint(0, len(symbols), (length,), generator=gen)]
-        completion_ids[r, :length + 1] = torch.cat([tokens, torch.tensor([tokenizer.eos_token_id])])
-        completion_mask[r, :length + 1] = 1
-    batch = RolloutBatch(
-        problems=[Problem(uid=str(i), prompt="", answer="") for i in range(PROMPTS)],
-        group_index=torch.arange(PROMPTS).repeat_interleave(KEPT), prompt_ids=prompt_ids, prompt_mask=prompt_mask,
-        completion_ids=completion_ids, completion_mask=completion_mask, truncated=torch.zeros(rows, dtype=torch.bool),
-        advantages=torch.randn(rows, generator=gen),
-        sampler_logprobs=-torch.rand(rows, width, generator=gen) * completion_mask)
-    return updater, engine, batch.trim_padding()
+    def __init__(self, hidden: int, device: str = "cpu", seed: int = 0) -> None:
+        from podsrl.build import rollout_engine
+        from podsrl.config import load_config
+        from podsrl.methods import METHODS
+        from podsrl.models.loading import build_char_tokenizer, build_tiny_model
+        from podsrl.run.facts import run_facts
+        from podsrl.tasks import build_task
+        from podsrl.update import PolicyUpdater
+        from podsrl.update.optimizer import build_optimizer
 
+        self.cfg = cfg = load_config(CONFIG, [f"model.device={device}", "model.compute_dtype=bfloat16",
+                                              f"model.tiny.hidden_size={hidden}",
+                                              f"model.tiny.intermediate_size={3 * hidden}"])
+        self.tokenizer = build_char_tokenizer()
+        model = build_tiny_model(cfg.model.tiny, self.tokenizer, seed=seed).to(device)
+        optimizer, scheduler = build_optimizer(cfg, model, sharded=False)
+        self.updater = PolicyUpdater(model, optimizer, scheduler, cfg, run_facts(cfg, torch.device(device)),
+                                     modulation=METHODS[cfg.method](cfg).token_modulation())
+        self.engine = rollout_engine(cfg, model, self.tokenizer)
+        self.task = build_task(cfg.task, self.tokenizer)
 
-def timed_update(updater, engine, batch, seed: int) -> None:
-    """What time/update times: the update, freeing the gradients, the engine's weight sync."""
-    updater.update(batch, torch.Generator().manual_seed(seed))
-    updater.optimizer.zero_grad(set_to_none=True)
-    engine.sync_weights(updater.model)
+    def prompts(self, seed: int) -> list[list[int]]:
+        return [self.tokenizer(self.task.problem(seed * PROMPTS + i).prompt)["input_ids"] for i in range(PROMPTS)]
+
+    def batch(self, seed: int):
+        from podsrl.batch import Problem, RolloutBatch
+
+        tokenizer, prompts, gen = self.tokenizer, self.prompts(seed), torch.Generator().manual_seed(seed)
+        symbols = tokenizer.convert_tokens_to_ids(list("0123456789+=,;"))
+        rows, width, longest = PROMPTS * KEPT, self.cfg.rollout.max_new_tokens, max(map(len, prompts))
+        prompt_ids = torch.full((rows, longest), tokenizer.pad_token_id)
+        prompt_mask = torch.zeros(rows, longest, dtype=torch.long)
+        completion_ids = torch.full((rows, width), tokenizer.pad_token_id)
+        completion_mask = torch.zeros(rows, width)
+        for r in range(rows):
+            p = prompts[r // KEPT]
+            prompt_ids[r, longest - len(p):] = torch.tensor(p)
+            prompt_mask[r, longest - len(p):] = 1
+            length = int(torch.randint(10, 36, (1,), generator=gen))
+            tokens = torch.tensor(symbols)[torch.randint(0, len(symbols), (length,), generator=gen)]
+            completion_ids[r, :length + 1] = torch.cat([tokens, torch.tensor([tokenizer.eos_token_id])])
+            completion_mask[r, :length + 1] = 1
+        batch = RolloutBatch(
+            problems=[Problem(uid=str(i), prompt="", answer="") for i in range(PROMPTS)],
+            group_index=torch.arange(PROMPTS).repeat_interleave(KEPT), prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+            completion_ids=completion_ids, completion_mask=completion_mask,
+            truncated=torch.zeros(rows, dtype=torch.bool), advantages=torch.randn(rows, generator=gen),
+            sampler_logprobs=-torch.rand(rows, width, generator=gen) * completion_mask)
+        return batch.trim_padding()
+
+    def update(self, batch, seed: int) -> None:
+        """What time/update times: the update, freeing the gradients, the engine's weight sync."""
+        self.updater.update(batch, torch.Generator().manual_seed(seed))
+        self.updater.optimizer.zero_grad(set_to_none=True)
+        self.engine.sync_weights(self.updater.model)
+
+    def generate(self, seed: int) -> None:
+        """A step's generation before its update, as the trainer runs it: 64 rollouts of each of the 32 prompts,
+        then the engine's release of its state (and CUDA graphs)."""
+        from podsrl.engines.base import SamplingParams
+
+        params = SamplingParams(max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=1.0)
+        self.engine.generate(self.prompts(seed), [self.cfg.rollout.n] * PROMPTS, params,
+                             torch.arange(PROMPTS * self.cfg.rollout.n) + seed * 10_000)
+        self.engine.release()
 
 
 @contextlib.contextmanager
@@ -131,22 +155,23 @@ def phases(ops: DeviceOps, updater, engine):
             setattr(owner, attribute, original)
 
 
-def count(updater, engine, batch, next_batch) -> dict:
+def count(study: Study, batch, next_batch) -> dict:
     """Launches, syncs and transfers per phase of one update (after a warm-up one), attention as on CUDA; and how
     many of the next step's matmul and attention shapes (another batch of the same workload) this one had."""
     import podsrl.models.packed_layout as packed_layout
     from podsrl.models.attention import fused_attention
 
-    timed_update(updater, engine, batch, 0)
+    updater, engine = study.updater, study.engine
+    study.update(batch, 0)
     state = [t for s in updater.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     device_tensors = [*updater.model.parameters(), *updater.model.buffers(), *engine.model.parameters(),
                       *engine.model.buffers(), *state]
     original, packed_layout.grouped_attention = packed_layout.grouped_attention, fused_attention
     try:
         with DeviceOps(device_tensors) as ops, phases(ops, updater, engine):
-            timed_update(updater, engine, batch, 1)
+            study.update(batch, 1)
         with DeviceOps(device_tensors) as following:
-            timed_update(updater, engine, next_batch, 2)
+            study.update(next_batch, 2)
     finally:
         packed_layout.grouped_attention = original
     return {"dispatches": dict(ops.dispatches), "launches": dict(ops.launches), "syncs": dict(ops.syncs),
@@ -155,23 +180,73 @@ def count(updater, engine, batch, next_batch) -> dict:
             "shapes": len(following.shapes), "new_shapes": len(following.shapes - ops.shapes)}
 
 
-def times(updater, engine, batch, repeats: int) -> list[float]:
+def times(study: Study, batch, repeats: int) -> list[float]:
     out = []
     for r in range(repeats + 1):
         t0 = time.perf_counter()
-        timed_update(updater, engine, batch, r)
+        study.update(batch, r)
         if r > 0:
             out.append(time.perf_counter() - t0)
     return out
 
 
 def arm(hidden: int, repeats: int, with_counts: bool) -> dict:
-    updater, engine, batch = workload(hidden)
+    study = Study(hidden)
+    batch, updater = study.batch(0), study.updater
     result = {"rows": batch.num_rollouts, "micro_batches": -(-batch.num_rollouts // updater.cfg.optim.micro_batch_size),
-              "correction": updater.rollout_correction, "times": times(updater, engine, batch, repeats)}
+              "correction": updater.rollout_correction, "times": times(study, batch, repeats)}
     if with_counts:
-        result.update(count(updater, engine, batch, workload(hidden, seed=1)[2]))
+        result.update(count(study, batch, study.batch(1)))
     return result
+
+
+# the GPU's diagnosis: what the CPU count cannot show (docs/results.md, "The update's launch and sync count")
+DIAGNOSIS_ARMS = {
+    "fresh batch (as training)": dict(same_batch=False, generate=False, cudnn=True),
+    "the same batch again": dict(same_batch=True, generate=False, cudnn=True),
+    "fresh batch, cuDNN attention off": dict(same_batch=False, generate=False, cudnn=False),
+    "fresh batch after generation + release": dict(same_batch=False, generate=True, cudnn=True),
+}
+ALLOCATOR_STATS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
+
+
+def diagnosis(hidden: int, repeats: int, device: str) -> None:
+    """Update times on `device` per arm (interleaved, `repeats` rounds after one untimed), with the allocator's
+    retries and cudaMalloc/cudaFree calls during each arm's timed updates (CUDA)."""
+    study = Study(hidden, device)
+    cuda = device.startswith("cuda")
+    times: dict[str, list[float]] = {k: [] for k in DIAGNOSIS_ARMS}
+    allocator: dict[str, dict[str, int]] = {k: dict.fromkeys(ALLOCATOR_STATS, 0) for k in DIAGNOSIS_ARMS}
+    same = study.batch(0)
+    names = list(DIAGNOSIS_ARMS)
+    for r in range(repeats + 1):
+        for i, name in enumerate(names[r % len(names):] + names[: r % len(names)]):
+            arm_ = DIAGNOSIS_ARMS[name]
+            seed = 1 + r * len(names) + i
+            batch = same if arm_["same_batch"] else study.batch(seed)
+            if arm_["generate"]:
+                study.generate(seed)
+            if cuda:
+                torch.backends.cuda.enable_cudnn_sdp(arm_["cudnn"])
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_stats()
+            t0 = time.perf_counter()
+            study.update(batch, seed)
+            if cuda:
+                torch.cuda.synchronize()
+            if r > 0:
+                times[name].append(time.perf_counter() - t0)
+                if cuda:
+                    after = torch.cuda.memory_stats()
+                    for k in ALLOCATOR_STATS:
+                        allocator[name][k] += after.get(k, 0) - before.get(k, 0)
+    if cuda:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+    print(f"\n== the update on {device} at width {hidden}, {repeats} interleaved rounds (time/update's work: update, "
+          "zero_grad, weight sync)")
+    for name in names:
+        stats = ", ".join(f"{k} {v}" for k, v in allocator[name].items()) if cuda else ""
+        print(f"  {name:<42}{Spread.of(times[name]).text(digits=3, unit=' s')}  {stats}")
 
 
 def child(source: Path, hidden: int, repeats: int, with_counts: bool) -> dict:
@@ -204,18 +279,26 @@ def report(name: str, res: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--hidden", type=int)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--baseline", help="a git revision to compare with (its podsrl, interleaved arms)")
+    parser.add_argument("--diagnose", metavar="DEVICE",
+                        help="time the update on DEVICE (cuda: the study's width 512 unless --hidden) in the arms that "
+                             "separate what the count cannot: shape reuse, cuDNN attention, generation before it")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--source", help=argparse.SUPPRESS)
     opts = parser.parse_args()
+    opts.hidden_given, opts.hidden = opts.hidden is not None, opts.hidden or 64
     torch.set_num_threads(1)
     if opts.child is not None:
         sys.path.insert(0, opts.source)  # this arm's podsrl, before any is imported
         print(json.dumps(arm(opts.hidden, opts.repeats, opts.child == "1")))
         return
-    print(machine_line())
+    print(machine_line(device=opts.diagnose or "cpu"))
+    if opts.diagnose:
+        diagnosis(opts.hidden if opts.hidden_given else 512 if opts.diagnose.startswith("cuda") else opts.hidden,
+                  opts.repeats, opts.diagnose)
+        return
     if opts.baseline is None:
         res = arm(opts.hidden, opts.repeats, True)
         report("this tree", res)
