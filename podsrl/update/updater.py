@@ -237,8 +237,8 @@ class PolicyUpdater:
                                                       else []), self.device)
         old = logp.detach() if old_logprobs is None else old_logprobs[rows, :width]
         adv = adv[:, None].expand_as(logp)
-        metrics: dict[str, tuple[float, float]] = {}
-        if self.modulation is not None:
+        metrics: dict[str, tuple[torch.Tensor | float, torch.Tensor | float]] = {}
+        if self.modulation is not None:  # its metrics are floats: one read of the token count here
             factor, mod_metrics = self.modulation(adv, logp.detach() - old, logp.detach(), entropy.detach(), mask)
             adv = adv * factor.detach()
             n = float(mask.sum())
