@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from podsrl.models.precision import resolve_compute_dtype
+from podsrl.models.transfer import host_values
 
 # podsrl name -> TRL's vllm_importance_sampling_mode
 ROLLOUT_CORRECTION_MODES: dict[str, str | None] = {
@@ -44,7 +45,7 @@ class RolloutCorrection:
     metrics: dict[str, torch.Tensor]  # name -> 0-dim tensor (no host sync until read)
 
     def metric_values(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self.metrics.items()}
+        return dict(zip(self.metrics, host_values(list(self.metrics.values()))))  # one read, not one per metric
 
 
 def rollout_correction(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, completion_mask: torch.Tensor,

@@ -497,8 +497,9 @@ def compute_copy(model: torch.nn.Module, dtype: torch.dtype | str | None) -> tor
 
 
 def refresh_copy(copy_: torch.nn.Module, model: torch.nn.Module) -> None:
-    """Copies `model`'s parameters into the copy's, in place, by name (rounded to the copy's dtype)."""
+    """Copies `model`'s parameters into the copy's, in place, by name (rounded to the copy's dtype): one foreach
+    copy (on CUDA a few multi-tensor kernels, not a launch per parameter)."""
     sources = dict(model.named_parameters())
+    targets = list(copy_.named_parameters())
     with torch.no_grad():
-        for name, p in copy_.named_parameters():
-            p.copy_(sources[name])
+        torch._foreach_copy_([p for _, p in targets], [sources[name] for name, _ in targets])

@@ -125,8 +125,7 @@ class PackedForward:
         hidden = rms_norm(self.body.norm, x)
         logp, entropy = head_logprobs_and_entropy(hidden, self.head.weight, self.head.bias, plan.targets,
                                                   temperature, self.chunk)
-        zeros = torch.zeros(plan.valid.shape, dtype=logp.dtype, device=logp.device)
-        return zeros.masked_scatter(plan.valid, logp), zeros.masked_scatter(plan.valid, entropy)
+        return _rows(logp, plan), _rows(entropy, plan)
 
     def _layer_forward(self, index: int, x: Tensor, cos: Tensor, signed: Tensor, plan: Plan, last: bool) -> Tensor:
         """Runs as the layer's own forward, so its plan binds the parameters FSDP2 has just gathered; after the last
@@ -139,6 +138,13 @@ class PackedForward:
     def _layer(self, index: int, x: Tensor, cos: Tensor, signed: Tensor, plan: Plan, keep: Tensor | None) -> Tensor:
         lp = layer_plan(self.layers[index], index, self.base.config, autograd=True)
         return decoder_layer(lp, x, cos, signed, functools.partial(_block_attend, plan), keep)
+
+
+def _rows(values: Tensor, plan: Plan) -> Tensor:
+    """[T] values per predicted token -> [B, W], 0 elsewhere. By index, not by the bool mask: masked_scatter's
+    backward (masked_select) reads the mask's count on the host, a sync per micro-batch."""
+    zeros = torch.zeros(plan.output_shape[0] * plan.output_shape[1], dtype=values.dtype, device=values.device)
+    return zeros.index_copy(0, plan.output_index, values).view(plan.output_shape)
 
 
 def _block_attend(plan: Plan, layer: LayerPlan, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

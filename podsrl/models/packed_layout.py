@@ -26,6 +26,7 @@ from torch import Tensor
 
 from podsrl.models.attention import grouped_attention
 from podsrl.models.kernels import gather_slots, packed_order
+from podsrl.models.transfer import to_device
 
 
 @dataclass
@@ -33,7 +34,9 @@ class Bucket:
     """Completion rows of similar length, padded to the longest of them: a [rows, width] block of attention slots."""
 
     group: Tensor  # [rows] prompt of each row
-    mask: Tensor  # [rows, 1, width, prompt_width + width] bool: the prompt's real keys, then causal over the completion
+    # [rows, 1, width, prompt_width + width] bool, True where a query may not attend: the prompt's padding, then the
+    # completion's later tokens
+    blocked: Tensor
     prompt_width: int  # the longest prompt of these rows
     rows: int
     width: int
@@ -49,20 +52,22 @@ class Plan:
     # row-major; padding slots repeat a real token
     home: Tensor  # [N] each packed token's own (real) slot
     prompt_shape: tuple[int, int]  # (G, Lp)
-    prompt_mask: Tensor  # [G, 1, Lp, Lp] bool, causal and real keys only
+    prompt_blocked: Tensor  # [G, 1, Lp, Lp] bool, True where a query may not attend (later or padding keys)
     buckets: list[Bucket]
     pred_index: Tensor  # [T] packed positions whose output predicts a completion token, row-major
     row_group: Tensor  # [B] each row's distinct prompt (CPU)
     prompt_lengths: Tensor  # [B] real prompt tokens of each row (CPU)
     input_lengths: Tensor  # [B] completion inputs of each row: its tokens but the last (CPU)
     targets: Tensor  # [T] the completion tokens they predict
-    valid: Tensor  # [B, W] bool, where the T values go in the row x width output
+    output_shape: tuple[int, int]  # (B, W) of the row x width output
+    output_index: Tensor  # [T] where the T values go in the flattened [B * W] output, row-major
 
 
 def build_plan(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
                device: torch.device) -> Plan | None:
     """The plan of rows given as left-padded prompts and right-padded completions; None when a row has an empty
-    prompt or a completion mask with holes (the plain path handles those)."""
+    prompt or a completion mask with holes (the plain path handles those). Built on the host from host tensors; its
+    device tensors arrive in two copies (podsrl/models/transfer.py), not one per tensor."""
     W = completion_ids.shape[1]
     lengths = completion_mask.sum(dim=1).long()
     col = torch.arange(W)
@@ -105,8 +110,8 @@ def build_plan(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, 
         lpb = int(lp[group[rows]].max())
         prompt_keys = (torch.arange(lpb) < lp[group[rows]][:, None])[:, None, :].expand(-1, lb, -1)
         own = torch.ones(lb, lb, dtype=torch.bool).tril()[None].expand(len(rows), -1, -1)
-        mask = torch.cat([prompt_keys, own], dim=2)[:, None]
-        buckets.append(Bucket(group[rows].to(device), mask.to(device), lpb, len(rows), lb))
+        blocked = ~torch.cat([prompt_keys, own], dim=2)[:, None]
+        buckets.append(Bucket(group[rows], blocked, lpb, len(rows), lb))
     all_slots, real = torch.cat(slots), torch.cat(real_slots)
     home = torch.empty(n_prompt + c_tokens.numel(), dtype=torch.long)
     home[all_slots[real]] = torch.arange(all_slots.numel())[real]
@@ -114,20 +119,27 @@ def build_plan(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, 
     grid = c_start[:, None] + col - 1
     grid[:, 0] = (p_start + lp - 1)[group]
     pred_index = grid[valid]
+    host = [torch.cat([p_tokens, c_tokens]), torch.cat([p_pos, c_pos]), all_slots, home, ~p_attn_mask, pred_index,
+            completion_ids[valid], valid.flatten().nonzero()[:, 0]]
+    host += [t for b in buckets for t in (b.group, b.blocked)]
+    ids, positions, slots, home, prompt_blocked, pred_index, targets, output_index, *per_bucket = to_device(host, device)
+    for b, group_d, blocked_d in zip(buckets, per_bucket[::2], per_bucket[1::2]):
+        b.group, b.blocked = group_d, blocked_d
     return Plan(
-        ids=torch.cat([p_tokens, c_tokens]).to(device),
-        positions=torch.cat([p_pos, c_pos]).to(device),
-        slots=all_slots.to(device),
-        home=home.to(device),
+        ids=ids,
+        positions=positions,
+        slots=slots,
+        home=home,
         prompt_shape=(len(lp), Lp),
-        prompt_mask=p_attn_mask.to(device),
+        prompt_blocked=prompt_blocked,
         buckets=buckets,
-        pred_index=pred_index.to(device),
+        pred_index=pred_index,
         row_group=group,
         prompt_lengths=lp[group],
         input_lengths=n_in,
-        targets=completion_ids[valid].to(device),
-        valid=valid.to(device),
+        targets=targets,
+        output_shape=(valid.shape[0], W),
+        output_index=output_index,
     )
 
 
@@ -177,10 +189,10 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, plan: Plan, scaling: float)
         return t.view(rows, width, *t.shape[1:]).transpose(1, 2)
 
     kp, vp = block(ks[0], groups, prompt_len), block(vs[0], groups, prompt_len)
-    out = [grouped_attention(block(qs[0], groups, prompt_len), kp, vp, ~plan.prompt_mask, scaling)]
+    out = [grouped_attention(block(qs[0], groups, prompt_len), kp, vp, plan.prompt_blocked, scaling)]
     for i, b in enumerate(plan.buckets, start=1):
         keys = torch.cat([kp[b.group, :, : b.prompt_width], block(ks[i], b.rows, b.width)], dim=2)
         values = torch.cat([vp[b.group, :, : b.prompt_width], block(vs[i], b.rows, b.width)], dim=2)
-        out.append(grouped_attention(block(qs[i], b.rows, b.width), keys, values, ~b.mask, scaling))
+        out.append(grouped_attention(block(qs[i], b.rows, b.width), keys, values, b.blocked, scaling))
     # [rows, H, width, d] -> [rows * width, H * d] slots, then each token's own slot
     return packed_order(torch.cat([o.transpose(1, 2).flatten(0, 1).flatten(1) for o in out]), plan.home)

@@ -11,6 +11,7 @@ from torch import Tensor
 from podsrl.batch import RolloutBatch
 from podsrl.errors import ConfigError
 from podsrl.models.logprobs import token_logprobs_and_entropy
+from podsrl.models.transfer import to_device
 from podsrl.models.transformers_api import base_model, enable_layer_checkpointing
 
 
@@ -33,9 +34,8 @@ def plain_logprobs(model: torch.nn.Module, batch: RolloutBatch, rows: Tensor, wi
     Position ids follow the left padding (as generation does); right padding of completions needs no mask since
     causal attention never lets an earlier position see it.
     """
-    prompt_ids = batch.prompt_ids[rows].to(device)
-    prompt_mask = batch.prompt_mask[rows].to(device)
-    completion_ids = batch.completion_ids[rows, :width].to(device)
+    prompt_ids, prompt_mask, completion_ids = to_device(
+        [batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows, :width]], device)
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)

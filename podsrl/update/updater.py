@@ -23,6 +23,7 @@ from podsrl.batch import RolloutBatch
 from podsrl.config import Config
 from podsrl.models.packed import packed_forward_problem
 from podsrl.models.precision import compute_autocast, describe_precision
+from podsrl.models.transfer import host_values, to_device
 from podsrl.models.transformers_api import adapters_disabled, has_adapters
 from podsrl.run.facts import RunFacts
 from podsrl.update.plain import enable_activation_checkpointing, plain_logprobs
@@ -106,11 +107,12 @@ class PolicyUpdater:
 
     @torch.no_grad()
     def _precompute(self, model, batch: RolloutBatch) -> torch.Tensor:
-        """[R, Lc] log-probs under `model` (old policy or reference), computed once before the first pass."""
-        out = torch.zeros_like(batch.completion_mask)
+        """[R, Lc] log-probs under `model` (old policy or reference), computed once before the first pass; on the
+        device (a copy to the host per micro-batch would make the host wait for each)."""
+        out = torch.zeros(batch.completion_mask.shape, device=self.device)
         for rows in self._micro_batches(torch.arange(batch.num_rollouts)):
             (logp, _), width = self._forward(model, batch, rows)
-            out[rows, :width] = logp.float().cpu()
+            out[rows, :width] = logp.float()
         if self.dp is not None:  # each rank filled its rows, zeros elsewhere
             self.dp.all_reduce_(out)
         return out
@@ -132,16 +134,17 @@ class PolicyUpdater:
         if self.rollout_correction == "none":
             if passes > 1:  # the sampler stands in for the old policy (the same module in the same precision)
                 old_logprobs = (self._precompute(model, batch) if batch.sampler_logprobs is None
-                                else batch.sampler_logprobs)
+                                else to_device([batch.sampler_logprobs], self.device)[0])
         else:
             if batch.sampler_logprobs is None:
                 raise ValueError(f"algo.rollout_correction {self.rollout_correction}: the batch carries no sampler "
                                  "log-probs (sample with SamplingParams(return_logprobs=True))")
             if passes > 1:  # the old policy is the trainer's, before this step's first optimiser step
                 old_logprobs = self._precompute(model, batch)
-                correction = self._correction(old_logprobs, batch.sampler_logprobs, batch.trained_mask)
+                correction = self._correction(old_logprobs, *to_device([batch.sampler_logprobs, batch.trained_mask],
+                                                                       self.device))
             else:  # filled by the micro-steps with their (detached) log-probs, for the step's metrics
-                self._trainer_logprobs = torch.zeros_like(batch.completion_mask)
+                self._trainer_logprobs = torch.zeros(batch.completion_mask.shape, device=self.device)
         ref_logprobs = self.reference_logprobs(batch) if cfg.algo.beta > 0 else None
         sums: dict[str, float] = defaultdict(float)
         weight_sums: dict[str, float] = defaultdict(float)
@@ -188,7 +191,8 @@ class PolicyUpdater:
             if correction is None:  # one pass: the trainer's log-probs are the micro-steps' own
                 if self.dp is not None:  # each rank filled its rows, zeros elsewhere
                     self.dp.all_reduce_(self._trainer_logprobs)
-                correction = self._correction(self._trainer_logprobs, batch.sampler_logprobs, batch.trained_mask)
+                sampler, mask = to_device([batch.sampler_logprobs, batch.trained_mask], self.device)
+                correction = self._correction(self._trainer_logprobs, sampler, mask)
                 self._trainer_logprobs = None
             metrics.update(correction.metric_values())
         metrics["train/nonfinite_skipped"] = float(skipped)
@@ -203,55 +207,65 @@ class PolicyUpdater:
     def _accumulate(self, batch, mini, stats, old_logprobs, ref_logprobs, correction, sums, weight_sums,
                     probe) -> float:
         """Backward over the mini-batch's micro-batches, adding metrics to `sums`; returns this rank's loss. With a
-        probe, half A's micro-batches run first and its gradient is snapshotted before half B's."""
-        loss_total = 0.0
+        probe, half A's micro-batches run first and its gradient is snapshotted before half B's. The micro-steps'
+        losses and metrics stay on the device until all have run, then come back in one read."""
+        losses, pending = [], []
         for half, rows_of_half in enumerate(probe.halves(mini) if probe is not None else [mini]):
             for rows in self._micro_batches(rows_of_half):
                 loss, m = self._micro_step(batch, rows, stats, old_logprobs, ref_logprobs, correction)
-                loss_total += loss
-                for k, (v, w) in m.items():
-                    sums[k] += v
-                    weight_sums[k] += w
+                losses.append(loss)
+                pending.extend((k, v, w) for k, (v, w) in m.items())
             if probe is not None and half == 0:
                 probe.snapshot()
+        values = host_values([*losses, *(x for _, v, w in pending for x in (v, w))])
+        loss_total = 0.0
+        for _ in losses:  # added one by one as before: the same floats in the same order, so the same sums
+            loss_total += next(values)
+        for k, _, _ in pending:
+            sums[k] += next(values)
+            weight_sums[k] += next(values)
         return loss_total
 
     def _micro_step(self, batch, rows, stats, old_logprobs, ref_logprobs, correction=None):
+        """(loss, {metric: (value, weight)}), values and weights 0-dim tensors on the device or floats."""
         cfg = self.cfg
         (logp, entropy), width = self._forward(self.model, batch, rows)
-        mask = batch.trained_mask[rows, :width].to(self.device)  # the model's tokens: tool output is context only
-        old = logp.detach() if old_logprobs is None else old_logprobs[rows, :width].to(self.device)
-        adv = batch.advantages[rows].to(self.device)[:, None].expand_as(logp)
-        metrics: dict[str, tuple[float, float]] = {}
-        if self.modulation is not None:
+        one_pass_correction = self.rollout_correction != "none" and correction is None
+        # this micro-batch's host columns in one transfer per dtype; `rows` too, to index the device's columns
+        host = [rows, batch.trained_mask[rows, :width], batch.advantages[rows]]  # mask: the model's tokens only
+        rows, mask, adv, *sampler = to_device(host + ([batch.sampler_logprobs[rows, :width]] if one_pass_correction
+                                                      else []), self.device)
+        old = logp.detach() if old_logprobs is None else old_logprobs[rows, :width]
+        adv = adv[:, None].expand_as(logp)
+        metrics: dict[str, tuple[torch.Tensor | float, torch.Tensor | float]] = {}
+        if self.modulation is not None:  # its metrics are floats: one read of the token count here
             factor, mod_metrics = self.modulation(adv, logp.detach() - old, logp.detach(), entropy.detach(), mask)
             adv = adv * factor.detach()
             n = float(mask.sum())
             metrics.update({k: (v * n, n) for k, v in mod_metrics.items()})
         per_token, low, high = clipped_policy_loss(logp, old, adv, cfg.algo.epsilon_low, cfg.algo.epsilon_high)
         if self.rollout_correction != "none":  # TRL: the weight multiplies the policy loss, not the KL term
-            per_token = per_token * self._correction_weight(batch, rows, width, logp, mask, correction)
+            weight = (correction.weight[rows, :width] if correction is not None
+                      else self._micro_step_correction(rows, width, logp, sampler[0], mask))
+            per_token = per_token * weight
+        n_tok = mask.sum()
         if ref_logprobs is not None:
-            kl = k3_kl(logp, ref_logprobs[rows, :width].to(self.device))
+            kl = k3_kl(logp, ref_logprobs[rows, :width])
             if cfg.algo.kl_ratio_weighted:  # TRL's use_bias_correction_kl: the ratio's gradient reaches the KL
                 kl = kl * torch.exp(logp - old)
             per_token = per_token + cfg.algo.beta * kl
-            metrics["kl"] = (float((kl.detach() * mask).sum()), float(mask.sum()))
+            metrics["kl"] = ((kl.detach() * mask).sum(), n_tok)
         weights = self.aggregate(mask, stats)
         loss = (weights * per_token).sum()
         loss.backward()
-        n_tok = float(mask.sum())
-        metrics["entropy"] = (float((entropy.detach() * mask).sum()), n_tok)
-        metrics["clip_ratio/low_mean"] = (float((low.float() * mask).sum()), n_tok)
-        metrics["clip_ratio/high_mean"] = (float((high.float() * mask).sum()), n_tok)
-        metrics["clip_ratio/region_mean"] = (float(((low | high).float() * mask).sum()), n_tok)
-        return float(loss.detach()), metrics
+        metrics["entropy"] = ((entropy.detach() * mask).sum(), n_tok)
+        metrics["clip_ratio/low_mean"] = ((low.float() * mask).sum(), n_tok)
+        metrics["clip_ratio/high_mean"] = ((high.float() * mask).sum(), n_tok)
+        metrics["clip_ratio/region_mean"] = (((low | high).float() * mask).sum(), n_tok)
+        return loss.detach(), metrics
 
-    def _correction_weight(self, batch, rows, width, logp, mask, correction) -> torch.Tensor:
-        """[B, W] rollout-correction weight of these rows: from the whole-batch correction when the trainer's
-        log-probs were precomputed, else from this micro-step's own log-probs (recorded for the step's metrics)."""
-        if correction is not None:
-            return correction.weight[rows, :width].to(self.device)
-        self._trainer_logprobs[rows, :width] = logp.detach().float().cpu()
-        sampler = batch.sampler_logprobs[rows, :width].to(self.device)
+    def _micro_step_correction(self, rows, width, logp, sampler, mask) -> torch.Tensor:
+        """[B, W] rollout-correction weight of these rows from this micro-step's own log-probs (one pass: the
+        trainer's log-probs are not known before it), which are recorded for the step's metrics."""
+        self._trainer_logprobs[rows, :width] = logp.detach().float()
         return self._correction(logp, sampler, mask).weight

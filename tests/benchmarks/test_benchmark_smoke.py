@@ -15,6 +15,7 @@ CASES = {
     "update_memory": ["--device", "cpu", "--repeats", "1", "--prompts", "1", "--length", "8", "--layers", "1",
                       "--width", "32"],
     "update_speed": ["--device", "cpu", "--repeats", "1", "--workload", "default", "--skip-memory"],
+    "update_ops": ["--hidden", "16", "--repeats", "1"],
     "scale": ["--hidden", "32", "--layers", "1", "--prompts", "2", "--n", "2", "--max-new-tokens", "4",
               "--update-rows", "4", "--micro", "2", "--repeats", "1", "--skip-ray"],
     "episode_continuation": ["--episodes", "2", "--turns", "2", "--max-new-tokens", "4", "--answer-tokens", "4",
