@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from benchmarks.device_ops import DeviceOps, count_syncs
-from tests.conftest import device_under_test
 from tests.engines.test_engines import Tok, make_model
 from tests.update.test_rollout_correction_update import trainer_logprobs, with_sampler
 from tests.update.test_shared_prompt import make_batch, make_updater, tiny_model
