@@ -12,12 +12,17 @@
 #   train     (85 s)  train.txt: the default run (configs/default.yaml) on CUDA, compute `auto` (bf16 over float32
 #                     masters), from the carried warm-up; step time, held-out accuracy, sampling/* mismatch metrics
 #   async  (40+30 s)  async.txt: 20 steps of the default run with train.async and CUDA graphs, then 20 synchronous
+# and, named with --parts only (over the 8 minutes of the others):
+#   update    (90 s)  update.txt: the update of configs/gpu_pods_study.yaml timed in four interleaved arms that
+#                     separate per-shape set-up, cuDNN attention and the allocator after the engine's release
+#                     (`benchmarks/update_ops.py --diagnose cuda`; docs/results.md, "The update's launch and sync count")
 # Writes at most 8 files (what a device call brings back) to --out (default: $OUT, else /tmp/gpu_check); the runs'
 # directories go to --runs (default /tmp/gpu_check_runs).
 #
 #   bash benchmarks/gpu_check.sh                                   # on the GPU machine, all parts (485 s by the limits)
 #   bash benchmarks/gpu_check.sh --parts "memory async"            # failed parts again
 #   bash benchmarks/gpu_check.sh --parts train --scale 2           # one part with twice its limit
+#   bash benchmarks/gpu_check.sh --parts "update memory"           # the update's diagnosis, the memory plan again
 #   bash benchmarks/gpu_check.sh --smoke --out /tmp/gc             # on a CPU: the plumbing, tiny sizes, ~2 minutes
 #
 # Carry .whl (benchmarks/gpu_wheels.sh: what the GPU image lacks) and .cache/podsrl/warmup (`podsrl warmup` here: the
@@ -134,6 +139,12 @@ summarise() {
     "$py" benchmarks/run_summary.py "$1" >>"$2" 2>&1 || echo "no metrics to summarise in $1" >>"$2"
 }
 
+update() {
+    local args=(--diagnose cuda)
+    [ "$smoke" = 1 ] && args=(--diagnose cpu --hidden 16 --repeats 1)
+    part update update 90 "$py" benchmarks/update_ops.py "${args[@]}"
+}
+
 train() {
     warmup_cache
     rm -rf "$runs/default"
@@ -161,9 +172,9 @@ async_part() {
 echo "gpu_check: parts '$parts', device $device, scale $scale, out $out" | tee -a "$summary"
 for p in $parts; do
     case $p in
-        machine | tests | decode | memory | train) "$p" ;;
+        machine | tests | decode | memory | train | update) "$p" ;;
         async) async_part ;;
-        *) echo "unknown part $p (machine tests decode memory train async)" | tee -a "$summary" ;;
+        *) echo "unknown part $p (machine tests decode memory train async update)" | tee -a "$summary" ;;
     esac
 done
 echo "gpu_check: done in $SECONDS s" | tee -a "$summary"

@@ -51,3 +51,11 @@ def test_a_part_out_of_time_is_recorded_and_the_next_runs(tmp_path):
     assert "machine: written" in summary and "gpu_check: done" in summary
     bad = check("--bogus", timeout=60)
     assert bad.returncode == 2 and "unknown argument --bogus" in bad.stderr
+
+
+def test_the_update_part_runs_when_named(tmp_path):
+    out = tmp_path / "out"
+    result = check("--smoke", "--out", str(out), "--runs", str(tmp_path / "runs"), "--parts", "update")
+    assert result.returncode == 0, result.stderr
+    assert "\nupdate: ok" in (out / "summary.txt").read_text()
+    assert sorted(p.name for p in out.iterdir()) == ["summary.txt", "update.txt"]
