@@ -6,7 +6,8 @@ The runs are tiny (2 prompts a step, 4-token completions, a 2-layer model after 
 they start from the warmed-up weights stored in tests/fixtures/method_regression_start.safetensors, not from a
 warm-up run here: 150 supervised steps amplify the CPU's float summation order into different weights (another
 CPU's warm-up diverged by a sampled token within three RL steps), while three RL steps from equal weights do not.
-Re-recording keeps the stored weights; delete the file to record new ones from this machine's warm-up.
+Re-recording keeps the stored weights; delete the file to record new ones from this machine's warm-up. The fixture
+names the machine it was recorded on (under RECORDED_ON), and records with one torch thread, as the test runs.
 the preset's own method keys and rollout.n stay as they are, plus a few cases with extra keys (the generic filter
 and refill, DynaMO's allocation alone with the gradient-noise probe, several update passes, AERO's dead zone, PODS
 ties, DynaMO's mastered rule). Timings (time/*) are
@@ -15,10 +16,14 @@ not recorded.
 
 from __future__ import annotations
 
+import datetime
 import json
+import platform
 import sys
 import tempfile
 from pathlib import Path
+
+import torch
 
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
@@ -53,6 +58,7 @@ STEPS = 3
 # Correctness plus a graded reward, so that groups have reward variance and every selection rule has work to do.
 REWARDS = f"[correct, {{name: digits, weight: 0.5, function: '{Path(__file__).parent / 'fixtures' / 'rewards_ones.py'}:even_digit_share'}}]"
 FIXTURE = Path(__file__).parent / "fixtures" / "method_regression.json"
+RECORDED_ON = "_recorded_on"  # the fixture's entry naming the machine, beside the cases
 START_WEIGHTS = Path(__file__).parent / "fixtures" / "method_regression_start.safetensors"
 TIED = "lm_head.weight"  # the built-in model ties it to the embedding: stored once
 
@@ -113,9 +119,19 @@ def place_start_weights(cfg) -> None:
     (out / "warmup.json").write_text(json.dumps({"source": START_WEIGHTS.name}))
 
 
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").is_file() \
+        else platform.processor()
+    return {"cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "date": datetime.date.today().isoformat()}
+
+
 def main() -> int:
+    torch.set_num_threads(1)  # as the test runs (its one_thread fixture)
     with tempfile.TemporaryDirectory() as tmp:
         fixture = {c: run_case(c, f"{tmp}/{c}", f"{tmp}/warmup") for c in CASES}
+    fixture[RECORDED_ON] = machine()
     FIXTURE.write_text(json.dumps(fixture, indent=1, sort_keys=True) + "\n")
     print(f"wrote {FIXTURE}")
     return 0
