@@ -29,7 +29,8 @@ from podsrl.fsdp import build_data_parallel
 from podsrl.methods import METHODS
 from podsrl.models.loading import count_parameters, resolve_device
 from podsrl.models.rank_loading import load_policy_on_ranks
-from podsrl.plotting import plot_run
+from podsrl.reporting.plotting import plot_run
+from podsrl.reporting.tracking import build_metrics_logger, build_progress, read_metrics
 from podsrl.run import faults
 from podsrl.run.accounting import ComputeAccountant
 from podsrl.run.async_generation import BackgroundGenerator, async_engines, split_threads, staleness_metrics
@@ -51,7 +52,6 @@ from podsrl.run.health import HealthMonitor
 from podsrl.run.lock import RunLock
 from podsrl.run.log import RankLog
 from podsrl.run.producer import BatchProducer, ProducedBatch, StepRecord
-from podsrl.run.tracking import build_metrics_logger, build_progress, read_metrics
 from podsrl.update import PolicyUpdater
 from podsrl.update.optimizer import build_optimizer
 

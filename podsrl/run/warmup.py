@@ -19,7 +19,7 @@ import torch
 
 from podsrl.config import Config, TaskConfig, TinyModelConfig, to_dict
 from podsrl.models.loading import build_char_tokenizer, build_tiny_model, load_tiny_at_context, resolve_device
-from podsrl.run.tracking import build_progress
+from podsrl.reporting.tracking import build_progress
 from podsrl.tasks import build_task
 
 log = logging.getLogger("podsrl")
