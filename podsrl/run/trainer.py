@@ -22,6 +22,7 @@ from podsrl.batch import RolloutBatch
 from podsrl.build import base_weights, load_model, load_task, reward_manager, rollout_engine, verifier
 from podsrl.config import Config, dump_config
 from podsrl.distributed import NullLogger, init_distributed
+from podsrl.engines.capture_lock import CAPTURE_LOCK
 from podsrl.episodes.runner import task_episodes
 from podsrl.errors import UnhealthyRun, UserError
 from podsrl.fileio import write_text_atomic
@@ -34,7 +35,6 @@ from podsrl.reporting.tracking import build_metrics_logger, build_progress, read
 from podsrl.run import faults
 from podsrl.run.accounting import ComputeAccountant
 from podsrl.run.async_generation import BackgroundGenerator, async_engines, split_threads, staleness_metrics
-from podsrl.run.capture_lock import CAPTURE_LOCK
 from podsrl.run.checkpoint import (
     load_checkpoint_files,
     load_in_flight,
