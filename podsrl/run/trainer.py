@@ -21,6 +21,7 @@ import torch
 from podsrl.batch import RolloutBatch
 from podsrl.build import base_weights, load_model, load_task, reward_manager, rollout_engine, verifier
 from podsrl.config import Config, dump_config
+from podsrl.config.facts import run_facts, unread_settings
 from podsrl.distributed import NullLogger, init_distributed
 from podsrl.engines.capture_lock import CAPTURE_LOCK
 from podsrl.episodes.runner import task_episodes
@@ -47,7 +48,6 @@ from podsrl.run.checkpoint import (
 )
 from podsrl.run.description import describe_run, world_size_change
 from podsrl.run.evaluation import evaluate
-from podsrl.run.facts import run_facts, unread_settings
 from podsrl.run.health import HealthMonitor
 from podsrl.run.lock import RunLock
 from podsrl.run.log import RankLog
