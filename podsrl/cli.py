@@ -89,10 +89,11 @@ def cmd_warmup(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from podsrl.build import base_weights, load_model, load_task, reward_manager, rollout_engine, verifier
+    from podsrl.build import load_model, load_task, reward_manager, rollout_engine, verifier
     from podsrl.episodes.runner import task_episodes
     from podsrl.models.loading import resolve_device
     from podsrl.run.evaluation import evaluate
+    from podsrl.run.warmup import base_weights
 
     cfg = _load(args)
     # The trainer's own builders: a LoRA run's --model is its adapter (on top of the warm-up or model.name_or_path)

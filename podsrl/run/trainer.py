@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from podsrl.batch import RolloutBatch
-from podsrl.build import base_weights, load_model, load_task, reward_manager, rollout_engine, verifier
+from podsrl.build import load_model, load_task, reward_manager, rollout_engine, verifier
 from podsrl.config import Config, dump_config
 from podsrl.config.facts import run_facts, unread_settings
 from podsrl.distributed import NullLogger, init_distributed
@@ -52,6 +52,7 @@ from podsrl.run.health import HealthMonitor
 from podsrl.run.lock import RunLock
 from podsrl.run.log import RankLog
 from podsrl.run.producer import BatchProducer, ProducedBatch, StepRecord
+from podsrl.run.warmup import base_weights
 from podsrl.update import PolicyUpdater
 from podsrl.update.optimizer import build_optimizer
 

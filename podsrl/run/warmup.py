@@ -91,6 +91,12 @@ def needs_warmup(cfg: Config) -> bool:
     return cfg.model.name_or_path == "tiny" and cfg.warmup.steps > 0
 
 
+def base_weights(cfg: Config, progress: bool = False) -> str | None:
+    """The weights a run starts from: the cached warm-up of the built-in model (trained if missing), else None
+    (model.name_or_path)."""
+    return str(run_warmup(cfg, progress=progress)) if needs_warmup(cfg) else None
+
+
 def sft_batch(tokenizer, prompts: list[str], targets: list[str]):
     """Right-padded ids, attention mask and labels (-100 on prompt and padding), EOS after each target. A prompt is
     the context of a model turn, so an episode's tool answers in it get no loss, as RolloutBatch.loss_mask in RL."""
