@@ -288,9 +288,7 @@ class Trainer:
             progress.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            self.logger.close()
-            self.close_engines()
-            self.dist.close()
+            self.close()
         if self.stop_requested and not self._budget_spent():
             log.warning("stopped by signal at step %d; resume with --resume %s", self.step, self.run_dir)
             self.stopped_by_signal = True
@@ -319,6 +317,13 @@ class Trainer:
         t0, cpu0 = time.perf_counter(), time.process_time()
         self.generator.quiesce()
         self.elapsed += time.process_time() - cpu0 if self.cfg.train.clock == "cpu" else time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Everything the trainer holds open: the metrics sinks, the generator thread and engines, the process
+        group."""
+        self.logger.close()
+        self.close_engines()
+        self.dist.close()
 
     def close_engines(self) -> None:
         """The generator thread (train.async) first, then the engines it samples with."""
