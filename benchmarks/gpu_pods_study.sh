@@ -107,7 +107,7 @@ step_table() {
 import sys
 from pathlib import Path
 
-from podsrl.run.tracking import read_metrics
+from podsrl.reporting.tracking import read_metrics
 
 print("| config | run | steps | clock s | step s | generate s | update s | generation share | eval acc first -> last |")
 print("|---|---|---|---|---|---|---|---|---|")

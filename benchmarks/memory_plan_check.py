@@ -76,9 +76,9 @@ def measure_update(name: str, length: int, checkpointing: bool, compute: str, de
 
     from podsrl.batch import Problem, RolloutBatch
     from podsrl.config import load_config
+    from podsrl.config.facts import run_facts
     from podsrl.distributed import init_distributed
     from podsrl.fsdp import build_data_parallel
-    from podsrl.run.facts import run_facts
     from podsrl.update import PolicyUpdater
 
     prompts, m = UPDATE["prompts"], UPDATE["m"]

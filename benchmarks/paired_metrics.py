@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from podsrl.experiments.stats import BETTER, WORSE, paired_stat  # noqa: E402
-from podsrl.run.tracking import read_metrics  # noqa: E402
+from podsrl.reporting.tracking import read_metrics  # noqa: E402
 
 FINAL = ("eval/accuracy", "eval/avg@4", "eval/pass@4")
 

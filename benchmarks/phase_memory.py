@@ -39,9 +39,9 @@ def run_sequence(args, checkpointing: bool) -> list[dict]:
     from benchmarks.gpu_generation import build_model
     from podsrl.batch import Problem, RolloutBatch
     from podsrl.config import load_config
+    from podsrl.config.facts import run_facts
     from podsrl.engines.base import SamplingParams
     from podsrl.engines.fast import FastEngine
-    from podsrl.run.facts import run_facts
     from podsrl.update import PolicyUpdater
 
     device, compute = args.device, getattr(torch, args.compute_dtype)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from podsrl.run.tracking import read_metrics
+from podsrl.reporting.tracking import read_metrics
 
 
 def _mean(records: list[dict], key: str) -> float:

@@ -29,11 +29,11 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from podsrl.batch import Problem, RolloutBatch
 from podsrl.config import TinyModelConfig, load_config
+from podsrl.config.facts import run_facts
 from podsrl.engines.base import SamplingParams
 from podsrl.engines.fast import FastEngine
 from podsrl.fsdp import build_data_parallel
 from podsrl.models.loading import build_char_tokenizer, build_tiny_model, count_parameters
-from podsrl.run.facts import run_facts
 from podsrl.update import PolicyUpdater
 
 

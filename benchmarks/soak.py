@@ -27,9 +27,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from podsrl.reporting.tracking import read_metrics
 from podsrl.run.checkpoint import latest_checkpoint
 from podsrl.run.faults import SITES
-from podsrl.run.tracking import read_metrics
 
 CKPT_SITES = [s for s in SITES if s.startswith("ckpt_")]
 

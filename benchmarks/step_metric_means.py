@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from podsrl.run.tracking import read_metrics  # noqa: E402
+from podsrl.reporting.tracking import read_metrics  # noqa: E402
 
 
 def run_means(metrics_path: Path, keys: list[str], after_step: int) -> dict[str, float]:

@@ -33,9 +33,9 @@ def measure(n: int, m: int, checkpointing: bool, prompts: int, length: int, laye
 
     from podsrl.batch import Problem, RolloutBatch
     from podsrl.config import load_config
+    from podsrl.config.facts import run_facts
     from podsrl.methods import METHODS, offline_context
     from podsrl.models.loading import build_char_tokenizer, build_tiny_model
-    from podsrl.run.facts import run_facts
     from podsrl.update import PolicyUpdater
 
     torch.manual_seed(0)

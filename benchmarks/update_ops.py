@@ -62,9 +62,9 @@ class Study:
     def __init__(self, hidden: int, device: str = "cpu", seed: int = 0) -> None:
         from podsrl.build import rollout_engine
         from podsrl.config import load_config
+        from podsrl.config.facts import run_facts
         from podsrl.methods import METHODS
         from podsrl.models.loading import build_char_tokenizer, build_tiny_model
-        from podsrl.run.facts import run_facts
         from podsrl.tasks import build_task
         from podsrl.update import PolicyUpdater
         from podsrl.update.optimizer import build_optimizer

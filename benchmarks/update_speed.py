@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.timing import Spread, machine_line, peak_memory_during  # noqa: E402
 from podsrl.batch import Problem, RolloutBatch  # noqa: E402
 from podsrl.config import load_config  # noqa: E402
-from podsrl.run.facts import run_facts
+from podsrl.config.facts import run_facts
 from podsrl.update import PolicyUpdater  # noqa: E402
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parents[1] / "podsrl/configs/default.yaml")

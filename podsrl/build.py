@@ -15,18 +15,11 @@ from podsrl.engines import RolloutEngine, build_engine
 from podsrl.models.precision import resolve_compute_dtype
 from podsrl.models.rank_loading import load_policy_on_ranks
 from podsrl.rewards import RewardManager, build_reward_manager
-from podsrl.run.warmup import needs_warmup, run_warmup
 from podsrl.tasks import build_task
 from podsrl.tasks.base import Task
 from podsrl.tasks.prompt_length import limit_task_prompts, model_context
 
 Verify = Callable[..., torch.Tensor]  # (problems, group_index, completions, environments=None) -> [R] bool
-
-
-def base_weights(cfg: Config, progress: bool = False) -> str | None:
-    """The weights a run starts from: the cached warm-up of the built-in model (trained if missing), else None
-    (model.name_or_path)."""
-    return str(run_warmup(cfg, progress=progress)) if needs_warmup(cfg) else None
 
 
 def load_model(cfg: Config, weights: str | Path | None, base: str | None, trainable: bool,

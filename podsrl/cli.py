@@ -89,10 +89,11 @@ def cmd_warmup(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from podsrl.build import base_weights, load_model, load_task, reward_manager, rollout_engine, verifier
+    from podsrl.build import load_model, load_task, reward_manager, rollout_engine, verifier
     from podsrl.episodes.runner import task_episodes
     from podsrl.models.loading import resolve_device
     from podsrl.run.evaluation import evaluate
+    from podsrl.run.warmup import base_weights
 
     cfg = _load(args)
     # The trainer's own builders: a LoRA run's --model is its adapter (on top of the warm-up or model.name_or_path)
@@ -148,8 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="rebuild the comparison plot and tables from saved runs")
     add_report_arguments(p)
     p.set_defaults(func=report_main)
+    from podsrl.experiments.step_costs import add_plan_arguments, plan_main
     from podsrl.planning.memory_report import add_memory_arguments, memory_main
-    from podsrl.planning.step_costs import add_plan_arguments, plan_main
 
     p = sub.add_parser("plan", help="measure step costs here, predict the step time of (prompts, n, m) settings; "
                        "--memory: predict peak memory and the largest micro-batch that fits a device")

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,7 +42,9 @@ from podsrl.batch import Problem
 from podsrl.errors import ConfigError, UserError
 from podsrl.extras import require
 from podsrl.math_verify_pool import MathVerifyPool, default_math_verify_pool
-from podsrl.tasks.base import Task
+
+if TYPE_CHECKING:  # a task is only called here: rewards.py stands below tasks/ (whose environments it loads)
+    from podsrl.tasks.base import Task
 
 logger = logging.getLogger("podsrl")
 

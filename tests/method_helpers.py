@@ -70,7 +70,7 @@ def method_config(method: type, *overrides: str) -> Config:
 def train_preset(preset: str, run_dir, warmup_cache: str, **extra) -> list[dict]:
     """Train a bundled preset at test size (tests/conftest.py's tiny run, a pool of 8 problems and a hash of the
     completion standing in for correctness, so outcomes vary from the first step); return its step records."""
-    from podsrl.run.tracking import read_metrics
+    from podsrl.reporting.tracking import read_metrics
     from podsrl.run.trainer import Trainer
     from tests.conftest import tiny_overrides
     from tests.faults.common import REWARDS

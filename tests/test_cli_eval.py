@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from podsrl.build import base_weights, load_model, load_task, reward_manager, rollout_engine, verifier
+from podsrl.build import load_model, load_task, reward_manager, rollout_engine, verifier
 from podsrl.cli import main
 from podsrl.config import load_config
 from podsrl.lora import save_adapter
 from podsrl.run.evaluation import evaluate
+from podsrl.run.warmup import base_weights
 from tests.conftest import tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]

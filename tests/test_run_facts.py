@@ -1,4 +1,4 @@
-"""A loaded config is resolved once into the facts the run uses (podsrl/run/facts.py); validation only reads it;
+"""A loaded config is resolved once into the facts the run uses (podsrl/config/facts.py); validation only reads it;
 settings that nothing in the run reads are named at start-up."""
 
 import copy
@@ -8,8 +8,8 @@ import torch
 
 from podsrl.config import load_config
 from podsrl.config.checks import validate
+from podsrl.config.facts import run_facts, unread_settings
 from podsrl.methods import METHODS
-from podsrl.run.facts import run_facts, unread_settings
 from podsrl.run.trainer import Trainer
 from tests.conftest import device_under_test, tiny_overrides
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from podsrl.config import load_config
-from podsrl.run.tracking import read_metrics
+from podsrl.reporting.tracking import read_metrics
 from podsrl.run.trainer import Trainer
 from tests.conftest import tiny_overrides
 

@@ -30,7 +30,7 @@ from podsrl.errors import ConfigError
 from podsrl.fileio import write_text_atomic
 from podsrl.methods import METHODS
 from podsrl.options import config_key, option, to_dict
-from podsrl.run.tracking import normalize_report_to
+from podsrl.reporting.tracking import normalize_report_to
 
 _f = option
 

@@ -10,7 +10,7 @@ from podsrl.engines import check_engine_options
 from podsrl.errors import ConfigError
 from podsrl.methods import METHODS
 from podsrl.models.precision import check_precision
-from podsrl.run.tracking import normalize_report_to
+from podsrl.reporting.tracking import normalize_report_to
 
 if TYPE_CHECKING:
     from podsrl.config import Config

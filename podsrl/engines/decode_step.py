@@ -23,10 +23,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from podsrl.engines.capture_lock import CAPTURE_LOCK
 from podsrl.engines.sampling import row_uniforms, sample_next
 from podsrl.models.decode import DecodeStack
 from podsrl.models.static_cache import StepCache
-from podsrl.run.capture_lock import CAPTURE_LOCK
 
 RECOMPILE_LIMIT = 1024  # compiled steps per code object: one per bucket visited (torch's default stops at 8)
 

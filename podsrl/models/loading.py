@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import string
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -16,8 +17,10 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from podsrl.config import ModelConfig, TinyModelConfig
 from podsrl.errors import UserError
+
+if TYPE_CHECKING:  # the config is only read here: models/ stand below config/
+    from podsrl.config import ModelConfig, TinyModelConfig
 
 log = logging.getLogger("podsrl")
 

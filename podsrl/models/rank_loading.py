@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from podsrl.config import ModelConfig
 from podsrl.models.loading import load_policy
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # types only: models/ stand below config/ and distributed.py
+    from podsrl.config import ModelConfig
     from podsrl.distributed import DistContext
 
 

@@ -1,2 +1,2 @@
-"""Planning a run before it starts: `podsrl plan --memory` (the memory model, its workload and report) and
-`podsrl plan` (step costs measured on this machine, candidate settings)."""
+"""Planning a run before it starts, without running it: `podsrl plan --memory` (the memory model, its workload and
+report). `podsrl plan`'s step costs are measured by running the trainer: podsrl/experiments/step_costs.py."""

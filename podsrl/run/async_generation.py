@@ -31,10 +31,10 @@ from podsrl.build import rollout_engine, sampling_dtype
 from podsrl.config import Config
 from podsrl.engines import build_engine
 from podsrl.engines.base import RolloutEngine
+from podsrl.engines.capture_lock import CAPTURE_LOCK
 from podsrl.engines.fast import compute_copy
 from podsrl.errors import UserError
 from podsrl.models.decode import share_fused_weights
-from podsrl.run.capture_lock import CAPTURE_LOCK
 from podsrl.run.producer import ProducedBatch
 
 

@@ -19,9 +19,11 @@ from pathlib import Path
 import torch
 
 from podsrl.batch import RolloutBatch
-from podsrl.build import base_weights, load_model, load_task, reward_manager, rollout_engine, verifier
+from podsrl.build import load_model, load_task, reward_manager, rollout_engine, verifier
 from podsrl.config import Config, dump_config
+from podsrl.config.facts import run_facts, unread_settings
 from podsrl.distributed import NullLogger, init_distributed
+from podsrl.engines.capture_lock import CAPTURE_LOCK
 from podsrl.episodes.runner import task_episodes
 from podsrl.errors import UnhealthyRun, UserError
 from podsrl.fileio import write_text_atomic
@@ -29,11 +31,11 @@ from podsrl.fsdp import build_data_parallel
 from podsrl.methods import METHODS
 from podsrl.models.loading import count_parameters, resolve_device
 from podsrl.models.rank_loading import load_policy_on_ranks
-from podsrl.plotting import plot_run
+from podsrl.reporting.plotting import plot_run
+from podsrl.reporting.tracking import build_metrics_logger, build_progress, read_metrics
 from podsrl.run import faults
 from podsrl.run.accounting import ComputeAccountant
 from podsrl.run.async_generation import BackgroundGenerator, async_engines, split_threads, staleness_metrics
-from podsrl.run.capture_lock import CAPTURE_LOCK
 from podsrl.run.checkpoint import (
     load_checkpoint_files,
     load_in_flight,
@@ -46,12 +48,11 @@ from podsrl.run.checkpoint import (
 )
 from podsrl.run.description import describe_run, world_size_change
 from podsrl.run.evaluation import evaluate
-from podsrl.run.facts import run_facts, unread_settings
 from podsrl.run.health import HealthMonitor
 from podsrl.run.lock import RunLock
 from podsrl.run.log import RankLog
 from podsrl.run.producer import BatchProducer, ProducedBatch, StepRecord
-from podsrl.run.tracking import build_metrics_logger, build_progress, read_metrics
+from podsrl.run.warmup import base_weights
 from podsrl.update import PolicyUpdater
 from podsrl.update.optimizer import build_optimizer
 
@@ -287,9 +288,7 @@ class Trainer:
             progress.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            self.logger.close()
-            self.close_engines()
-            self.dist.close()
+            self.close()
         if self.stop_requested and not self._budget_spent():
             log.warning("stopped by signal at step %d; resume with --resume %s", self.step, self.run_dir)
             self.stopped_by_signal = True
@@ -318,6 +317,13 @@ class Trainer:
         t0, cpu0 = time.perf_counter(), time.process_time()
         self.generator.quiesce()
         self.elapsed += time.process_time() - cpu0 if self.cfg.train.clock == "cpu" else time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Everything the trainer holds open: the metrics sinks, the generator thread and engines, the process
+        group."""
+        self.logger.close()
+        self.close_engines()
+        self.dist.close()
 
     def close_engines(self) -> None:
         """The generator thread (train.async) first, then the engines it samples with."""

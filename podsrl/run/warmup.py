@@ -19,7 +19,7 @@ import torch
 
 from podsrl.config import Config, TaskConfig, TinyModelConfig, to_dict
 from podsrl.models.loading import build_char_tokenizer, build_tiny_model, load_tiny_at_context, resolve_device
-from podsrl.run.tracking import build_progress
+from podsrl.reporting.tracking import build_progress
 from podsrl.tasks import build_task
 
 log = logging.getLogger("podsrl")
@@ -89,6 +89,12 @@ def shipped_warmup(cfg: Config) -> Path | None:
 
 def needs_warmup(cfg: Config) -> bool:
     return cfg.model.name_or_path == "tiny" and cfg.warmup.steps > 0
+
+
+def base_weights(cfg: Config, progress: bool = False) -> str | None:
+    """The weights a run starts from: the cached warm-up of the built-in model (trained if missing), else None
+    (model.name_or_path)."""
+    return str(run_warmup(cfg, progress=progress)) if needs_warmup(cfg) else None
 
 
 def sft_batch(tokenizer, prompts: list[str], targets: list[str]):

@@ -21,11 +21,11 @@ from podsrl.algo.rollout_correction import (
 )
 from podsrl.batch import RolloutBatch
 from podsrl.config import Config
+from podsrl.config.facts import RunFacts
 from podsrl.models.packed import packed_forward_problem
 from podsrl.models.precision import compute_autocast, describe_precision
 from podsrl.models.transfer import host_values, to_device
 from podsrl.models.transformers_api import adapters_disabled, has_adapters
-from podsrl.run.facts import RunFacts
 from podsrl.update.plain import enable_activation_checkpointing, plain_logprobs
 from podsrl.update.shared_prompt import SharedPromptForward
 

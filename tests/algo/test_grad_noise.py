@@ -13,9 +13,9 @@ import torch
 from podsrl.algo.grad_noise import SplitHalfProbe, expected_noise_var, make_probe, split_halves, split_seed
 from podsrl.algo.loss import aggregation_stats
 from podsrl.config import load_config
+from podsrl.config.facts import run_facts
 from podsrl.methods import METHODS, offline_context
-from podsrl.run.facts import run_facts
-from podsrl.run.tracking import read_metrics
+from podsrl.reporting.tracking import read_metrics
 from podsrl.run.trainer import Trainer
 from podsrl.update import PolicyUpdater
 from tests.conftest import device_under_test, tiny_overrides

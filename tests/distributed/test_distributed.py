@@ -18,10 +18,10 @@ import torch.multiprocessing as mp
 
 from podsrl.batch import Problem, RolloutBatch
 from podsrl.config import load_config
+from podsrl.config.facts import run_facts
 from podsrl.engines.base import SamplingParams
 from podsrl.engines.fast import FastEngine
 from podsrl.methods import METHODS, offline_context
-from podsrl.run.facts import run_facts
 from podsrl.update import PolicyUpdater
 from tests.tiny_lm import TokStub as Tok
 from tests.tiny_lm import tiny_causal_lm

@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from podsrl.config import load_config
+from podsrl.config.facts import run_facts
 from podsrl.methods import METHODS, offline_context
-from podsrl.run.facts import run_facts
 from podsrl.update import PolicyUpdater
 from tests.distributed.test_distributed import generation_request, make_batch, make_model
 from tests.tiny_lm import TokStub

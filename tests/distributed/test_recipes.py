@@ -19,7 +19,7 @@ from podsrl.cli import main
 from podsrl.config import TinyModelConfig, load_config
 from podsrl.config.presets import preset_names, preset_path
 from podsrl.models.loading import build_char_tokenizer, build_tiny_model
-from podsrl.run.tracking import read_metrics
+from podsrl.reporting.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_MD = ROOT / "docs" / "gpu.md"

@@ -9,7 +9,7 @@ import math
 import torch
 
 from podsrl.config import load_config
-from podsrl.run.tracking import read_metrics
+from podsrl.reporting.tracking import read_metrics
 from podsrl.run.trainer import Trainer
 from tests.conftest import tiny_overrides
 from tests.episodes.scripted import EOS_TEXT, ScriptedEngine

@@ -320,7 +320,7 @@ def test_per_run_plot_labels_the_training_clock(tmp_path, monkeypatch):
     """plots.png's time axis says CPU time for a train.clock=cpu run (the label is what differs)."""
     import yaml as _yaml
 
-    import podsrl.plotting as plotting
+    import podsrl.reporting.plotting as plotting
 
     run = write_run(tmp_path / "run", [0, 1, 2], [0.1, 0.2, 0.3], seed=1)
     labels = []

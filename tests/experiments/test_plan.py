@@ -7,12 +7,13 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from podsrl.cli import main
 from podsrl.config.presets import preset_path
 from podsrl.errors import UserError
-from podsrl.planning import step_costs as plan
-from podsrl.planning.step_costs import (
+from podsrl.experiments import step_costs as plan
+from podsrl.experiments.step_costs import (
     CostModel,
     Setting,
     StepSample,
@@ -113,13 +114,15 @@ def test_measure_interleaves_the_settings(monkeypatch):
     class Recorder:
         def __init__(self, cfg):
             self.label = (cfg.rollout.prompts_per_step, cfg.rollout.n)
-            self.logger = self.engine = self.dist = type("Closable", (), {"close": lambda self: None})()
 
         def train_step(self):
             calls.append(self.label)
             metrics = {k: 1.0 for k in ("rollouts/generated", "tokens/generated", "tokens/trained", "time/generate",
                                         "time/score", "time/select", "time/update", "time/step")}
             return type("Step", (), {"metrics": metrics})()
+
+        def close(self):
+            pass
 
     monkeypatch.setattr("podsrl.run.trainer.Trainer", Recorder)
     settings = [Setting(4, 4, 4), Setting(2, 4, 4), Setting(1, 2, 2)]
@@ -129,6 +132,36 @@ def test_measure_interleaves_the_settings(monkeypatch):
     calls.clear()
     plan.measure(preset_path("grpo"), [], settings, steps=2, interleave=False)
     assert calls == [label for label in labels for _ in range(3)]
+
+
+def test_measure_closes_its_trainers_as_a_run_closes_on_an_async_config(tmp_path, warmup_cache, monkeypatch):
+    """train.async: each trainer `measure` builds has a generator thread, an engine and an eval engine of its own,
+    and the generator takes half of torch's threads. All are closed, and the threads given back, as a run closes
+    them: at the end no generator runs, every engine is closed and torch has the threads it had before."""
+    from podsrl.engines.base import RolloutEngine
+    from podsrl.run import trainer as trainer_module
+
+    built, closed = [], []
+
+    class Kept(trainer_module.Trainer):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            built.append(self)
+
+    monkeypatch.setattr(trainer_module, "Trainer", Kept)
+    monkeypatch.setattr(RolloutEngine, "close", lambda engine: closed.append(engine))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        overrides = tiny_overrides(tmp_path / "unused", warmup_cache)
+        plan.measure(preset_path("grpo_async"), overrides, [Setting(2, 2, 2), Setting(1, 2, 2)], steps=1)
+        threads_after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert len(built) == 2 and all(t.generator is not None and t.eval_engine is not t.engine for t in built)
+    assert not any(t.generator._thread.is_alive() for t in built)
+    assert all(any(e is t.engine for e in closed) and any(e is t.eval_engine for e in closed) for t in built)
+    assert threads_after == 2
 
 
 def test_design_spans_the_candidates_and_varies_work_apart():

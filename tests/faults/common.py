@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from podsrl.reporting.tracking import read_metrics
 from podsrl.run.checkpoint import latest_checkpoint
-from podsrl.run.tracking import read_metrics
 
 HERE = Path(__file__).resolve().parent
 REWARDS = HERE / "rewards_faulty.py"

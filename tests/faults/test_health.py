@@ -7,9 +7,9 @@ import json
 
 from podsrl.config import TrainConfig
 from podsrl.exit_codes import ExitCode
+from podsrl.reporting.tracking import read_metrics
 from podsrl.run.checkpoint import latest_checkpoint
 from podsrl.run.health import HealthMonitor
-from podsrl.run.tracking import read_metrics
 from tests.faults.common import error_line, train_argv
 
 COLLAPSE = {"optim.lr": 100, "train.health_steps": 3}  # the tiny policy is deterministic from step 2 on

@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 
 from podsrl.config import load_config
 from podsrl.exit_codes import ExitCode
+from podsrl.reporting.tracking import read_metrics
 from podsrl.run.checkpoint import latest_checkpoint
-from podsrl.run.tracking import read_metrics
 from podsrl.run.trainer import Trainer
 from tests.faults.common import error_line, tiny, train_argv
 

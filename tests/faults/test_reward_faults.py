@@ -10,8 +10,8 @@ import pytest
 
 from podsrl.config import load_config
 from podsrl.errors import UserError
+from podsrl.reporting.tracking import read_metrics
 from podsrl.run.checkpoint import latest_checkpoint
-from podsrl.run.tracking import read_metrics
 from podsrl.run.trainer import Trainer
 from tests.faults.common import REWARDS, error_line, tiny, train_argv
 

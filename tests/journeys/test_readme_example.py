@@ -6,7 +6,7 @@ import re
 
 import yaml
 
-from podsrl.run.tracking import read_metrics
+from podsrl.reporting.tracking import read_metrics
 from tests.journeys.user_kit import ROOT, ok, podsrl
 
 HUB_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"

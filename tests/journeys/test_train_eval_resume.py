@@ -3,7 +3,7 @@
 import importlib.util
 import json
 
-from podsrl.run.tracking import read_metrics
+from podsrl.reporting.tracking import read_metrics
 from tests.journeys.user_kit import ok, podsrl, user_config
 
 

@@ -8,7 +8,7 @@ Exemptions, each with its reason:
 - podsrl/algo/ is the maths library the methods call: a kernel carries the name of the paper it implements
   (`aero_select`, `dynamo_modulation`), and it is chosen only by a method module.
 - podsrl/integrations/ ports a method to another trainer (TRL's GRPOTrainer) and is named after what it ports.
-- podsrl/planning/step_costs.py predicts the cost of the down-sampling study's settings (generate n, train m).
+- podsrl/experiments/step_costs.py predicts the cost of the down-sampling study's settings (generate n, train m).
 - podsrl/config/removed_keys.py names the replacements of keys from the layout before methods were modules.
 - podsrl/config/trl_names.py points TRL's names at the podsrl keys that do the same, method sections included.
 """
@@ -23,7 +23,7 @@ from podsrl.methods import METHODS
 PACKAGE = Path(__file__).parents[2] / "podsrl"
 CORE = {"grpo"}
 EXEMPT_DIRS = ("methods", "algo", "integrations")
-EXEMPT_FILES = {"planning/step_costs.py", "config/removed_keys.py", "config/trl_names.py"}
+EXEMPT_FILES = {"experiments/step_costs.py", "config/removed_keys.py", "config/trl_names.py"}
 
 
 

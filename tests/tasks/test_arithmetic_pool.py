@@ -7,7 +7,7 @@ import pytest
 
 from podsrl.config import load_config
 from podsrl.errors import ConfigError
-from podsrl.run.tracking import read_metrics
+from podsrl.reporting.tracking import read_metrics
 from podsrl.run.trainer import Trainer
 from podsrl.run.warmup import warmup_key
 from podsrl.tasks import build_task

@@ -12,8 +12,8 @@ from podsrl.batch import Problem
 from podsrl.config import TaskConfig, load_config
 from podsrl.errors import ConfigError, DataError, UserError
 from podsrl.models.loading import build_char_tokenizer
+from podsrl.reporting.tracking import MetricsLogger, StepProgress, normalize_report_to, read_metrics
 from podsrl.rewards import RewardManager, RewardSpec, build_reward_manager
-from podsrl.run.tracking import MetricsLogger, StepProgress, normalize_report_to, read_metrics
 from podsrl.run.trainer import Trainer
 from podsrl.tasks import build_task
 from podsrl.tasks.datasets import DatasetTask, numeric_answer
@@ -184,7 +184,7 @@ def test_warm_up_prints_plain_lines_to_a_log_file(tmp_path, capsys):
 
 def test_plain_progress_every_n_seconds(monkeypatch):
     now = [0.0]
-    monkeypatch.setattr("podsrl.run.tracking.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("podsrl.reporting.tracking.time.monotonic", lambda: now[0])
     out = io.StringIO()
     bar = StepProgress(1000, every_steps=1000, every_seconds=30, stream=out, live=False)
     for step in range(1, 11):

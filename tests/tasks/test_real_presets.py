@@ -10,7 +10,7 @@ import torch
 
 from podsrl.config import TinyModelConfig, load_config
 from podsrl.models.loading import build_char_tokenizer, build_tiny_model
-from podsrl.run.tracking import read_metrics
+from podsrl.reporting.tracking import read_metrics
 from podsrl.run.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ from podsrl.config import load_config
 from podsrl.errors import ConfigError
 from podsrl.models.logprobs import head_logprobs_and_entropy
 from podsrl.models.precision import compute_autocast, describe_precision, resolve_compute_dtype
-from podsrl.run.tracking import read_metrics
+from podsrl.reporting.tracking import read_metrics
 from podsrl.run.trainer import Trainer
 from tests.conftest import tiny_overrides
 from tests.tiny_lm import TokStub as Tok

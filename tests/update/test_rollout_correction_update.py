@@ -15,7 +15,7 @@ from podsrl.config import load_config
 from podsrl.engines.base import SamplingParams
 from podsrl.engines.fast import FastEngine
 from podsrl.models.loading import build_char_tokenizer
-from podsrl.run.tracking import read_metrics
+from podsrl.reporting.tracking import read_metrics
 from podsrl.run.trainer import Trainer
 from tests.conftest import tiny_overrides
 from tests.update.test_shared_prompt import grads, make_batch, make_updater, rel, tiny_model

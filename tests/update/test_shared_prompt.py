@@ -23,13 +23,13 @@ from transformers import (
 from podsrl.algo.modulation import dynamo_modulation
 from podsrl.batch import Problem, RolloutBatch
 from podsrl.config import TinyModelConfig, load_config
+from podsrl.config.facts import run_facts
 from podsrl.methods.dynamo import DynamoConfig
 from podsrl.models import packed_layout
 from podsrl.models.loading import build_char_tokenizer, build_tiny_model
 from podsrl.models.packed import packed_forward_problem
 from podsrl.models.packed_layout import build_plan, distinct_rows
-from podsrl.run.facts import run_facts
-from podsrl.run.tracking import read_metrics
+from podsrl.reporting.tracking import read_metrics
 from podsrl.run.trainer import Trainer
 from podsrl.update import PolicyUpdater
 from tests.conftest import device_under_test, tiny_overrides

@@ -252,11 +252,6 @@ def measure(
         epochs[i] = cfg.optim.epochs
         return Trainer(cfg)
 
-    def close(trainer) -> None:
-        trainer.logger.close()
-        trainer.engine.close()
-        trainer.dist.close()
-
     metrics: list[list[dict]] = [[] for _ in settings]
     with tempfile.TemporaryDirectory(prefix="podsrl-plan-") as tmp:
         if not interleave:
@@ -265,7 +260,7 @@ def measure(
                 try:
                     metrics[i] = [trainer.train_step().metrics for _ in range(warm + steps)]
                 finally:
-                    close(trainer)
+                    trainer.close()
         else:
             trainers = []
             try:
@@ -275,9 +270,9 @@ def measure(
                     log.info("plan: round %d of %d", r + 1, warm + steps)
                     for i in round_order(len(trainers), r):
                         metrics[i].append(trainers[i].train_step().metrics)
-            finally:
-                for trainer in trainers:
-                    close(trainer)
+            finally:  # the last built first: each gives back the torch threads it found (train.async)
+                for trainer in reversed(trainers):
+                    trainer.close()
     return [
         [StepSample.from_metrics(setting, m, passes) for m in ms[warm:]]
         for setting, ms, passes in zip(settings, metrics, epochs)

@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import yaml  # noqa: E402
 
-from podsrl.run.tracking import read_metrics  # noqa: E402
+from podsrl.reporting.tracking import read_metrics  # noqa: E402
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
