@@ -103,11 +103,11 @@ class BatchProducer:
     sampler's log-probs (PolicyUpdater.needs_sampler_logprobs)."""
 
     def __init__(self, cfg: Config, task, tokenizer, engine: RolloutEngine, rewards: RewardManager, method: Method,
-                 sampler_logprobs: bool) -> None:
+                 sampler_logprobs: bool, context: int | None = None) -> None:
         self.cfg, self.task, self.tokenizer, self.engine = cfg, task, tokenizer, engine
         self.rewards, self.method = rewards, method
         # a task with an environment samples episodes (a row is one episode); otherwise one completion a row
-        self.episodes = task_episodes(engine, tokenizer, task, cfg.episode)
+        self.episodes = task_episodes(engine, tokenizer, task, cfg.episode, context)
         r = cfg.rollout
         self.sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                        top_k=r.top_k, return_logprobs=sampler_logprobs)

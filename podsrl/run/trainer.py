@@ -52,6 +52,7 @@ from podsrl.run.lock import RunLock
 from podsrl.run.log import RankLog
 from podsrl.run.producer import BatchProducer, ProducedBatch, StepRecord
 from podsrl.run.tracking import build_metrics_logger, build_progress, read_metrics
+from podsrl.tasks.prompt_length import model_context
 from podsrl.update import PolicyUpdater
 from podsrl.update.optimizer import build_optimizer
 
@@ -115,7 +116,8 @@ class Trainer:
             self.generator_model, self.engine, self.eval_engine, self.eval_tokenizer = async_engines(
                 cfg, self.generation_model, self.tokenizer, self.dist.enabled)
         # a task with an environment is evaluated on episodes, as it trains
-        self.eval_episodes = task_episodes(self.eval_engine, self.eval_tokenizer, self.task, cfg.episode)
+        context = model_context(self.generation_model)
+        self.eval_episodes = task_episodes(self.eval_engine, self.eval_tokenizer, self.task, cfg.episode, context)
         rewards = reward_manager(cfg, self.task)
         self.verify = verifier(rewards, self.task)
         method = METHODS[cfg.method](cfg)
@@ -124,7 +126,7 @@ class Trainer:
         self.updater = PolicyUpdater(self.model, self.optimizer, self.scheduler, cfg, self.facts, self.ref_model,
                                      modulation=method.token_modulation(), data_parallel=self.data_parallel)
         self.producer = BatchProducer(cfg, self.task, self.tokenizer, self.engine, rewards, method,
-                                      sampler_logprobs=self.updater.needs_sampler_logprobs)
+                                      sampler_logprobs=self.updater.needs_sampler_logprobs, context=context)
         self.accountant = ComputeAccountant(count_parameters(self.generation_model))
         # mini-batch order and the probe: the producer's stream when the two sides take turns (synchronous,
         # staleness 0), else the learner's own

@@ -292,3 +292,20 @@ def test_a_stop_request_abandons_the_episodes_at_once():
     finally:
         STOP.clear()
     assert time.monotonic() - start < 1.5
+
+
+def test_an_episode_budget_beyond_the_models_context_is_refused_at_start_up_naming_both_numbers():
+    from podsrl.build import load_task
+    from podsrl.config import load_config
+    from podsrl.errors import ConfigError
+    from podsrl.models.loading import build_char_tokenizer, build_tiny_model
+
+    cfg = load_config(None, ["task.name=arithmetic_tool", "model.tiny.max_position_embeddings=160",
+                             "episode.max_tokens=4000", "task.eval_size=4"])
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(cfg.model.tiny, tokenizer)
+    with pytest.raises(ConfigError, match=r"episode.max_tokens: 4000 leaves no room for a prompt in the model's "
+                                          r"context of 160 tokens"):
+        load_task(cfg, tokenizer, model)
+    load_task(load_config(None, ["task.name=arithmetic_tool", "model.tiny.max_position_embeddings=160",
+                                 "episode.max_tokens=128", "task.eval_size=4"]), tokenizer, model)
