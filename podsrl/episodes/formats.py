@@ -196,6 +196,7 @@ class MistralFormat(ToolFormat):
 
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HermesFormat(), Llama3JsonFormat(), MistralFormat())}
 HERMES = FORMATS["hermes"]
+_WARNED: set[str] = set()  # templates already said to show no format
 
 
 def detect_format(chat_template: str | None) -> ToolFormat | None:
@@ -217,7 +218,8 @@ def format_for(tokenizer, name: str = "auto") -> ToolFormat:
         return FORMATS[name]
     template = getattr(tokenizer, "chat_template", None)
     found = detect_format(template)
-    if found is None and template:
+    if found is None and template and template not in _WARNED:
+        _WARNED.add(template)
         log.warning("episode: the chat template shows no tool-call format podsrl reads (%s); reading calls as %s "
                     "(set episode.tool_format)", ", ".join(FORMATS), HERMES.name)
     return found or HERMES

@@ -296,7 +296,7 @@ class EpisodeRunner:
         for e in episodes:
             stats.endings[e.ending] += 1
             stats.truncated_responses += e.cut_responses
-            for result in e.env.tool_results:
+            for result in getattr(e.env, "tool_results", []):  # none where its reset never ran
                 stats.tool_calls[result.name] += 1
                 stats.tool_faults[result.name] += int(result.fault)
                 stats.truncated_responses += int(getattr(result, "truncated", False))

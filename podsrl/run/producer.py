@@ -13,6 +13,7 @@ reads the producer only through `state_dict` once the generator is quiet (checkp
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field, fields
 
@@ -23,6 +24,7 @@ from podsrl.batch import Problem, RolloutBatch, concat_batches
 from podsrl.config import Config
 from podsrl.engines import SamplingParams
 from podsrl.engines.base import RolloutEngine
+from podsrl.episodes.calls import Interrupted
 from podsrl.episodes.runner import GroupStop, task_episodes
 from podsrl.episodes.stats import EpisodeStats, trained_metrics
 from podsrl.methods import StepContext
@@ -130,7 +132,18 @@ class BatchProducer:
 
     def produce(self, step: int) -> ProducedBatch:
         """Step `step`'s batch: draw its problems, collect, select (with refills), clip advantages, end the method's
-        step."""
+        step. A step of episodes abandoned by a stop request (`Interrupted`) leaves this side as it was before it,
+        so a checkpoint then holds the last completed step and a resume regenerates the abandoned one."""
+        if self.episodes is None:
+            return self._produce(step)
+        before = copy.deepcopy(self.state_dict())
+        try:
+            return self._produce(step)
+        except Interrupted:
+            self.load_state_dict(before)
+            raise
+
+    def _produce(self, step: int) -> ProducedBatch:
         cfg = self.cfg
         record = StepRecord()
         ctx = self._context(record, step)  # before drawing: the epoch is that of the step's first problem
