@@ -209,7 +209,7 @@ class Trainer:
         metrics.update(self.accountant.step(
             generated_rollouts=produced.generated_rollouts, generated_tokens=produced.generated_tokens,
             trained_rollouts=kept.num_rollouts, trained_tokens=int(kept.completion_mask.sum()),
-            passes=self.cfg.optim.epochs,
+            passes=self.cfg.optim.epochs, environment_tokens=produced.environment_tokens,
         ))
         if self.generator is not None:
             metrics.update(staleness_metrics(self.step - 1, kept, self.dropped_batches))
