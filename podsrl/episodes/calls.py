@@ -84,6 +84,9 @@ class CallPool:
         while pending or running:
             while pending and len(running) < parallel:
                 i = pending.popleft()
+                if calls[i].limit_s <= 0:  # no time left (an episode's whole budget spent): not started
+                    outcomes[i] = Outcome(timed_out=True)
+                    continue
                 start = time.monotonic()
                 running[i] = (self._start(calls[i], cv), start, start + calls[i].limit_s)
             with cv:
