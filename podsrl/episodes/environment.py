@@ -53,8 +53,9 @@ def checked_reset(label: str, value: object) -> list[dict]:
     return value
 
 
-def checked_step(label: str, value: object) -> tuple[list[dict], bool]:
-    """(messages, done) of `label` ("MyEnv.step")'s return value: (messages, done) or (messages, done, reward)."""
+def checked_step(label: str, value: object) -> tuple[list[dict], bool, float | None]:
+    """(messages, done, the turn's reward or None) of `label` ("MyEnv.step")'s return value: (messages, done) or
+    (messages, done, reward)."""
     shape = ("(messages, done) or (messages, done, reward): messages " + MESSAGES + ", done a bool, reward a "
              "number")
     ok = isinstance(value, tuple) and len(value) in (2, 3) and not _bad_messages(value[0]) and (
@@ -62,7 +63,8 @@ def checked_step(label: str, value: object) -> tuple[list[dict], bool]:
         len(value) == 2 or value[2] is None or (isinstance(value[2], numbers.Real) and not isinstance(value[2], bool)))
     if not ok:
         raise EnvironmentShapeError(f"episode: {label} returned {_shown(value)}; it returns {shape}")
-    return value[0], bool(value[1])
+    reward = value[2] if len(value) == 3 else None
+    return value[0], bool(value[1]), None if reward is None else float(reward)
 
 
 class ToolEnvironment:

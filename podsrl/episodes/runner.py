@@ -231,7 +231,8 @@ class EpisodeRunner:
         for episode, outcome in zip(episodes, self._environment_calls("step", episodes, texts)):
             if episode.ending is not None:  # its step failed or expired
                 continue
-            messages, done = checked_step(f"{episode.label}.step", outcome.value)
+            # the turn's own reward is not used here: an episode's reward is the run's reward functions'
+            messages, done, _turn_reward = checked_step(f"{episode.label}.step", outcome.value)
             if done:
                 episode.ending = "answer"
             elif episode.turns >= self.cfg.max_turns:  # no turn left to read the answer: it is not appended

@@ -20,7 +20,7 @@ from podsrl.config import EpisodeConfig
 from podsrl.engines.base import SamplingParams
 from podsrl.episodes.adapters.trl import TRLEnvironment
 from podsrl.episodes.calls import CALLS, STOP, HungCalls, Interrupted
-from podsrl.episodes.environment import EnvironmentShapeError, ToolEnvironment
+from podsrl.episodes.environment import EnvironmentShapeError, ToolEnvironment, checked_step
 from podsrl.episodes.runner import EpisodeRunner
 from podsrl.tasks.arithmetic_tool import ArithmeticToolTask, calculator
 from tests.episodes.scripted import EOS_TEXT, TOKENIZER, ScriptedEngine
@@ -185,6 +185,8 @@ def test_a_reset_of_the_wrong_shape_is_named_and_both_step_shapes_are_taken():
     for value in (([], True), ([], True, 0.5), ([], True, None)):
         _, out = run(lambda t, value=value: type("Returns", (Returns,), {"value": value})([], t))
         assert out.stats.endings["answer"] == 1
+    assert checked_step("E.step", ([], False, 1)) == ([], False, 1.0) and checked_step("E.step", ([], True)) == (
+        [], True, None)
 
 
 class TRLNumberReset:
