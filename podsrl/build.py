@@ -43,8 +43,11 @@ def load_task(cfg: Config, tokenizer, model: torch.nn.Module | None = None) -> t
     """The task and the held-out problems evaluated (eval.size of them; all when 0), with the prompt-length limit
     applied: checked against the model's context (when a model is given) before anything is generated."""
     task = build_task(cfg.task, tokenizer)
-    limit_task_prompts(task, tokenizer, cfg.task.max_prompt_length, cfg.task.overlong_prompts,
-                       cfg.rollout.max_new_tokens, model_context(model) if model is not None else None)
+    # an episode's completion is the whole episode: model turns and environment messages, episode.max_tokens
+    budget, key = ((cfg.episode.max_tokens, "episode.max_tokens") if task.has_environment() else
+                   (cfg.rollout.max_new_tokens, "rollout.max_new_tokens"))
+    limit_task_prompts(task, tokenizer, cfg.task.max_prompt_length, cfg.task.overlong_prompts, budget,
+                       model_context(model) if model is not None else None, key)
     return task, task.eval_set()[: cfg.eval.size or None]
 
 

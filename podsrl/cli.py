@@ -94,6 +94,7 @@ def cmd_eval(args) -> int:
     from podsrl.models.loading import resolve_device
     from podsrl.run.evaluation import evaluate
     from podsrl.run.warmup import base_weights
+    from podsrl.tasks.prompt_length import model_context
 
     cfg = _load(args)
     # The trainer's own builders: a LoRA run's --model is its adapter (on top of the warm-up or model.name_or_path)
@@ -108,7 +109,7 @@ def cmd_eval(args) -> int:
     try:
         metrics = evaluate(engine, tokenizer, problems, verify, cfg.rollout.max_new_tokens, cfg.eval.samples,
                            cfg.rollout.temperature, cfg.rollout.top_p, cfg.eval.batch_size,
-                           task_episodes(engine, tokenizer, task, cfg.episode))
+                           task_episodes(engine, tokenizer, task, cfg.episode, model_context(model)))
     finally:
         engine.close()
     print(json.dumps(metrics))

@@ -70,3 +70,18 @@ def test_bad_input_is_rejected():
         acc.load_state_dict(ComputeAccountant(11).state_dict())
     with pytest.raises(ValueError, match="lacks"):
         acc.load_state_dict({"params": 10, "steps": 0, "totals": {}})
+
+
+def test_environment_tokens_are_counted_apart_from_generated_ones():
+    acc = ComputeAccountant(params=1000)
+    m = acc.step(generated_rollouts=8, generated_tokens=500, trained_rollouts=8, trained_tokens=800,
+                 environment_tokens=300)
+    assert m["tokens/generated"] == 500 and m["tokens/environment"] == 300
+    assert m["flops/generate_est"] == 2 * 1000 * 500  # prefilled like a prompt: not in the estimate
+    m = acc.step(8, 100, 8, 150, environment_tokens=50)
+    assert m["total/tokens_generated"] == 600 and m["total/tokens_environment"] == 350
+    old = {"params": 1000, "steps": 3, "totals": {k: v for k, v in acc.state_dict()["totals"].items()
+                                                  if k != "tokens_environment"}}  # an older checkpoint's
+    resumed = ComputeAccountant(params=1000)
+    resumed.load_state_dict(old)
+    assert resumed.total_metrics()["total/tokens_environment"] == 0.0

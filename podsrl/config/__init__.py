@@ -137,6 +137,27 @@ class EpisodeConfig:
                          "messages together (each turn also stops at rollout.max_new_tokens).")
     tool_timeout_s: float = _f(10.0, "Episodes: seconds a tool call may take; a call that runs longer answers the "
                                "model with an error and counts as a tool fault.")
+    env_timeout_s: float = _f(60.0, "Episodes: seconds an environment's reset or step may take (a TRL environment's "
+                              "too); one that runs longer ends its episode, counted in episode/ended_by_timeout.")
+    timeout_s: float = _f(600.0, "Episodes: seconds an episode's environment may take in all (its reset and steps, "
+                          "tool calls included; not the model's generation); past it the episode ends, counted in "
+                          "episode/ended_by_timeout.")
+    max_hung_calls: int = _f(32, "Episodes: tool and environment calls that ran past their time limit and never "
+                             "returned (each holds a thread: Python cannot stop one); one more stops the run naming "
+                             "them.")
+    max_parallel_calls: int = _f(8, "Episodes: the calls of one model turn run concurrently, this many at once, and "
+                                 "are all answered in order (verl: multi_turn.max_parallel_calls, which also drops "
+                                 "the calls past it).")
+    max_response_chars: int = _f(8192, "Episodes: a tool's answer or an environment's message longer than this many "
+                                 "characters is cut before it is tokenized, counted in episode/truncated_responses "
+                                 "(verl: multi_turn.max_tool_response_length).")
+    response_truncate_side: Literal["left", "right", "middle"] = _f(
+        "middle", "Episodes: what a cut answer keeps: its start (left), its end (right) or both halves (middle) "
+        "(verl: multi_turn.tool_response_truncate_side).")
+    tool_format: Literal["auto", "hermes", "llama3_json", "mistral"] = _f(
+        "auto", "Episodes: how the model writes tool calls; auto reads it from the tokenizer's chat template "
+        "(hermes: Qwen2.5/Qwen3 <tool_call> JSON, also without a template; llama3_json: Llama 3.x; mistral: "
+        "[TOOL_CALLS]). docs/episodes.md.")
 
 
 @dataclass

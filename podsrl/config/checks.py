@@ -30,6 +30,12 @@ def validate(cfg: Config) -> None:
     need(cfg.episode.max_turns >= 1, "episode.max_turns", "must be >= 1")
     need(cfg.episode.max_tokens >= 1, "episode.max_tokens", "must be >= 1")
     need(cfg.episode.tool_timeout_s > 0, "episode.tool_timeout_s", "must be > 0")
+    need(cfg.episode.env_timeout_s > 0, "episode.env_timeout_s", "must be > 0")
+    need(cfg.episode.timeout_s > 0, "episode.timeout_s", "must be > 0")
+    need(cfg.episode.max_hung_calls >= 1, "episode.max_hung_calls", "must be >= 1")
+    need(cfg.episode.max_parallel_calls >= 1, "episode.max_parallel_calls", "must be >= 1")
+    need(cfg.episode.max_response_chars >= 64, "episode.max_response_chars", "must be >= 64 (a cut answer keeps "
+         "its cut mark)")
     need(cfg.filter.max_refill_rounds >= 0, "filter.max_refill_rounds", "must be >= 0")
     need(cfg.algo.advantage_clip >= 0, "algo.advantage_clip", "must be >= 0 (0 = off)")
     need(cfg.algo.epsilon_low >= 0 and cfg.algo.epsilon_high >= 0, "algo.epsilon_low", "clip ranges must be >= 0")

@@ -3,7 +3,8 @@
 With a chat template: the prompt is the first messages rendered with the environment's tools and the generation
 prompt; after a model turn, the environment's messages are what the template writes after an assistant turn (its
 end-of-turn, the messages, the next generation prompt), found as TRL does: render a fixed two-message conversation
-with and without them and keep the difference. Without a chat template (the built-in char-level model): the
+followed by them and keep what follows the assistant's text. (How the template writes the assistant turn itself
+may change once messages follow it, as Qwen3's drops an empty <think> block: the model wrote that part already.) Without a chat template (the built-in char-level model): the
 messages' contents as they are, a tool's result as `<tool_response>...</tool_response>`.
 """
 
@@ -35,21 +36,21 @@ class EpisodeRenderer:
         return self._ids("".join(m["content"] for m in messages))
 
     def continuation(self, messages: list[dict], stop_token: int | None) -> list[int]:
-        """The environment's `messages` after a model turn that ended at `stop_token` (None: it ended without one,
-        at the end of a tool call). A stop token the template would write again is not repeated."""
+        """The environment's `messages` after a model turn that ended at `stop_token` (None: it was cut, at its
+        budget or after its last call). The model ended its turn itself there, so the template's end of turn (that
+        token, or EOS where the turn ended at another of the format's, as Llama's <|eom_id|>) is not repeated."""
         if not self.templated:
             return self._ids("".join(f"{RESPONSE_START}{m['content']}{RESPONSE_END}" if m["role"] == "tool"
                                      else m["content"] for m in messages))
         fixed = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
-        before = self._template(fixed, False)
         after = self._template(fixed + messages, True)
-        cut = before.rindex(_MARK) + len(_MARK)
-        if after[:cut] != before[:cut]:
-            raise ConfigError("task: the tokenizer's chat template renders earlier turns differently once later "
-                              "messages follow, so an episode cannot grow turn by turn")
-        text = after[cut:]
+        if _MARK not in after:
+            raise ConfigError("task: the tokenizer's chat template does not write an assistant turn's text back, so "
+                              "an episode cannot grow turn by turn")
+        text = after[after.index(_MARK) + len(_MARK):]
         if stop_token is not None:
-            stop_text = self.tokenizer.decode([stop_token])
-            if stop_text and text.startswith(stop_text):
-                text = text[len(stop_text):]
+            for end in (self.tokenizer.decode([stop_token]), self.tokenizer.eos_token):
+                if end and text.startswith(end):
+                    text = text[len(end):]
+                    break
         return self._ids(text)

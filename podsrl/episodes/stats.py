@@ -9,8 +9,9 @@ import torch
 
 from podsrl.batch import RolloutBatch
 
-# why an episode ended; "stopped": the method's rule stopped it between turns, its group being decided (never scored)
-ENDINGS = ("answer", "turns", "tokens", "environment_fault", "stopped")
+# why an episode ended; "stopped": the method's rule stopped it between turns, its group being decided (never scored);
+# "timeout": its environment's reset or step ran past its time limit; "context": it reached the model's context
+ENDINGS = ("answer", "turns", "tokens", "context", "environment_fault", "timeout", "stopped")
 
 
 @dataclass
@@ -20,6 +21,7 @@ class EpisodeStats:
     endings: Counter = field(default_factory=Counter)  # ENDINGS -> episodes
     tool_calls: Counter = field(default_factory=Counter)  # tool name -> calls
     tool_faults: Counter = field(default_factory=Counter)  # tool name -> faulty calls
+    truncated_responses: int = 0  # tool answers and environment messages cut to episode.max_response_chars
 
     def add(self, other: EpisodeStats) -> None:
         self.episodes += other.episodes
@@ -27,6 +29,7 @@ class EpisodeStats:
         self.endings.update(other.endings)
         self.tool_calls.update(other.tool_calls)
         self.tool_faults.update(other.tool_faults)
+        self.truncated_responses += other.truncated_responses
 
     def metrics(self) -> dict[str, float]:
         """Per-episode means and shares, and the step's counts of tool calls and faults (in total and per tool)."""
@@ -34,7 +37,8 @@ class EpisodeStats:
         out = {"episode/turns": self.turns / n,
                "episode/tool_calls": float(sum(self.tool_calls.values())),
                "episode/tool_faults": float(sum(self.tool_faults.values())),
-               "episode/stopped": float(self.endings["stopped"])}
+               "episode/stopped": float(self.endings["stopped"]),
+               "episode/truncated_responses": float(self.truncated_responses)}
         out.update({f"episode/ended_by_{e}": self.endings[e] / n for e in ENDINGS})
         for name in sorted(self.tool_calls):
             out[f"episode/tool_calls/{name}"] = float(self.tool_calls[name])

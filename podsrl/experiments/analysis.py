@@ -43,12 +43,14 @@ CURVE_KEYS = (
     ROLLOUTS_GENERATED,
     "total/rollouts_trained",
     "total/tokens_generated",
+    "total/tokens_environment",
 )
 STEP_TIME_KEYS = ("time/generate", "time/score", "time/select", "time/update", "time/step")
 TOTAL_KEYS = (
     "total/rollouts_generated",
     "total/rollouts_trained",
-    "total/tokens_generated",
+    "total/tokens_generated",  # the model's tokens
+    "total/tokens_environment",  # episodes: the environment's tokens (tool answers), apart
     "total/tokens_trained",
 )
 # Float slack so a curve whose value *is* the target (e.g. the baseline's own peak) counts as reaching it.

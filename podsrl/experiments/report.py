@@ -30,6 +30,7 @@ TOTALS = (
     ("rollouts_generated", "total/rollouts_generated"),
     ("rollouts_trained", "total/rollouts_trained"),
     ("tokens_generated", "total/tokens_generated"),
+    ("tokens_environment", "total/tokens_environment"),
     ("tokens_trained", "total/tokens_trained"),
     ("wall_clock_s", "time/elapsed"),
 )
@@ -250,6 +251,8 @@ def render_markdown(comparison: Comparison, header: str | None = None) -> str:
     parts = [header.strip() + "\n"] if header else []
     parts.append(" ".join(method) + "\n")
     summary = []
+    # episodes: the environment's tokens (tool answers) beside the model's, never counted as generated
+    environment = any((cfg.totals.get("total/tokens_environment", Spread.of([])).mean or 0) > 0 for cfg in c.configs)
     for cfg in c.configs:
         n = len(cfg.runs)
         steps = " / ".join(_num(cfg.step_times[k].mean, 3) for k in STEP_TIME_KEYS)
@@ -269,7 +272,8 @@ def render_markdown(comparison: Comparison, header: str | None = None) -> str:
                 _spread_cell(cfg.rollouts_to_target, 0, n),
                 speed,
                 f"{_num(tot['total/rollouts_generated'], 0)} / {_num(tot['total/rollouts_trained'], 0)}",
-                f"{_num(tot['total/tokens_generated'], 0)} / {_num(tot['total/tokens_trained'], 0)}",
+                " / ".join(_num(tot[key], 0) for key in ("total/tokens_generated", "total/tokens_environment",
+                                                          "total/tokens_trained") if environment or "env" not in key),
                 _num(tot["time/elapsed"], 1),
                 steps,
             ]
@@ -285,7 +289,7 @@ def render_markdown(comparison: Comparison, header: str | None = None) -> str:
                 "rollouts generated to target",
                 "speed-up",
                 "rollouts gen / trained",
-                "tokens gen / trained",
+                "tokens gen / env / trained" if environment else "tokens gen / trained",
                 f"{c.clock} (s)",
                 "step time (s): generate / score / select / update / total",
             ],

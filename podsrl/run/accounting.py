@@ -4,6 +4,9 @@ FLOPs are the usual dense-transformer estimates (docs/methods.md#cost-accounting
 (one forward) and ≈6·params per trained token per update pass (forward + backward). They ignore attention's
 quadratic term, the prompt tokens, and the extra forward passes for old / reference log-probs: an estimate to
 compare methods run on the same model, not a profiler reading.
+
+Generated tokens are the model's alone (TRL's count); an episode's environment tokens (tool answers, environment
+messages), prefilled like a prompt's, are counted apart as `tokens/environment`.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ _COUNTERS = (
     "rollouts_generated",
     "rollouts_trained",
     "tokens_generated",
+    "tokens_environment",
     "tokens_trained",
     "flops_generate_est",
     "flops_update_est",
@@ -35,6 +39,7 @@ class ComputeAccountant:
         trained_rollouts: int,
         trained_tokens: int,
         passes: int = 1,
+        environment_tokens: int = 0,
     ) -> dict[str, float]:
         """Record one training step and return its metrics plus the running totals.
 
@@ -47,6 +52,7 @@ class ComputeAccountant:
             "trained_rollouts": int(trained_rollouts),
             "trained_tokens": int(trained_tokens),
             "passes": int(passes),
+            "environment_tokens": int(environment_tokens),
         }
         for name, value in counts.items():
             if value < 0:
@@ -57,6 +63,7 @@ class ComputeAccountant:
             "rollouts_generated": counts["generated_rollouts"],
             "rollouts_trained": counts["trained_rollouts"],
             "tokens_generated": counts["generated_tokens"],
+            "tokens_environment": counts["environment_tokens"],
             "tokens_trained": counts["trained_tokens"],
             "flops_generate_est": flops_gen,
             "flops_update_est": flops_upd,
@@ -68,6 +75,7 @@ class ComputeAccountant:
             "rollouts/generated": float(counts["generated_rollouts"]),
             "rollouts/trained": float(counts["trained_rollouts"]),
             "tokens/generated": float(counts["generated_tokens"]),
+            "tokens/environment": float(counts["environment_tokens"]),
             "tokens/trained": float(counts["trained_tokens"]),
             "flops/generate_est": float(flops_gen),
             "flops/update_est": float(flops_upd),
@@ -85,7 +93,8 @@ class ComputeAccountant:
         return {"params": self.params, "steps": self.steps, "totals": dict(self.totals)}
 
     def load_state_dict(self, state: dict) -> None:
-        missing = [key for key in _COUNTERS if key not in state.get("totals", {})]
+        totals = {"tokens_environment": 0, **state.get("totals", {})}  # older checkpoints: none counted apart
+        missing = [key for key in _COUNTERS if key not in totals]
         if missing:
             raise ValueError(f"accounting state lacks totals {missing}")
         if int(state["params"]) != self.params:
@@ -93,4 +102,4 @@ class ComputeAccountant:
                 f"accounting state was saved for a model of {state['params']} parameters, this one has {self.params}"
             )
         self.steps = int(state["steps"])
-        self.totals = {key: int(state["totals"][key]) for key in _COUNTERS}
+        self.totals = {key: int(totals[key]) for key in _COUNTERS}

@@ -33,6 +33,7 @@ from podsrl.engines import build_engine
 from podsrl.engines.base import RolloutEngine
 from podsrl.engines.capture_lock import CAPTURE_LOCK
 from podsrl.engines.fast import compute_copy
+from podsrl.episodes.calls import Interrupted
 from podsrl.errors import UserError
 from podsrl.models.decode import share_fused_weights
 from podsrl.run.producer import ProducedBatch
@@ -91,12 +92,17 @@ class BackgroundGenerator:
 
     def __init__(self, produce: Callable[[int], ProducedBatch], model: torch.nn.Module, engine: RolloutEngine,
                  max_staleness: int, step: int, max_steps: int, in_flight: list[ProducedBatch] = (),
-                 threads: int = 0) -> None:
+                 threads: int = 0, start: dict | None = None) -> None:
         self._produce = produce  # step index -> that step's batch, under the weights loaded in `model`
         self.model, self.engine, self.max_staleness = model, engine, max_staleness
         self.base = self._published = self._loaded = step  # `model` holds w_step now
         self.max_steps, self.threads = max_steps, threads
         self._weights: dict[int, dict[str, torch.Tensor]] = {}  # published, not yet loaded
+        if start is not None:  # a resume after a stop abandoned a batch: its weights, older than w_step, first
+            self.base = start["version"]
+            params = dict(model.named_parameters())
+            self._weights[step] = {n: params[n].detach().clone() for n in start["weights"]}  # w_step, kept for later
+            self._weights[start["version"]] = start["weights"]
         # A resume with a smaller max_staleness: saved batches that would now train too late are dropped.
         self._queue: deque[ProducedBatch] = deque()
         self.dropped = 0
@@ -109,7 +115,8 @@ class BackgroundGenerator:
         self._next = step + len(self._queue)  # the step of the next batch to produce
         self._cv = threading.Condition()
         self._error: BaseException | None = None
-        self._waiting = self._stop = False
+        # a stop request abandoned the batch in flight (the producer is as before it): quiet for good
+        self._waiting = self._stop = self._interrupted = False
         self._thread: threading.Thread | None = None
 
     def version_for(self, step: int) -> int:
@@ -136,9 +143,11 @@ class BackgroundGenerator:
             self._thread.start()
         t0 = time.perf_counter()
         with self._cv:
-            while not self._queue and self._error is None:
+            while not self._queue and self._error is None and not self._interrupted:
                 self._cv.wait()
             self._raise_error()
+            if not self._queue:
+                raise Interrupted(f"stop requested while step {step}'s batch was produced")
             if self._head != step:
                 raise RuntimeError(f"async generation: the learner asked for step {step}'s batch, the queue holds "
                                    f"step {self._head}'s")
@@ -161,6 +170,14 @@ class BackgroundGenerator:
                 self._cv.wait()
             self._raise_error()
             return list(self._queue)
+
+    def abandoned(self, names: list[str]) -> dict | None:
+        """After a stop abandoned the batch being produced: the weights it was being sampled from (the parameters
+        `names`), {"version", "weights"}, for the checkpoint; else None."""
+        if not self._interrupted:
+            return None
+        params = dict(self.model.named_parameters())
+        return {"version": self._loaded, "weights": {n: params[n].detach().clone() for n in names}}
 
     def close(self) -> None:
         with self._cv:
@@ -198,7 +215,13 @@ class BackgroundGenerator:
                 if version != self._loaded:
                     self._load(weights)
                     self._loaded = version
-                produced = self._produce(step)
+                try:
+                    produced = self._produce(step)
+                except Interrupted:
+                    with self._cv:
+                        self._interrupted = self._waiting = True
+                        self._cv.notify_all()
+                    return
                 produced.version, produced.generator_idle = version, idle
                 produced.kept.policy_version = torch.full((produced.kept.num_rollouts,), version, dtype=torch.long)
                 with self._cv:

@@ -7,6 +7,8 @@ Layout of one checkpoint, `<run>/checkpoints/step-00000042/`:
     optimizer.pt        optimiser + scheduler state (tensors and numbers only; loaded with weights_only=True)
     rng.pt              torch RNG states (uint8 tensors; weights_only=True)
     in_flight.pt        train.async only: the batches generated ahead and not yet trained (tensors, plain values)
+    generator.pt        train.async, where a stop abandoned the batch being generated: the weights it was sampled
+                        from ({"version", "weights"}), so that the resumed run regenerates it exactly
     state.json          step, data position, elapsed time, counters, per-prompt statistics, python RNG
     manifest.json       sha256 of every file above, written last
 It is written to a temporary directory and renamed into place, so a kill mid-write leaves no half checkpoint
@@ -75,7 +77,7 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> None:
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state: dict, rng_state: dict,
                     state: dict, keep: int = 2, sharded_tensors: dict | None = None, dist_ctx=None,
-                    in_flight: list[dict] | None = None) -> Path:
+                    in_flight: list[dict] | None = None, generator: dict | None = None) -> Path:
     """Rank 0 writes everything; with `sharded_tensors` (FSDP2) every rank calls this, each writes its shards into
     `sharded/` of the same temporary directory, and rank 0 completes the checkpoint after them."""
     root = checkpoint_dir(run_dir)
@@ -105,6 +107,8 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state:
         torch.save(rng_state, tmp / "rng.pt")
         if in_flight is not None:
             torch.save(in_flight, tmp / "in_flight.pt")
+        if generator is not None:
+            torch.save(generator, tmp / "generator.pt")
         (tmp / "state.json").write_text(json.dumps(state), encoding="utf-8")
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = {"step": step, "files": {str(p.relative_to(tmp)): _sha256(p) for p in files},
@@ -273,6 +277,13 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
         if verify_checkpoint(path):
             return path
     return None
+
+
+def load_generator(path: Path) -> dict | None:
+    """train.async: the weights of the batch a stop abandoned ({"version", "weights"}), or None."""
+    if not (path / "generator.pt").is_file():
+        return None
+    return torch.load(path / "generator.pt", weights_only=True, map_location="cpu")
 
 
 def load_in_flight(path: Path) -> list[dict]:

@@ -13,6 +13,7 @@ reads the producer only through `state_dict` once the generator is quiet (checkp
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field, fields
 
@@ -23,6 +24,7 @@ from podsrl.batch import Problem, RolloutBatch, concat_batches
 from podsrl.config import Config
 from podsrl.engines import SamplingParams
 from podsrl.engines.base import RolloutEngine
+from podsrl.episodes.calls import Interrupted
 from podsrl.episodes.runner import GroupStop, task_episodes
 from podsrl.episodes.stats import EpisodeStats, trained_metrics
 from podsrl.methods import StepContext
@@ -37,12 +39,14 @@ TIMERS = ("time/generate", "time/score", "time/select", "time/update")
 @dataclass
 class ProducedBatch:
     """One step's batch as the generator hands it over: the rows that train (with advantages and policy_version),
-    the generation-side metrics, what was generated (for the compute accounting) and the generator's timers."""
+    the generation-side metrics, what was generated (for the compute accounting: the model's tokens, and apart
+    the environment's tokens of episodes) and the generator's timers."""
 
     kept: RolloutBatch
     metrics: dict[str, float]
     generated_rollouts: int
     generated_tokens: int
+    environment_tokens: int = 0
     timers: dict[str, float] = field(default_factory=dict)
     version: int = 0  # the step whose weights sampled it
     generator_idle: float = 0.0  # seconds the generator waited for those weights before producing it
@@ -55,7 +59,8 @@ class ProducedBatch:
             value = getattr(self.kept, f.name)
             batch[f.name] = [vars(p) for p in value] if f.name == "problems" else value
         return {"kept": batch, "metrics": self.metrics, "generated_rollouts": self.generated_rollouts,
-                "generated_tokens": self.generated_tokens, "timers": self.timers, "version": self.version}
+                "generated_tokens": self.generated_tokens, "environment_tokens": self.environment_tokens,
+                "timers": self.timers, "version": self.version}
 
     @classmethod
     def from_state(cls, state: dict) -> ProducedBatch:
@@ -63,7 +68,8 @@ class ProducedBatch:
         batch["problems"] = [Problem(**p) for p in batch["problems"]]
         return cls(kept=RolloutBatch(**batch), metrics=state["metrics"],
                    generated_rollouts=state["generated_rollouts"], generated_tokens=state["generated_tokens"],
-                   timers=state["timers"], version=state["version"])
+                   environment_tokens=state.get("environment_tokens", 0), timers=state["timers"],
+                   version=state["version"])
 
 
 @dataclass
@@ -77,9 +83,8 @@ class StepRecord:
     reward_metrics: list[dict] = field(default_factory=list)  # one per generate call
     collect_metrics: list[dict] = field(default_factory=list)  # one per method.collect
     skipped_rollouts: int = 0  # generated, then dropped by the reward policy 'skip' (still compute spent)
-    skipped_tokens: int = 0
     stopped_rollouts: int = 0  # episodes a method's rule stopped between turns: the turns they took were spent
-    stopped_tokens: int = 0
+    dropped: list[RolloutBatch] = field(default_factory=list)  # the rows of those two (their tokens were spent)
     episodes: EpisodeStats = field(default_factory=EpisodeStats)  # what the step's episodes did (if any)
 
 
@@ -103,11 +108,11 @@ class BatchProducer:
     sampler's log-probs (PolicyUpdater.needs_sampler_logprobs)."""
 
     def __init__(self, cfg: Config, task, tokenizer, engine: RolloutEngine, rewards: RewardManager, method: Method,
-                 sampler_logprobs: bool) -> None:
+                 sampler_logprobs: bool, context: int | None = None) -> None:
         self.cfg, self.task, self.tokenizer, self.engine = cfg, task, tokenizer, engine
         self.rewards, self.method = rewards, method
         # a task with an environment samples episodes (a row is one episode); otherwise one completion a row
-        self.episodes = task_episodes(engine, tokenizer, task, cfg.episode)
+        self.episodes = task_episodes(engine, tokenizer, task, cfg.episode, context)
         r = cfg.rollout
         self.sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                        top_k=r.top_k, return_logprobs=sampler_logprobs)
@@ -130,7 +135,18 @@ class BatchProducer:
 
     def produce(self, step: int) -> ProducedBatch:
         """Step `step`'s batch: draw its problems, collect, select (with refills), clip advantages, end the method's
-        step."""
+        step. A step of episodes abandoned by a stop request (`Interrupted`) leaves this side as it was before it,
+        so a checkpoint then holds the last completed step and a resume regenerates the abandoned one."""
+        if self.episodes is None:
+            return self._produce(step)
+        before = copy.deepcopy(self.state_dict())
+        try:
+            return self._produce(step)
+        except Interrupted:
+            self.load_state_dict(before)
+            raise
+
+    def _produce(self, step: int) -> ProducedBatch:
         cfg = self.cfg
         record = StepRecord()
         ctx = self._context(record, step)  # before drawing: the epoch is that of the step's first problem
@@ -142,11 +158,13 @@ class BatchProducer:
         metrics = self._generation_metrics(record, {**select_metrics, **method_metrics})
         if self.episodes is not None:
             metrics.update(trained_metrics(kept))
-        rewards = sum(b.num_rollouts for b in record.generated)
-        tokens = sum(int(b.completion_lengths().sum()) for b in record.generated)
+        spent = record.generated + record.dropped
+        model_tokens = sum(int(b.trained_mask.sum()) for b in spent)  # an episode's model tokens: its loss mask
         return ProducedBatch(kept=kept, metrics=metrics,
-                             generated_rollouts=rewards + record.skipped_rollouts + record.stopped_rollouts,
-                             generated_tokens=tokens + record.skipped_tokens + record.stopped_tokens,
+                             generated_rollouts=sum(b.num_rollouts for b in record.generated)
+                             + record.skipped_rollouts + record.stopped_rollouts,
+                             generated_tokens=model_tokens,
+                             environment_tokens=sum(int(b.completion_mask.sum()) for b in spent) - model_tokens,
                              timers=record.timers, generated=record.generated)
 
     def _context(self, record: StepRecord, step: int) -> StepContext:
@@ -237,7 +255,7 @@ class BatchProducer:
         )
         if stopped is not None and bool(stopped.any()):  # spent, never scored, not trained
             record.stopped_rollouts += int(stopped.sum())
-            record.stopped_tokens += int(batch.completion_mask[stopped].sum())
+            record.dropped.append(batch.select_rows(stopped))
             batch = batch.select_rows(~stopped)
             environments = [e for e, s in zip(environments, stopped.tolist()) if not s]
         batch.completions = self.decode([row[mask > 0].tolist() for row, mask in
@@ -249,7 +267,7 @@ class BatchProducer:
         batch.rewards, batch.reward_components, batch.correct = result.rewards, result.components, result.correct
         if not bool(result.valid.all()):  # reward policy 'skip': those rollouts never reach the update
             record.skipped_rollouts += int((~result.valid).sum())  # ... but were generated: they count as compute
-            record.skipped_tokens += int(batch.completion_mask[~result.valid].sum())
+            record.dropped.append(batch.select_rows(~result.valid))
             batch = batch.select_rows(result.valid)
         record.timers["time/generate"] += t1 - t0
         record.timers["time/score"] += time.perf_counter() - t1

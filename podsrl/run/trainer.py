@@ -24,6 +24,7 @@ from podsrl.config import Config, dump_config
 from podsrl.config.facts import run_facts, unread_settings
 from podsrl.distributed import NullLogger, init_distributed
 from podsrl.engines.capture_lock import CAPTURE_LOCK
+from podsrl.episodes.calls import STOP, Interrupted
 from podsrl.episodes.runner import task_episodes
 from podsrl.errors import UnhealthyRun, UserError
 from podsrl.fileio import write_text_atomic
@@ -38,6 +39,7 @@ from podsrl.run.accounting import ComputeAccountant
 from podsrl.run.async_generation import BackgroundGenerator, async_engines, split_threads, staleness_metrics
 from podsrl.run.checkpoint import (
     load_checkpoint_files,
+    load_generator,
     load_in_flight,
     load_sharded_tensors,
     prepare_run_dir,
@@ -53,6 +55,7 @@ from podsrl.run.lock import RunLock
 from podsrl.run.log import RankLog
 from podsrl.run.producer import BatchProducer, ProducedBatch, StepRecord
 from podsrl.run.warmup import base_weights
+from podsrl.tasks.prompt_length import model_context
 from podsrl.update import PolicyUpdater
 from podsrl.update.optimizer import build_optimizer
 
@@ -116,7 +119,8 @@ class Trainer:
             self.generator_model, self.engine, self.eval_engine, self.eval_tokenizer = async_engines(
                 cfg, self.generation_model, self.tokenizer, self.dist.enabled)
         # a task with an environment is evaluated on episodes, as it trains
-        self.eval_episodes = task_episodes(self.eval_engine, self.eval_tokenizer, self.task, cfg.episode)
+        context = model_context(self.generation_model)
+        self.eval_episodes = task_episodes(self.eval_engine, self.eval_tokenizer, self.task, cfg.episode, context)
         rewards = reward_manager(cfg, self.task)
         self.verify = verifier(rewards, self.task)
         method = METHODS[cfg.method](cfg)
@@ -125,7 +129,7 @@ class Trainer:
         self.updater = PolicyUpdater(self.model, self.optimizer, self.scheduler, cfg, self.facts, self.ref_model,
                                      modulation=method.token_modulation(), data_parallel=self.data_parallel)
         self.producer = BatchProducer(cfg, self.task, self.tokenizer, self.engine, rewards, method,
-                                      sampler_logprobs=self.updater.needs_sampler_logprobs)
+                                      sampler_logprobs=self.updater.needs_sampler_logprobs, context=context)
         self.accountant = ComputeAccountant(count_parameters(self.generation_model))
         # mini-batch order and the probe: the producer's stream when the two sides take turns (synchronous,
         # staleness 0), else the learner's own
@@ -137,9 +141,11 @@ class Trainer:
         self.stop_requested = self.stopped_by_signal = False
         self.health = HealthMonitor(cfg.train, speak=self.dist.is_main)
         in_flight: list[ProducedBatch] = []
+        self.generator_start = None  # train.async: the weights of a batch a stop abandoned (from the checkpoint)
         if checkpoint is not None:
             in_flight = self._restore(checkpoint)
             log.info("resumed %s at step %d", self.run_dir, self.step)
+        self.saved_step = self.step  # the step of the newest checkpoint (0: none, or the start)
         if run_ahead.enabled:
             self._build_generator(in_flight)
         log.info(describe_run(cfg, self.facts, self.dist, self.generation_model, self.engine.name))
@@ -157,7 +163,7 @@ class Trainer:
         threads = 0 if cfg.rollout.engine == "ray" else split_threads(run_ahead.generator_threads)
         self.generator = BackgroundGenerator(self.producer.produce, self.generator_model, self.engine,
                                              run_ahead.max_staleness, self.step, cfg.train.max_steps, in_flight,
-                                             threads=threads)
+                                             threads=threads, start=self.generator_start)
         self.dropped_batches += self.generator.dropped
 
     # ------------------------------------------------------------------------------------------- one step
@@ -204,7 +210,7 @@ class Trainer:
         metrics.update(self.accountant.step(
             generated_rollouts=produced.generated_rollouts, generated_tokens=produced.generated_tokens,
             trained_rollouts=kept.num_rollouts, trained_tokens=int(kept.completion_mask.sum()),
-            passes=self.cfg.optim.epochs,
+            passes=self.cfg.optim.epochs, environment_tokens=produced.environment_tokens,
         ))
         if self.generator is not None:
             metrics.update(staleness_metrics(self.step - 1, kept, self.dropped_batches))
@@ -261,30 +267,18 @@ class Trainer:
         cfg = self.cfg
         progress = build_progress(cfg, cfg.train.max_steps, self.dist.is_main, start=self.step)
         previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        STOP.clear()
         last_eval: dict = {}
         try:
-            if self.step == 0:
-                last_eval = self.run_eval()
-                progress.update(0, eval_acc=last_eval.get("eval/accuracy"))
-            elif not self.dist.agree(self.budget_left()):  # resumed after the last step: needs its final eval
-                last_eval = self._logged_eval() or self.run_eval()
-            while self.dist.agree(self.budget_left()):
-                metrics = self.train_step().metrics
-                metrics.update(self.health.observe(metrics, self.step))
-                self.logger.log(metrics)
-                self.health.stop_if_asked(str(self.run_dir / "checkpoints"))
-                self._warn_if_slow()
-                if self.step % cfg.train.eval_every == 0 or self.step % cfg.train.save_every == 0:
-                    self._settle_generator()
-                finished = not self.dist.agree(self.budget_left())
-                # Stopped by a signal: checkpoint at once (a grace period may be short), no extra eval record.
-                if self.step % cfg.train.eval_every == 0 or self.dist.agree(self._budget_spent()):
-                    last_eval = self.run_eval()
-                progress.update(self.step, reward=metrics["reward"], train_acc=metrics["correct"],
-                                eval_acc=last_eval.get("eval/accuracy"), step_time=metrics["time/step"])
-                if self.step % cfg.train.save_every == 0 or finished:
+            try:
+                last_eval = self._train_loop(progress)
+            except Interrupted:
+                # A signal abandoned the episodes in flight (an environment or tool may never return): the last
+                # completed step is what a resume continues from, its checkpoint written now if it is not yet.
+                if self.step > self.saved_step:
                     self.save()
         finally:
+            STOP.clear()
             progress.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -307,6 +301,35 @@ class Trainer:
         if cfg.log.plot and self.dist.is_main:
             plot_run(self.run_dir)
         return summary
+
+    def _train_loop(self, progress) -> dict:
+        """Steps until the budget is spent or a signal stops the run; the last eval's metrics."""
+        cfg = self.cfg
+        last_eval: dict = {}
+        if self.step == 0:
+            last_eval = self.run_eval()
+            progress.update(0, eval_acc=last_eval.get("eval/accuracy"))
+        elif not self.dist.agree(self.budget_left()):  # resumed after the last step: needs its final eval
+            last_eval = self._logged_eval() or self.run_eval()
+        elif not self.dist.enabled and self.step % cfg.train.eval_every == 0 and not self._logged_eval():
+            last_eval = self.run_eval()  # a signal abandoned this step's eval, then its checkpoint was written
+        while self.dist.agree(self.budget_left()):
+            metrics = self.train_step().metrics
+            metrics.update(self.health.observe(metrics, self.step))
+            self.logger.log(metrics)
+            self.health.stop_if_asked(str(self.run_dir / "checkpoints"))
+            self._warn_if_slow()
+            if self.step % cfg.train.eval_every == 0 or self.step % cfg.train.save_every == 0:
+                self._settle_generator()
+            finished = not self.dist.agree(self.budget_left())
+            # Stopped by a signal: checkpoint at once (a grace period may be short), no extra eval record.
+            if self.step % cfg.train.eval_every == 0 or self.dist.agree(self._budget_spent()):
+                last_eval = self.run_eval()
+            progress.update(self.step, reward=metrics["reward"], train_acc=metrics["correct"],
+                            eval_acc=last_eval.get("eval/accuracy"), step_time=metrics["time/step"])
+            if self.step % cfg.train.save_every == 0 or finished:
+                self.save()
+        return last_eval
 
     def _settle_generator(self) -> None:
         """train.async, before an eval or checkpoint: wait for the batch the generator is producing. The wait
@@ -346,10 +369,15 @@ class Trainer:
                         self.cfg.train.max_steps, limit, eta)
 
     def _request_stop(self, signum, frame) -> None:
-        # Finish the step in flight, checkpoint, exit cleanly: nothing lost. A second Ctrl-C aborts at once.
+        # Finish the step in flight, checkpoint, exit cleanly: nothing lost. Episodes waiting on their environments
+        # are abandoned at once (STOP), the last completed step checkpointed: a hung tool cannot hold the exit.
+        # Under torchrun the ranks must stop at the same point, so their step finishes (environment calls are
+        # bounded by their time limits). A second Ctrl-C aborts at once.
         if self.stop_requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.stop_requested = True
+        if not self.dist.enabled:
+            STOP.set()
 
     def _budget_spent(self) -> bool:
         """The run's own end (steps, seconds or rollouts), as opposed to a stop requested by a signal."""
@@ -374,6 +402,8 @@ class Trainer:
             return
         # train.async: the producer as of the batches the generator has produced (quiet until the next publish)
         in_flight = [b.state_dict() for b in self.generator.quiesce()] if self.generator is not None else None
+        abandoned = None if self.generator is None else self.generator.abandoned(
+            [n for n, p in self.generation_model.named_parameters() if p.requires_grad])
         producer = self.producer.state_dict()
         rng_state = {"trainer": producer.pop("rng"), "torch": torch.get_rng_state()}
         if self.update_rng is not self.producer.rng:
@@ -394,7 +424,8 @@ class Trainer:
             optimizer_state["optimizer"] = self.optimizer.state_dict()
         save_checkpoint(self.run_dir, self.step, self.generation_model, self.tokenizer, optimizer_state, rng_state,
                         state, keep=self.cfg.train.keep_checkpoints, sharded_tensors=tensors,
-                        dist_ctx=self.dist if sharded else None, in_flight=in_flight)
+                        dist_ctx=self.dist if sharded else None, in_flight=in_flight, generator=abandoned)
+        self.saved_step = self.step
 
     def _restore(self, path: Path) -> list[ProducedBatch]:
         """Loads a checkpoint's state into the learner and the producer; returns its in-flight batches (train.async),
@@ -428,6 +459,7 @@ class Trainer:
         if written is not None and written != self.dist.world_size and self.dist.is_main:  # one line for the job
             log.warning(world_size_change(written, self.dist.world_size))
         saved = load_in_flight(path)
+        self.generator_start = load_generator(path)
         if saved and not self.cfg.train.asynchronous.enabled:
             raise UserError(f"checkpoint {path} holds {len(saved)} batches generated ahead by an asynchronous run "
                             "(train.async.enabled=true); resume it with train.async.enabled=true")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from podsrl.config import Config, TaskConfig, TinyModelConfig, to_dict
+from podsrl.config import Config, EpisodeConfig, TaskConfig, TinyModelConfig, to_dict
 from podsrl.models.loading import build_char_tokenizer, build_tiny_model, load_tiny_at_context, resolve_device
 from podsrl.reporting.tracking import build_progress
 from podsrl.tasks import build_task
@@ -34,6 +34,9 @@ TASK_VERSIONS = {"arithmetic_tool": 1}
 # learned on bare answers (short rows), then warmup.episode_steps on reference episodes teach the calls.
 PLAIN_TASKS = {"arithmetic_tool": "arithmetic"}
 EPISODE_KEYS = ("episode_steps", "episode_batch_size")  # warmup.* read by the episode phase alone
+# episode.* keys newer than arithmetic_tool 1: in its key only when set away from their defaults, so caches stay
+LATER_EPISODE_KEYS = ("env_timeout_s", "timeout_s", "max_hung_calls", "max_parallel_calls", "max_response_chars",
+                      "response_truncate_side", "tool_format")
 
 
 def warmup_task_config(task: TaskConfig) -> TaskConfig:
@@ -50,7 +53,9 @@ def warmup_key(cfg: Config) -> str:
     for key in ("cache_dir", "shipped"):  # where the weights are found, not what they are
         shaping["warmup"].pop(key)
     if cfg.task.name in TASK_VERSIONS:
-        shaping.update(task_version=TASK_VERSIONS[cfg.task.name], episode=to_dict(cfg.episode))
+        episode, defaults = to_dict(cfg.episode), to_dict(EpisodeConfig())
+        shaping.update(task_version=TASK_VERSIONS[cfg.task.name],
+                       episode={k: v for k, v in episode.items() if k not in LATER_EPISODE_KEYS or v != defaults[k]})
     else:
         for key in EPISODE_KEYS:
             shaping["warmup"].pop(key)

@@ -5,8 +5,9 @@
   truncate_left keep the last max_prompt_length tokens (the question's end and the generation prompt survive),
   error         stop with the file and row named.
 
-The limit is checked against the model's context together with `rollout.max_new_tokens` before any generation, so
-a prompt can never make an engine allocate past the model's positions.
+The limit is checked against the model's context together with the completion budget (`rollout.max_new_tokens`, an
+episode task's `episode.max_tokens`) before any generation, so a prompt can never make an engine allocate past the
+model's positions.
 """
 
 from __future__ import annotations
@@ -29,17 +30,19 @@ def model_context(model: Any) -> int | None:
     return int(value) if isinstance(value, int) and value > 0 else None
 
 
-def resolve_limit(max_prompt_length: int, max_new_tokens: int, context: int | None) -> int | None:
+def resolve_limit(max_prompt_length: int, max_new_tokens: int, context: int | None,
+                  budget_key: str = "rollout.max_new_tokens") -> int | None:
     """The prompt-token limit in force: task.max_prompt_length, or (0) whatever the context leaves after the
-    completion. ConfigError when prompt + completion cannot fit the model's context."""
+    completion (`max_new_tokens`, the config key `budget_key`). ConfigError when prompt + completion cannot fit the
+    model's context."""
     if context is None:
         return max_prompt_length or None
     room = context - max_new_tokens
     if room < 1:
-        raise ConfigError(f"rollout.max_new_tokens: {max_new_tokens} leaves no room for a prompt in the model's "
+        raise ConfigError(f"{budget_key}: {max_new_tokens} leaves no room for a prompt in the model's "
                           f"context of {context} tokens (max_position_embeddings)")
     if max_prompt_length > room:
-        raise ConfigError(f"task.max_prompt_length: {max_prompt_length} + rollout.max_new_tokens "
+        raise ConfigError(f"task.max_prompt_length: {max_prompt_length} + {budget_key} "
                           f"{max_new_tokens} exceeds the model's context of {context} tokens; lower one of them")
     return max_prompt_length or room
 
@@ -103,17 +106,17 @@ class PromptLimit:
 
 
 def limit_task_prompts(task: Any, tokenizer: Any, max_prompt_length: int, policy: str, max_new_tokens: int,
-                       context: int | None) -> int | None:
+                       context: int | None, budget_key: str = "rollout.max_new_tokens") -> int | None:
     """Check the limit against the model's context and apply it to the task (tasks with a finite problem list);
     one start-up log line says what was filtered or truncated. Returns the limit in force."""
-    limit = resolve_limit(max_prompt_length, max_new_tokens, context)
+    limit = resolve_limit(max_prompt_length, max_new_tokens, context, budget_key)
     if limit is None or not hasattr(task, "limit_prompts"):
         return limit
     rule = PromptLimit(tokenizer, limit, policy)
     counts = task.limit_prompts(rule)  # {"train": (filtered, truncated), "eval": (filtered, truncated)}
     done = [f"{what} {kind}: {n}" for what, (f, t) in counts.items() for kind, n in (("filtered", f),
                                                                                      ("truncated", t)) if n]
-    source = "task.max_prompt_length" if max_prompt_length else "model context - rollout.max_new_tokens"
+    source = "task.max_prompt_length" if max_prompt_length else f"model context - {budget_key}"
     log.info("prompt length: limit %d tokens (%s), overlong prompts %s%s", limit, source,
              "filter" if policy == "filter" else policy, f"; {', '.join(done)}" if done else "; none overlong")
     return limit

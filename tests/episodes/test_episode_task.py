@@ -57,6 +57,10 @@ def test_scripted_tool_episodes_go_through_the_producer_into_the_update(tmp_path
     assert 0 < float(kept.rewards.mean()) < 1 and bool((kept.advantages != 0).any())
     assert produced.metrics["episode/tool_calls/calculator"] == kept.num_rollouts
     assert produced.metrics["episode/turns"] == 2.0
+    # generated tokens are the model's alone (TRL's count); the tool's answers are the environment's, apart
+    every = produced.generated
+    assert produced.generated_tokens == sum(int(b.loss_mask.sum()) for b in every)
+    assert produced.environment_tokens == sum(int((b.completion_mask - b.loss_mask).sum()) for b in every) > 0
     before = [p.detach().clone() for p in trainer.model.parameters()]
     metrics = trainer.updater.update(kept, torch.Generator().manual_seed(0))
     assert math.isfinite(metrics["loss"])

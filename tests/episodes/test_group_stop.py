@@ -167,9 +167,13 @@ def test_pods_trains_the_max_variance_subset_of_finished_episodes_and_counts_onl
         else:  # ran on: the same batch as without stopping
             assert torch.equal(kept_on, kept_off)
         assert variance(kept_on.tolist()) == pytest.approx(best_subset_variance(group_off.tolist(), 4))
-    # generated tokens: the finished episodes' and the stopped episodes' first turns, nothing more
-    stopped_tokens = on.generated_tokens - int(every_on.completion_lengths().sum())
-    assert 0 < stopped_tokens < int(lengths.sum()) - int(every_on.completion_lengths().sum())
+    # generated tokens: the model's of the finished episodes and of the stopped episodes' first turns, nothing more;
+    # the tools' answers are the environment's tokens, counted apart
+    assert off.generated_tokens == int(every_off.trained_mask.sum())
+    assert off.environment_tokens == int(lengths.sum()) - off.generated_tokens > 0
+    finished = int(every_on.trained_mask.sum())
+    stopped_tokens = on.generated_tokens - finished
+    assert 0 < stopped_tokens < off.generated_tokens - finished
     assert on.generated_tokens < off.generated_tokens and on.generated_rollouts == off.generated_rollouts == 32
     assert on.metrics["episode/trained_turns"] <= off.metrics["episode/trained_turns"]
 

@@ -6,8 +6,11 @@ what `python -m podsrl ...` runs, and exits with its exit code (an uncaught exce
 exits 1, as Python would). The zygote runs nothing but imports before forking, so no thread or lock is inherited.
 Children are ordinary processes: the tests send them SIGKILL / SIGTERM / SIGINT by pid.
 
-Protocol (JSON lines): request {"argv", "env", "cwd", "out", "err", "fsize"} on the zygote's stdin; it answers
-{"pid"} at once and {"exited": pid, "code"} when that child ends (code < 0: killed by signal -code).
+Protocol (JSON lines): request {"argv", "env", "cwd", "out", "err", "fsize", "module", "interpreter_exit"} on the
+zygote's stdin; it answers {"pid"} at once and {"exited": pid, "code"} when that child ends (code < 0: killed by
+signal -code). `module` is run instead of `podsrl` (a test harness around its CLI); with `interpreter_exit` the
+child ends as an interpreter does (waiting for its non-daemon threads, then its atexit functions) rather than at
+once after its atexit functions.
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _child(request: dict) -> None:
-    """Runs in the forked child; never returns."""
+    """Runs in the forked child; never returns (with `interpreter_exit`, raises SystemExit out of the zygote's
+    loop, so the child's interpreter shuts down as any process's does)."""
     code = 1
+    interpreter_exit = bool(request.get("interpreter_exit"))
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -54,7 +59,7 @@ def _child(request: dict) -> None:
 
         sys.argv = ["podsrl", *request["argv"]]
         try:
-            runpy.run_module("podsrl", run_name="__main__", alter_sys=True)
+            runpy.run_module(request.get("module") or "podsrl", run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as e:
             if e.code is None or isinstance(e.code, int):
@@ -65,15 +70,18 @@ def _child(request: dict) -> None:
         except BaseException:  # noqa: BLE001 - what the interpreter would do with an uncaught exception
             sys.excepthook(*sys.exc_info())
             code = 1
-        import atexit
+        if not interpreter_exit:
+            import atexit
 
-        atexit._run_exitfuncs()
+            atexit._run_exitfuncs()
     finally:
         try:
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
-            os._exit(code)
+            if not interpreter_exit:
+                os._exit(code)
+    raise SystemExit(code)
 
 
 def zygote_main() -> None:
@@ -181,11 +189,11 @@ class Launcher:
         return json.loads(line)
 
     def start(self, argv: list[str], env: dict[str, str] | None = None, cwd: Path | None = None,
-              fsize: int | None = None) -> Child:
+              fsize: int | None = None, module: str | None = None, interpreter_exit: bool = False) -> Child:
         self._count += 1
         out, err = self.workdir / f"{self._count}.out", self.workdir / f"{self._count}.err"
         request = {"argv": [str(a) for a in argv], "env": env or {}, "cwd": str(cwd or REPO), "out": str(out),
-                   "err": str(err), "fsize": fsize}
+                   "err": str(err), "fsize": fsize, "module": module, "interpreter_exit": interpreter_exit}
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
         self.proc.stdin.flush()
         while True:

@@ -7,8 +7,9 @@ rollout from the environment's state once the episode is over. TRL generates and
 so the class runs unchanged: a model turn with a tool call runs that method and the episode goes on, a turn without
 one is the answer.
 
-The tools run as podsrl's do (`ToolEnvironment`): each call on its own thread against episode.tool_timeout_s, an
-error answered to the model and counted. Async tool methods and an async `get_reward` are not supported.
+The tools run as podsrl's do (`ToolEnvironment`): the calls of a turn concurrently, each against
+episode.tool_timeout_s, an error answered to the model and counted; `reset` runs under episode.env_timeout_s like
+any environment's. Async tool methods and an async `get_reward` are not supported.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import inspect
 from collections.abc import Callable
 
 from podsrl.batch import Problem
-from podsrl.episodes.environment import ToolEnvironment
+from podsrl.episodes.environment import EnvironmentShapeError, ToolEnvironment
 
 NOT_TOOLS = ("reset", "get_reward")  # TRL's lifecycle methods; every other public method is a tool
 
@@ -42,14 +43,16 @@ class TRLEnvironment(ToolEnvironment):
             raise TypeError(f"{type(env).__name__} has no reset method: a TRL environment defines reset(**row)")
         super().__init__(environment_tools(env), tool_timeout_s)
         self.env = env
+        self.environment_name = type(env).__name__  # what the runner's messages call it: the user's class
 
     def reset(self, problem: Problem) -> list[dict]:
         messages = super().reset(problem)
         observation = self.env.reset(**reset_arguments(problem))
         if observation is not None:
             if not isinstance(observation, str):
-                raise TypeError(f"{type(self.env).__name__}.reset returned a {type(observation).__name__}; "
-                                "podsrl takes None or text")
+                raise EnvironmentShapeError(f"episode: {type(self.env).__name__}.reset returned "
+                                            f"{repr(observation)[:80]} (a {type(observation).__name__}); a TRL "
+                                            "environment's reset returns None or text")
             messages[-1]["content"] += observation
         return messages
 
