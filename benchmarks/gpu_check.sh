@@ -52,11 +52,7 @@ summary=$out/summary.txt
 # shellcheck source=benchmarks/gpu_common.sh
 . benchmarks/gpu_common.sh
 gpu_environment "$summary" "$summary"
-device=cuda
-if [ "$smoke" = 1 ]; then  # a busy CPU: child processes start slowly, so the limits are doubled
-    device=cpu
-    scale=$(awk -v k="$scale" 'BEGIN { print 2 * k }')
-fi
+smoke_settings "$smoke"
 
 # part NAME FILE LIMIT_S CMD...: CMD's output appended to FILE.txt in --out, killed after LIMIT_S x scale seconds;
 # one status line to summary.txt
@@ -140,9 +136,10 @@ summarise() {
 }
 
 update() {
-    local args=(--diagnose cuda)
-    [ "$smoke" = 1 ] && args=(--diagnose cpu --hidden 16 --repeats 1)
-    part update update 90 "$py" benchmarks/update_ops.py "${args[@]}"
+    local cmd=(benchmarks/update_ops.py --diagnose cuda)
+    # the CPU's bfloat16 is slow: the smoke's arms run float32 at one layer (update_diagnosis.py --smoke)
+    [ "$smoke" = 1 ] && cmd=(benchmarks/update_diagnosis.py --device cpu --smoke --hidden 16 --repeats 1 --no-children)
+    part update update 90 "$py" "${cmd[@]}"
 }
 
 train() {

@@ -1,4 +1,4 @@
-# Shared by benchmarks/gpu_check.sh, gpu_suite.sh and gpu_pods_study.sh (sourced, not run).
+# Shared by benchmarks/gpu_check.sh, gpu_suite.sh, gpu_pods_study.sh and gpu_speed.sh (sourced, not run).
 
 # gpu_environment LOG SUMMARY: what every command of the scripts runs with: py (the interpreter, $PYTHON or
 # python3), unbuffered offline Python, the carried wheels (install_wheels), and this checkout first on PYTHONPATH.
@@ -7,6 +7,16 @@ gpu_environment() {
     export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
     install_wheels "$py" "$1" "$2"
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+}
+
+# smoke_settings SMOKE: device (cuda; cpu under --smoke) and, under --smoke, scale doubled: on a busy CPU child
+# processes start slowly
+smoke_settings() {
+    device=cuda
+    if [ "$1" = 1 ]; then
+        device=cpu
+        scale=$(awk -v k="$scale" 'BEGIN { print 2 * k }')
+    fi
 }
 
 # install_wheels PY LOG SUMMARY: wheels carried in .whl/ (benchmarks/gpu_wheels.sh) go to /tmp/site, which joins

@@ -52,20 +52,25 @@ class Tok:
     pad_token_id = PAD
 
 
-def build_model(name: str, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, int, int]:
-    """(model, all parameters, matmul parameters: everything but the embedding lookup, the tied head counted)."""
+def build_model(name: str, device: str, dtype: torch.dtype, eos_bias: float | None = -1e4,
+                positions: int = 1024) -> tuple[torch.nn.Module, int, int]:
+    """(model, all parameters, matmul parameters: everything but the embedding lookup, the tied head counted).
+    `eos_bias` is added to the EOS logit through a head bias (the default: no row stops early, every rollout is
+    max_new_tokens long); None: no head bias."""
     layers, hidden, inter, heads, kv, vocab = MODELS[name]
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=1024,
+                         num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=positions,
                          tie_word_embeddings=True, eos_token_id=EOS, pad_token_id=PAD)
     model = Qwen2ForCausalLM(config)
-    bias = torch.zeros(vocab)
-    bias[EOS] = -1e4  # no row stops early: every rollout is max_new_tokens long
-    model.lm_head.bias = torch.nn.Parameter(bias)
+    if eos_bias is not None:
+        bias = torch.zeros(vocab)
+        bias[EOS] = eos_bias
+        model.lm_head.bias = torch.nn.Parameter(bias)
     model = model.to(device=device, dtype=dtype).eval()
     total = sum(p.numel() for p in model.parameters())
-    return model, total, total - vocab  # the head's matmul reuses the embedding matrix; minus its bias
+    # the head's matmul reuses the embedding matrix; less its bias
+    return model, total, total - (vocab if eos_bias is not None else 0)
 
 
 def matmul_peak(device: str, dtype: torch.dtype, size: int, repeats: int = 5) -> float:

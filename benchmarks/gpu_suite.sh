@@ -34,11 +34,7 @@ summary=$out/summary.txt
 # shellcheck source=benchmarks/gpu_common.sh
 . benchmarks/gpu_common.sh
 gpu_environment "$summary" "$summary"
-device=cuda
-if [ "$smoke" = 1 ]; then  # a busy CPU: child processes start slowly, so the limits are doubled
-    device=cpu
-    scale=$(awk -v k="$scale" 'BEGIN { print 2 * k }')
-fi
+smoke_settings "$smoke"
 
 # part NAME LIMIT_S FILE CMD...: CMD's output to FILE (emptied at its first part of this suite run, appended to
 # after), killed after LIMIT_S x scale; a status line to summary

@@ -9,17 +9,22 @@ defaults, among them GRPOConfig's gradient_checkpointing=True (a recomputed forw
 does not do; measured ~1.1x of TRL's step here), printed beside its times.
 
 `--model 10m` runs part 1 on a ~10M-parameter model of the same family instead of the built-in one. `--workload
-gsm8k` runs it on the GSM8K-shaped workload instead (benchmarks/gsm8k_shape.py: a random-init ~13M-parameter Qwen2
-with a 32k vocabulary, saved as a local model directory with a jsonl of 200-token prompts and a reward file, as a
-user brings them; one prompt x n = 16, up to 400 new tokens: the untrained model reaches the cap in every row, so
-podsrl's finished-row compaction gains nothing here). Part 1 also prints the ratio of the two frameworks' matmul
-work (`work_ratios`): what the full-step ratio would be if both ran at the same FLOP rate with no other cost.
+gsm8k` runs it on the GSM8K-shaped workload instead (benchmarks/gsm8k_shape.py: a random-init Qwen2, by default of
+~13M parameters with a 32k vocabulary, `--shape 0.5b` Qwen2.5-0.5B's, saved as a local model directory with a jsonl
+of 200-token prompts and a reward file, as a user brings them; one prompt x n = 16, up to `--new-tokens` (400) new
+tokens: the untrained model reaches the cap in every row, so podsrl's finished-row compaction gains nothing here).
+Part 1 also prints the ratio of the two frameworks' matmul work (`work_ratios`): what the full-step ratio would be if
+both ran at the same FLOP rate with no other cost; and the CUDA-graph captures each podsrl step made (0 on a CPU).
+On CUDA TRL runs with its GRPOConfig's own bf16 default (autocast over float32 weights, as podsrl's `auto`); on the CPU
+both compute in float32. `--json FILE` writes the GSM8K-shaped comparison's figures (benchmarks/speed_results.py).
 
 Part 2 (the built-in task with the warmed-up model, as `podsrl train` runs it): PODS 64->16 vs GRPO 16-16 steps,
 alternating, with their split into generate/score/select/update (target: ratio <= 1.3).
 
     python benchmarks/step_throughput.py [--repeats 5] [--threads 1] [--skip-trl] [--skip-task]
                                          [--trl-no-checkpointing] [--model tiny|10m] [--workload gsm8k]
+                                         [--shape 13m|0.5b] [--new-tokens 400] [--json FILE]
+    python benchmarks/step_throughput.py --workload gsm8k --skip-task --repeats 5    # the CPU's check against TRL
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.speed_results import CaptureCounter, Results  # noqa: E402
 from podsrl.config import TinyModelConfig, load_config  # noqa: E402
 from podsrl.models.loading import build_char_tokenizer, build_tiny_model  # noqa: E402
 from podsrl.run.trainer import Trainer  # noqa: E402
@@ -168,14 +174,15 @@ def part1_gsm8k(opts) -> None:
     from gsm8k_shape import PROMPT_TOKENS, write_workload
     from trl_step import build_trainer
 
-    new_tokens = 400
-    paths = write_workload(Path(tempfile.mkdtemp(prefix="gsm8k_shape_")))
+    new_tokens = opts.new_tokens
+    paths = write_workload(Path(tempfile.mkdtemp(prefix="gsm8k_shape_")), shape=opts.shape)
     spec = importlib.util.spec_from_file_location("gsm8k_reward", paths["reward"])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     model = AutoModelForCausalLM.from_pretrained(paths["model"])
     print(f"== podsrl vs TRL GRPOTrainer: GSM8K-shaped workload, untrained Qwen2 ({model.num_parameters() / 1e6:.1f}M "
-          f"parameters, 32k vocabulary), one {PROMPT_TOKENS}-token prompt x n = 16, {new_tokens} new tokens max, "
+          f"parameters, {opts.shape} shape, {model.config.vocab_size}-token vocabulary), one {PROMPT_TOKENS}-token "
+          f"prompt x n = 16, {new_tokens} new tokens max, "
           f"beta = 0, lr 1e-4; {opts.repeats} alternating steps each after one untimed; median (min-max) seconds")
     task = (f"{{path: {paths['data']}, prompt_column: prompt, answer_column: answer, answer_format: raw, "
             f"prompt_mode: plain}}")
@@ -191,22 +198,47 @@ def part1_gsm8k(opts) -> None:
                                    tokenizer=AutoTokenizer.from_pretrained(paths["model"]),
                                    reward_funcs=module.word_reward)
     prompt_len = max(len(trl.processing_class(row["prompt"]).input_ids) for row in rows)
-    against_trl(f"1 prompt x 16 rollouts/step (prompts of up to {prompt_len} tokens)", ours, trl, gen_times,
-                prompt_len, new_tokens)
+    results = Results(opts.json, "RL step against TRL") if opts.json else None
+    if results:
+        results.put("setup", {"workload": "gsm8k", "shape": opts.shape, "parameters": model.num_parameters(),
+                              "vocabulary": model.config.vocab_size, "prompt_tokens": prompt_len, "n": 16,
+                              "new_tokens": new_tokens, "rounds": opts.repeats,
+                              "trl_gradient_checkpointing": trl.args.gradient_checkpointing,
+                              "trl_bf16": bool(trl.args.bf16)})
+    figures = against_trl(f"1 prompt x 16 rollouts/step (prompts of up to {prompt_len} tokens)", ours, trl, gen_times,
+                          prompt_len, new_tokens)
+    if results:
+        results.put("comparison", figures)
+        ratio = figures["ratio_median"]
+        results.summary(f"GSM8K-shaped step at {opts.shape}, n = 16, {new_tokens} tokens, {opts.repeats} alternating "
+                        f"rounds: podsrl {statistics.median(figures['podsrl']['time/step']):.3f} s, TRL "
+                        f"{statistics.median(figures['trl_step_s']):.3f} s a step: TRL/podsrl {ratio:.2f}x "
+                        f"({min(figures['ratios']):.2f}-{max(figures['ratios']):.2f}x)")
+        results.target("RL step, TRL / podsrl", ratio if opts.shape == "0.5b" else None)
 
 
-def against_trl(label: str, ours: Trainer, trl, gen_times: list[float], prompt_len: int, new_tokens: int) -> None:
+def against_trl(label: str, ours: Trainer, trl, gen_times: list[float], prompt_len: int, new_tokens: int) -> dict:
     """Runs TRL's steps with one podsrl step after each (the first of each untimed) and prints both and their
-    ratios; closes podsrl's trainer."""
+    ratios, and the CUDA-graph captures each podsrl step made; closes podsrl's trainer. Returns the figures."""
     from transformers import TrainerCallback
 
     batches = recorded_batches(ours)
     alternate = alternating_callback(TrainerCallback, ours)
     trl.add_callback(alternate)
-    trl.train()
+    with CaptureCounter() as captures:
+        step = ours.train_step
+
+        def counted_step():
+            before = captures.count
+            record = step()
+            record.metrics["captures"], record.metrics["capture_s"] = captures.since(before)
+            return record
+
+        ours.train_step = counted_step
+        trl.train()
     close(ours)
     records, trl_steps, gen_times = alternate.records[1:], alternate.trl_steps[1:], gen_times[1:]
-    p = {k: [r[k] for r in records] for k in STEP_KEYS}
+    p = {k: [r[k] for r in records] for k in (*STEP_KEYS, "captures", "capture_s")}
     ratios = [t / s for t, s in zip(trl_steps, p["time/step"])]
     trl_update = [t - g for t, g in zip(trl_steps, gen_times)]
     print(label)
@@ -219,10 +251,14 @@ def against_trl(label: str, ours: Trainer, trl, gen_times: list[float], prompt_l
           f"update {statistics.median(trl_update) / statistics.median(p['time/update']):.2f}x "
           f"(TRL's 'rest' = step minus generation: scoring, advantages, loss, backward, optimiser)")
     works = [work_ratios(b, prompt_len, new_tokens, trl.args.gradient_checkpointing) for b in batches[1:]]
-    gen, upd, step = (statistics.median(w[i] for w in works) for i in range(3))
+    gen, upd, step_work = (statistics.median(w[i] for w in works) for i in range(3))
     print(f"  matmul work TRL/podsrl (tokens x FLOPs per parameter, see work_ratios), median: generation "
-          f"{gen:.2f}x, update {upd:.2f}x, full step {step:.2f}x (the step ratio if both ran their matmuls at "
+          f"{gen:.2f}x, update {upd:.2f}x, full step {step_work:.2f}x (the step ratio if both ran their matmuls at "
           f"the same rate and had no other cost)")
+    print(f"  podsrl's CUDA-graph captures per step: {p['captures']} ({med(p['capture_s'])} s in them)")
+    return {"podsrl": p, "trl_step_s": trl_steps, "trl_generate_s": gen_times, "trl_rest_s": trl_update,
+            "ratios": ratios, "ratio_median": statistics.median(ratios),
+            "work_ratios": {"generation": gen, "update": upd, "step": step_work}}
 
 
 def part2(opts) -> None:
@@ -257,6 +293,10 @@ def main() -> None:
                         help="model of the TRL comparison: the built-in one or a ~10M-parameter one")
     parser.add_argument("--workload", choices=["tiny", "gsm8k"], default="tiny",
                         help="gsm8k: part 1 on the GSM8K-shaped workload (benchmarks/gsm8k_shape.py) instead")
+    parser.add_argument("--shape", choices=["13m", "0.5b", "tiny"], default="13m",
+                        help="the GSM8K-shaped workload's model (benchmarks/gsm8k_shape.py SHAPES)")
+    parser.add_argument("--new-tokens", type=int, default=400, help="the GSM8K-shaped workload's completion cap")
+    parser.add_argument("--json", help="the GSM8K-shaped comparison's result file")
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)

@@ -65,9 +65,11 @@ def build_trainer(name: str, n: int, m: int | None, opts, dataset: Dataset, mode
     common = {
         "output_dir": tempfile.mkdtemp(prefix=f"trl_step_{name}_"), "per_device_train_batch_size": opts.prompts * n,
         "num_generations": n, "max_completion_length": opts.max_new_tokens, "max_steps": opts.warmup + opts.steps,
-        "learning_rate": 1e-4, "report_to": "none", "bf16": False, "save_strategy": "no", "logging_steps": 10**6,
+        "learning_rate": 1e-4, "report_to": "none", "save_strategy": "no", "logging_steps": 10**6,
         "seed": 0, "use_cpu": not torch.cuda.is_available(), "disable_tqdm": True,
     }
+    if not torch.cuda.is_available():  # float32 on the CPU, as podsrl computes there; on CUDA TRL's bf16 default
+        common["bf16"] = False
     if getattr(opts, "trl_no_checkpointing", False):  # TRL's GRPOConfig turns it on by default
         common["gradient_checkpointing"] = False
     if m is None:

@@ -21,11 +21,9 @@ REV (extracted to a temporary directory) in child processes, the two arms interl
     python benchmarks/update_ops.py [--hidden 64] [--repeats 5] [--baseline REV]
     python benchmarks/update_ops.py --diagnose cuda [--repeats 5]
 
-`--diagnose DEVICE` is for a GPU: it times the update (at the study's width, 512) in four interleaved arms that
-separate what the CPU count cannot see: a fresh batch each update as in training (new shapes every time), the same
-batch again (shapes seen before), fresh batches with cuDNN's attention backend off, and a fresh batch after a
-generation of the step's 2,048 rollouts and the engine's release (as the trainer runs it); with the CUDA
-allocator's retries and cudaMalloc/cudaFree calls during each arm's updates.
+`--diagnose DEVICE` runs benchmarks/update_diagnosis.py's arms on DEVICE (for a GPU: the update at the study's width
+in arms that separate per-shape set-up, cuDNN attention, the engine's release and precision, and a profile of one
+update; benchmarks/gpu_speed.sh runs the whole diagnosis, its fresh processes too).
 """
 
 from __future__ import annotations
@@ -51,15 +49,16 @@ from benchmarks.device_ops import DeviceOps  # noqa: E402
 from benchmarks.timing import Spread, machine_line  # noqa: E402
 
 CONFIG = ROOT / "configs/gpu_pods_study.yaml"
-PROMPTS, KEPT = 32, 16  # PODS 64 -> 16 over 32 prompts
 PHASES = ("plan", "forward", "backward", "loss and metrics", "clip", "optimiser", "weight sync")
 
 
 class Study:
-    """The study's update at width `hidden` on `device`: its updater, the fast engine over the policy, and batches
-    (`batch(seed)`: the task's problems seed x 32 on, 16 completions each)."""
+    """The study's update at width `hidden` on `device` (autocast to `compute` over float32 masters): its updater,
+    the fast engine over the policy, and batches (`batch(seed)`: the task's problems seed x P on, P the config's
+    rollout.prompts_per_step (32), pods.m (16) completions each); `overrides` go to the study's config last."""
 
-    def __init__(self, hidden: int, device: str = "cpu", seed: int = 0) -> None:
+    def __init__(self, hidden: int, device: str = "cpu", seed: int = 0, compute: str = "bfloat16",
+                 overrides: tuple[str, ...] = ()) -> None:
         from podsrl.build import rollout_engine
         from podsrl.config import load_config
         from podsrl.config.facts import run_facts
@@ -69,9 +68,9 @@ class Study:
         from podsrl.update import PolicyUpdater
         from podsrl.update.optimizer import build_optimizer
 
-        self.cfg = cfg = load_config(CONFIG, [f"model.device={device}", "model.compute_dtype=bfloat16",
+        self.cfg = cfg = load_config(CONFIG, [f"model.device={device}", f"model.compute_dtype={compute}",
                                               f"model.tiny.hidden_size={hidden}",
-                                              f"model.tiny.intermediate_size={3 * hidden}"])
+                                              f"model.tiny.intermediate_size={3 * hidden}", *overrides])
         self.tokenizer = build_char_tokenizer()
         model = build_tiny_model(cfg.model.tiny, self.tokenizer, seed=seed).to(device)
         optimizer, scheduler = build_optimizer(cfg, model, sharded=False)
@@ -81,20 +80,22 @@ class Study:
         self.task = build_task(cfg.task, self.tokenizer)
 
     def prompts(self, seed: int) -> list[list[int]]:
-        return [self.tokenizer(self.task.problem(seed * PROMPTS + i).prompt)["input_ids"] for i in range(PROMPTS)]
+        prompts = self.cfg.rollout.prompts_per_step
+        return [self.tokenizer(self.task.problem(seed * prompts + i).prompt)["input_ids"] for i in range(prompts)]
 
     def batch(self, seed: int):
         from podsrl.batch import Problem, RolloutBatch
 
         tokenizer, prompts, gen = self.tokenizer, self.prompts(seed), torch.Generator().manual_seed(seed)
         symbols = tokenizer.convert_tokens_to_ids(list("0123456789+=,;"))
-        rows, width, longest = PROMPTS * KEPT, self.cfg.rollout.max_new_tokens, max(map(len, prompts))
+        groups, kept = len(prompts), self.cfg.pods.m  # PODS n -> m: m rows trained per prompt
+        rows, width, longest = groups * kept, self.cfg.rollout.max_new_tokens, max(map(len, prompts))
         prompt_ids = torch.full((rows, longest), tokenizer.pad_token_id)
         prompt_mask = torch.zeros(rows, longest, dtype=torch.long)
         completion_ids = torch.full((rows, width), tokenizer.pad_token_id)
         completion_mask = torch.zeros(rows, width)
         for r in range(rows):
-            p = prompts[r // KEPT]
+            p = prompts[r // kept]
             prompt_ids[r, longest - len(p):] = torch.tensor(p)
             prompt_mask[r, longest - len(p):] = 1
             length = int(torch.randint(10, 36, (1,), generator=gen))
@@ -102,8 +103,8 @@ class Study:
             completion_ids[r, :length + 1] = torch.cat([tokens, torch.tensor([tokenizer.eos_token_id])])
             completion_mask[r, :length + 1] = 1
         batch = RolloutBatch(
-            problems=[Problem(uid=str(i), prompt="", answer="") for i in range(PROMPTS)],
-            group_index=torch.arange(PROMPTS).repeat_interleave(KEPT), prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+            problems=[Problem(uid=str(i), prompt="", answer="") for i in range(groups)],
+            group_index=torch.arange(groups).repeat_interleave(kept), prompt_ids=prompt_ids, prompt_mask=prompt_mask,
             completion_ids=completion_ids, completion_mask=completion_mask,
             truncated=torch.zeros(rows, dtype=torch.bool), advantages=torch.randn(rows, generator=gen),
             sampler_logprobs=-torch.rand(rows, width, generator=gen) * completion_mask)
@@ -116,13 +117,14 @@ class Study:
         self.engine.sync_weights(self.updater.model)
 
     def generate(self, seed: int) -> None:
-        """A step's generation before its update, as the trainer runs it: 64 rollouts of each of the 32 prompts,
+        """A step's generation before its update, as the trainer runs it: rollout.n (64) rollouts of each prompt,
         then the engine's release of its state (and CUDA graphs)."""
         from podsrl.engines.base import SamplingParams
 
         params = SamplingParams(max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=1.0)
-        self.engine.generate(self.prompts(seed), [self.cfg.rollout.n] * PROMPTS, params,
-                             torch.arange(PROMPTS * self.cfg.rollout.n) + seed * 10_000)
+        prompts = self.cfg.rollout.prompts_per_step
+        self.engine.generate(self.prompts(seed), [self.cfg.rollout.n] * prompts, params,
+                             torch.arange(prompts * self.cfg.rollout.n) + seed * 10_000)
         self.engine.release()
 
 
@@ -200,55 +202,6 @@ def arm(hidden: int, repeats: int, with_counts: bool) -> dict:
     return result
 
 
-# the GPU's diagnosis: what the CPU count cannot show (docs/results.md, "The update's launch and sync count")
-DIAGNOSIS_ARMS = {
-    "fresh batch (as training)": dict(same_batch=False, generate=False, cudnn=True),
-    "the same batch again": dict(same_batch=True, generate=False, cudnn=True),
-    "fresh batch, cuDNN attention off": dict(same_batch=False, generate=False, cudnn=False),
-    "fresh batch after generation + release": dict(same_batch=False, generate=True, cudnn=True),
-}
-ALLOCATOR_STATS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
-
-
-def diagnosis(hidden: int, repeats: int, device: str) -> None:
-    """Update times on `device` per arm (interleaved, `repeats` rounds after one untimed), with the allocator's
-    retries and cudaMalloc/cudaFree calls during each arm's timed updates (CUDA)."""
-    study = Study(hidden, device)
-    cuda = device.startswith("cuda")
-    times: dict[str, list[float]] = {k: [] for k in DIAGNOSIS_ARMS}
-    allocator: dict[str, dict[str, int]] = {k: dict.fromkeys(ALLOCATOR_STATS, 0) for k in DIAGNOSIS_ARMS}
-    same = study.batch(0)
-    names = list(DIAGNOSIS_ARMS)
-    for r in range(repeats + 1):
-        for i, name in enumerate(names[r % len(names):] + names[: r % len(names)]):
-            arm_ = DIAGNOSIS_ARMS[name]
-            seed = 1 + r * len(names) + i
-            batch = same if arm_["same_batch"] else study.batch(seed)
-            if arm_["generate"]:
-                study.generate(seed)
-            if cuda:
-                torch.backends.cuda.enable_cudnn_sdp(arm_["cudnn"])
-                torch.cuda.synchronize()
-                before = torch.cuda.memory_stats()
-            t0 = time.perf_counter()
-            study.update(batch, seed)
-            if cuda:
-                torch.cuda.synchronize()
-            if r > 0:
-                times[name].append(time.perf_counter() - t0)
-                if cuda:
-                    after = torch.cuda.memory_stats()
-                    for k in ALLOCATOR_STATS:
-                        allocator[name][k] += after.get(k, 0) - before.get(k, 0)
-    if cuda:
-        torch.backends.cuda.enable_cudnn_sdp(True)
-    print(f"\n== the update on {device} at width {hidden}, {repeats} interleaved rounds (time/update's work: update, "
-          "zero_grad, weight sync)")
-    for name in names:
-        stats = ", ".join(f"{k} {v}" for k, v in allocator[name].items()) if cuda else ""
-        print(f"  {name:<42}{Spread.of(times[name]).text(digits=3, unit=' s')}  {stats}")
-
-
 def child(source: Path, hidden: int, repeats: int, with_counts: bool) -> dict:
     """One arm in a fresh process, with podsrl from `source`."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -283,8 +236,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--baseline", help="a git revision to compare with (its podsrl, interleaved arms)")
     parser.add_argument("--diagnose", metavar="DEVICE",
-                        help="time the update on DEVICE (cuda: the study's width 512 unless --hidden) in the arms that "
-                             "separate what the count cannot: shape reuse, cuDNN attention, generation before it")
+                        help="benchmarks/update_diagnosis.py on DEVICE (cuda: the study's width 512 unless --hidden): "
+                             "the arms that separate what the count cannot (shape reuse, cuDNN attention, the "
+                             "engine's release, precision)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--source", help=argparse.SUPPRESS)
     opts = parser.parse_args()
@@ -294,11 +248,13 @@ def main() -> None:
         sys.path.insert(0, opts.source)  # this arm's podsrl, before any is imported
         print(json.dumps(arm(opts.hidden, opts.repeats, opts.child == "1")))
         return
-    print(machine_line(device=opts.diagnose or "cpu"))
     if opts.diagnose:
-        diagnosis(opts.hidden if opts.hidden_given else 512 if opts.diagnose.startswith("cuda") else opts.hidden,
-                  opts.repeats, opts.diagnose)
+        from benchmarks.update_diagnosis import main as diagnose
+
+        hidden = opts.hidden if opts.hidden_given or not opts.diagnose.startswith("cuda") else 512
+        diagnose(["--device", opts.diagnose, "--hidden", str(hidden), "--repeats", str(opts.repeats), "--no-children"])
         return
+    print(machine_line())
     if opts.baseline is None:
         res = arm(opts.hidden, opts.repeats, True)
         report("this tree", res)
