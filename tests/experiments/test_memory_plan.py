@@ -29,14 +29,16 @@ def qwen2(hidden=64, layers=2, heads=4, kv_heads=2, vocab=500) -> Qwen2Config:
 
 
 def saved_bytes(config: Qwen2Config, prompts: int, m: int, prompt_length: int, completion_length: int,
-                compute: str = "float32", lora_targets: tuple[str, ...] = ()) -> int:
+                compute: str = "float32", lora_targets: tuple[str, ...] = (), weights: str = "float32",
+                checkpointing: bool = False) -> int:
     """Bytes of the distinct floating-point tensors (parameters excepted) the real shared-prompt forward saves for its
-    backward, under autocast to `compute` as the updater runs it (float32 masters), with LoRA of rank 4 on
-    `lora_targets`. Index and mask tensors are left out, as the formula leaves them out: they are views of the
+    backward, under autocast to `compute` as the updater runs it over float32 masters, with LoRA of rank 4 on
+    `lora_targets`; with `weights="bfloat16"` the parameters are bfloat16, as FSDP2 gathers them, and nothing is
+    autocast; with `checkpointing`, per decoder layer (update.activation_checkpointing). Index and mask tensors are left out, as the formula leaves them out: they are views of the
     micro-batch's plan, one packed buffer per dtype (podsrl/models/transfer.py) that lives through the micro-batch
     whether or not autograd keeps a view of it."""
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
+    model = Qwen2ForCausalLM(config).to(getattr(torch, weights))
     if lora_targets:
         from podsrl.lora import apply_lora
 
@@ -58,9 +60,10 @@ def saved_bytes(config: Qwen2Config, prompts: int, m: int, prompt_length: int, c
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute == "bfloat16")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute == "bfloat16" and weights == "float32")
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        SharedPromptForward(model, 1024)(batch, torch.arange(rows), completion_length, torch.device("cpu"), 1.0)
+        SharedPromptForward(model, 1024, checkpointing)(batch, torch.arange(rows), completion_length,
+                                                        torch.device("cpu"), 1.0)
     return sum(storages.values())
 
 
@@ -307,12 +310,14 @@ def test_ddp_and_fsdp_terms_per_rank_by_hand():
     assert upd["gradients"] == state["gradients"] == -(-shape.params * 4 // 8)
     assert upd["gathered"] == (shape.root_params + 2 * shape.layer_params) * 2 + shape.layer_params * 4
     gen = mp.generation_peak(shape, fsdp)
-    assert gen["engine_weights"] == shape.params * 2 and gen["fused_weights"] == 28 * shape.fused_weights * 2
+    # the generation copy's projections are views of the fused tensors (podsrl/fsdp.py): no fused copies
+    assert gen["engine_weights"] == shape.params * 2 and gen["fused_weights"] == 0
     assert "gathered" not in gen
     offload = pods_work(["train.strategy=fsdp", "train.cpu_offload=true"], world_size=8)
     assert not any(mp.model_state(shape, offload).values())
-    host = mp.host_memory(shape, offload)
-    assert host == {"load": shape.params * 4, "offloaded_state": sum(state.values())}
+    host = mp.host_memory(shape, offload)  # rank 0 reads one tensor at a time: the head, as stored and in float32
+    assert host == {"load": 152064 * 3584 * (4 + 4), "offloaded_state": sum(state.values())}
+    assert mp.host_memory(shape, ddp)["load"] == shape.params * 4  # the whole model, then moved
     single = pods_work(["train.strategy=fsdp"], world_size=1)
     assert mp.make_plan(shape, single, 80 * 2**30).update == mp.make_plan(shape, one, 80 * 2**30).update
 
@@ -434,3 +439,74 @@ def test_an_episode_task_is_planned_with_its_whole_episode_and_the_sessions_cach
     assert main(["plan", "arithmetic_tool", "--memory", "--gpu-memory", "8GiB"]) == 0
     assert f"episode {cfg.episode.max_tokens} tokens" in capsys.readouterr().out
 
+
+
+# ---- start-up, activations in the dtype FSDP2 keeps them in, checkpoint size ----
+
+
+def test_start_up_by_hand_for_the_7b_fsdp_recipe_with_a_reference():
+    """Qwen2.5-7B, float32 masters, bfloat16 compute, FSDP2 over 8, algo.beta=0.001: rank 0 ends start-up with the
+    policy's and the reference's shards and the whole bfloat16 generation copy; on top, the larger of the load's one
+    float32 tensor (the [V, D] head, less than the copy it precedes) and the copy's fill (the head gathered and its
+    shard in bfloat16). DDP adds nothing on top of the whole model, the reference and the engine's copy."""
+    from podsrl.planning import startup
+
+    config = Qwen2Config(**QWEN_7B, dtype="bfloat16")
+    shape = mw.model_shape(config)
+    assert shape.stored_dtype == "bfloat16" and startup.largest_tensor(shape) == (152064, 3584)
+    fsdp = pods_work(["train.strategy=fsdp", "algo.beta=0.001"], world_size=8)
+    terms = mp.startup_terms(shape, fsdp)
+    shard = -(-shape.params * 4 // 8)
+    head = 152064 * 3584
+    assert terms == {"weights": shard, "reference": shard, "engine_weights": shape.params * 2,
+                     "generator_weights": 0, "transient": (head + head // 8) * 2}
+    assert sum(terms.values()) / 2**30 == pytest.approx(22.42, abs=0.01)
+    assert mp.host_memory(shape, fsdp)["load"] == head * (2 + 4)  # read as bfloat16, cast to float32
+    plan = mp.make_plan(shape, fsdp, 80 * 2**30)
+    assert plan.fits and plan.startup == terms and plan.micro_batch[True] >= 32
+    ddp = mp.startup_terms(mw.model_shape(Qwen2Config(**QWEN_1_5B)), pods_work(["algo.beta=0.001"], world_size=8))
+    assert ddp["transient"] == 0 and ddp["reference"] == ddp["weights"] == 2 * ddp["engine_weights"]
+    cpu = dataclasses.replace(fsdp, device="cpu")  # host memory is the device's: the head as read, in bfloat16 too
+    assert startup.startup_peak(shape, cpu, {"engine_weights": 0})["transient"] == head * (4 + 2)
+
+
+def test_fsdp_activations_are_counted_in_the_compute_dtype_they_are_kept_in():
+    """Under FSDP2 the parameters are gathered in the compute dtype (its mixed-precision policy) and the forward runs
+    in it without autocast: the saved floating-point storages of the real shared-prompt forward of a model whose
+    parameters are bfloat16, as FSDP2 presents them, match the plan's count for float32 masters under FSDP2, within
+    the same 1.5%, and with activation checkpointing within 2.5%, where the checkpointed residual stream (each
+    layer's input) is bfloat16: half what the float32 stream of the unsharded count keeps."""
+    config, prompts, m, lp, lc = qwen2(hidden=128, layers=3), 3, 5, 20, 30
+    shape = mw.model_shape(config)
+    work = mw.Workload(prompts, m, m, lp, lc, compute_dtype="bfloat16", device="cpu", strategy="fsdp",
+                       world_size=2)
+    mb = mp.MicroBatch.of(prompts * m, m, work)
+    predicted = sum(mp.activations(shape, mb, work, checkpointing=False).values())
+    assert predicted == pytest.approx(saved_bytes(config, prompts, m, lp, lc, weights="bfloat16"), rel=0.015)
+    checkpointed = mp.activations(shape, mb, work, checkpointing=True)
+    measured = saved_bytes(config, prompts, m, lp, lc, weights="bfloat16", checkpointing=True)
+    assert sum(checkpointed.values()) == pytest.approx(measured, rel=0.025)
+    assert checkpointed["layers"] == 3 * mb.tokens * 128 * 2  # each layer's input, in bfloat16
+    unsharded = mp.activations(shape, mb, dataclasses.replace(work, world_size=1), checkpointing=True)
+    assert unsharded["layers"] == 2 * checkpointed["layers"]
+
+
+def test_checkpoint_size_by_hand_and_on_the_plans_last_line(tmp_path, capsys):
+    """A 7B FSDP2 checkpoint: sharded/ holds the float32 masters and AdamW's two moments (12 bytes a parameter),
+    model/ the bfloat16 generation copy (2 bytes): ~107 GB, printed with what keep_checkpoints needs on disk."""
+    from podsrl.planning import startup
+
+    shape = mw.model_shape(Qwen2Config(**QWEN_7B))
+    size = startup.planned_checkpoint(shape, pods_work(["train.strategy=fsdp"], world_size=8))
+    assert size == {"model": shape.params * 2, "training_state": shape.params * 12}
+    assert sum(size.values()) / 1e9 == pytest.approx(106.6, abs=0.1)
+    ddp = startup.planned_checkpoint(shape, pods_work(world_size=8))
+    assert ddp == {"model": shape.params * 4, "training_state": shape.params * 8}
+    lora = startup.planned_checkpoint(mw.model_shape(Qwen2Config(**QWEN_7B), 64, mw.LINEAR_MODULES), pods_work())
+    assert lora["model"] < 1e9 and lora["training_state"] == 2 * lora["model"]  # the float32 adapter, its moments
+    (tmp_path / "config.json").write_text(Qwen2Config(**QWEN_7B).to_json_string())
+    assert main(["plan", "pods", "train.strategy=fsdp", "train.keep_checkpoints=3", "--memory", "--gpu-memory",
+                 "80GiB", "--world-size", "8", "--model", str(tmp_path), "--prompt-length", "256"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == ("checkpoints: 99.3 GiB a save (model/ 14.2 GiB, sharded/ (master weights and AdamW state) "
+                    "85.1 GiB); train.keep_checkpoints=3 keeps 3, 4 on disk while the next is written: 397.2 GiB")
