@@ -1,7 +1,8 @@
 """The memory model behind `podsrl plan --memory`: the predicted peak memory of a step's generation and of its update,
 from the model's config alone (built on the meta device, no weights), and the largest micro-batch that fits a device.
 What it plans for (the model's shape, the step's workload) is podsrl/planning/workload.py; its table and command
-line are podsrl/planning/memory_report.py.
+line are podsrl/planning/memory_report.py; what a run holds before its first step (the start-up row, rank 0's host
+memory) and each checkpoint's size are podsrl/planning/startup.py.
 
 Every term is bytes = count x element size, the count read off the code that allocates it (each function's
 docstring names that code); all rows are taken at the full prompt and completion lengths (the worst case a step can
