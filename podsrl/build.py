@@ -14,6 +14,7 @@ from podsrl.distributed import DistContext
 from podsrl.engines import RolloutEngine, build_engine
 from podsrl.models.precision import resolve_compute_dtype
 from podsrl.models.rank_loading import load_policy_on_ranks
+from podsrl.models.sharded_loading import load_sharded
 from podsrl.rewards import RewardManager, build_reward_manager
 from podsrl.tasks import build_task
 from podsrl.tasks.base import Task
@@ -23,13 +24,24 @@ Verify = Callable[..., torch.Tensor]  # (problems, group_index, completions, env
 
 
 def load_model(cfg: Config, weights: str | Path | None, base: str | None, trainable: bool,
-               ctx: DistContext | None = None):
+               ctx: DistContext | None = None, shard: Callable[[torch.nn.Module], None] | None = None):
     """(model, tokenizer). `weights` is a saved model directory: full weights, or a LoRA adapter when
     model.lora_rank > 0 (the adapter goes on top of `base`); None starts from `base` (a fresh adapter if
-    `trainable` with LoRA). Under torchrun (`ctx`) rank 0 alone reads the model's weights: load_policy_on_ranks."""
+    `trainable` with LoRA). Under torchrun (`ctx`) rank 0 alone reads the model's weights: load_policy_on_ranks;
+    with `shard` (FSDP2) each rank receives only its shards: sharded_loading.load_sharded."""
     m = cfg.model
     adapter = weights is not None and (Path(weights) / "adapter_config.json").is_file()
-    if m.lora_rank > 0 and (trainable or adapter):  # base weights frozen; the adapter alone trains and is saved
+    lora = m.lora_rank > 0 and (trainable or adapter)
+    if shard is not None and ctx is not None and ctx.enabled:
+        adapt = None
+        if lora:  # the other ranks wrap the architecture as rank 0's load does; the adapters' values are rank 0's
+            from podsrl.lora import apply_lora
+
+            def adapt(model):
+                return apply_lora(model, m.lora_rank, m.lora_alpha, m.lora_dropout, m.lora_target_modules)
+        return load_sharded(m, ctx, shard, str(weights) if weights is not None else base,
+                            lambda: load_model(cfg, weights, base, trainable), adapt)
+    if lora:  # base weights frozen; the adapter alone trains and is saved
         from podsrl.lora import apply_lora, load_adapter
 
         model, tokenizer = load_policy_on_ranks(m, base, cfg.seed, ctx)

@@ -17,9 +17,14 @@ update's data-parallel object changes, behind the same interface as `DataParalle
   collectives with zero loss and zero gradient. Nothing else in the update is collective per micro-batch.
 - Clipping: `clip_grad_norm_` over the sharded (DTensor) gradients returns the global norm.
 - Generation: engines never see the sharded module. Each rank keeps one plain copy of the policy in the compute
-  dtype (the generation model); after each update the trainable parameters are gathered into it once, one
-  all-gather per parameter. In-process engines generate with it, the Ray pool puts it once into the object store,
-  vLLM loads from it. Checkpoints save it as the transformers-loadable `model/` and the sharded state beside it.
+  dtype (the generation model), allocated in that dtype and filled from the shards one gathered parameter at a time
+  (never a whole copy in the master dtype); after each update the trainable parameters are gathered into it once.
+  In-process engines generate with it, its q/k/v and gate/up projections views of the fused tensors the decode loop
+  reads (no second copy of them); the Ray pool puts it once into the object store, vLLM loads from it. Checkpoints
+  save it as the transformers-loadable `model/` and the sharded state beside it.
+- Start-up: `Sharding.shard` takes modules built on the meta device (podsrl/models/sharded_loading.py), so a rank
+  allocates only its shards and receives them from rank 0; whole models handed to FullyShardedDataParallel are
+  sharded in place (the same layout).
 """
 
 from __future__ import annotations
@@ -32,22 +37,29 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from podsrl.distributed import DataParallel, DistContext, log
+from podsrl.models.decode import share_fused_weights
 from podsrl.models.precision import resolve_compute_dtype
 
 
 def build_data_parallel(ctx: DistContext, model: torch.nn.Module, ref_model: torch.nn.Module | None = None,
-                        cfg=None, generation_device: torch.device | None = None) -> DataParallel | None:
-    """The update's data-parallel object: DataParallel, or FSDP2 with `train.strategy: fsdp` (which shards `model`
-    and `ref_model` in place); None in one process. Lives here, not in podsrl/distributed.py, so that this module
-    builds on that one and not the other way round."""
+                        cfg=None, generation_device: torch.device | None = None,
+                        sharding: Sharding | None = None) -> DataParallel | None:
+    """The update's data-parallel object: DataParallel, or FSDP2 with `train.strategy: fsdp` (over the modules
+    `sharding` sharded as they were loaded, or sharding `model` and `ref_model` in place); None in one process.
+    Lives here, not in podsrl/distributed.py, so that this module builds on that one and not the other way round."""
     fsdp = cfg is not None and cfg.train.strategy == "fsdp"
     if not ctx.enabled:
         if fsdp:
             log.info("train.strategy=fsdp: one process, nothing to shard; training the whole model here")
         return None
     if fsdp:
-        return FullyShardedDataParallel(ctx, cfg, model, ref_model, generation_device)
+        return FullyShardedDataParallel(ctx, cfg, model, ref_model, generation_device, sharding)
     return DataParallel(ctx, model)
+
+
+def fsdp_sharding(ctx: DistContext, cfg) -> Sharding | None:
+    """How this run shards its models as it loads them: under torchrun with train.strategy=fsdp, else None."""
+    return Sharding(ctx, cfg) if ctx.enabled and cfg.train.strategy == "fsdp" else None
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -84,54 +96,85 @@ def run_empty_on_one_row(model: torch.nn.Module) -> None:
     model.register_forward_hook(after, with_kwargs=True)
 
 
+class Sharding:
+    """FSDP2's layout over the ranks (the mesh, the mixed-precision and offload policies) and, for each module it
+    sharded, that module's unsharded skeleton on the meta device (no memory): what the generation copy is built on."""
+
+    def __init__(self, ctx: DistContext, cfg: Any) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+        train_cfg = cfg.train
+        self.mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        # the compute dtype (model.compute_dtype and train.fsdp_param_dtype are one setting: podsrl/models/precision.py)
+        self.options: dict[str, Any] = {
+            "mesh": self.mesh,
+            "mp_policy": MixedPrecisionPolicy(param_dtype=resolve_compute_dtype(cfg, ctx.device),
+                                              reduce_dtype=getattr(torch, train_cfg.fsdp_reduce_dtype)),
+        }
+        offload = train_cfg.cpu_offload and ctx.device.type == "cuda"  # on CPU the shards are in host memory anyway
+        if offload:
+            self.options["offload_policy"] = CPUOffloadPolicy()
+        self.shard_device = torch.device("cpu") if offload else ctx.device
+        self.reshard_after_forward = train_cfg.fsdp_reshard_after_forward
+        self.skeletons: dict[int, torch.nn.Module] = {}
+
+    def shard(self, module: torch.nn.Module) -> None:
+        """Shards `module` in place. One built on the meta device then gets this rank's shards allocated (empty:
+        the loader fills them) and its buffers, which allocating replaces, back."""
+        self.skeletons[id(module)] = meta_copy(module)
+        run_empty_on_one_row(module)
+        shard_model(module, self.options, self.reshard_after_forward)
+        if any(p.is_meta for p in module.parameters()):
+            buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+            module.to_empty(device=self.shard_device)
+            with torch.no_grad():
+                for name, b in module.named_buffers():
+                    b.copy_(buffers[name])
+
+    def skeleton(self, module: torch.nn.Module) -> torch.nn.Module:
+        return self.skeletons[id(module)]
+
+
 class FullyShardedDataParallel(DataParallel):
-    """FSDP2 behind the updater's data-parallel interface (see the module docstring). Shards `model` (and the
-    frozen `ref_model`) in place; build the optimiser afterwards, over the sharded parameters."""
+    """FSDP2 behind the updater's data-parallel interface (see the module docstring). Takes the modules `sharding`
+    sharded as they were loaded, or shards whole ones (`model` and the frozen `ref_model`) in place; build the
+    optimiser afterwards, over the sharded parameters."""
 
     sharded = True
     lockstep = True  # every forward/backward is collective: empty micro-batches are run, not dropped
 
     def __init__(self, ctx: DistContext, cfg: Any, model: torch.nn.Module,
-                 ref_model: torch.nn.Module | None = None, generation_device: torch.device | None = None) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-
+                 ref_model: torch.nn.Module | None = None, generation_device: torch.device | None = None,
+                 sharding: Sharding | None = None) -> None:
         self.ctx, self.model = ctx, model
-        with torch.no_grad():  # identical starting weights whatever each rank loaded
-            for p in model.parameters():
-                dist.broadcast(p.data, src=0)
-        # the compute dtype (model.compute_dtype and train.fsdp_param_dtype are one setting: podsrl/models/precision.py)
-        train_cfg = cfg.train
-        dtype = resolve_compute_dtype(cfg, ctx.device)
+        if sharding is None:  # whole models on every rank: rank 0's values everywhere, then sharded in place
+            sharding = Sharding(ctx, cfg)
+            with torch.no_grad():
+                for p in model.parameters():
+                    dist.broadcast(p.data, src=0)
+            for module in (model, ref_model):
+                if module is not None:
+                    sharding.shard(module)
+        self.mesh = sharding.mesh
         # One unsharded copy for the engines (see sync_generation_model); on CPU (the Ray pool's) in float32.
-        generation_device = generation_device or ctx.device
-        self.generation_model = copy.deepcopy(model).to(
-            generation_device, resolve_compute_dtype(cfg, generation_device)).eval()
-        self.mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-        options: dict[str, Any] = {
-            "mesh": self.mesh,
-            "mp_policy": MixedPrecisionPolicy(param_dtype=dtype,
-                                              reduce_dtype=getattr(torch, train_cfg.fsdp_reduce_dtype)),
-        }
-        if train_cfg.cpu_offload and ctx.device.type == "cuda":  # on CPU the shards are in host memory anyway
-            options["offload_policy"] = CPUOffloadPolicy()
-        for module in (model, ref_model):
-            if module is None:
-                continue
-            run_empty_on_one_row(module)
-            shard_model(module, options, train_cfg.fsdp_reshard_after_forward)
+        device = generation_device or ctx.device
+        self.generation_model = generation_copy(sharding.skeleton(model), resolve_compute_dtype(cfg, device), device)
+        self.sync_generation_model(frozen_too=True)
+        if cfg.rollout.engine != "ray":  # the pool pickles the weights: views of one tensor would each carry it all
+            share_fused_weights(self.generation_model)
 
     def grad_sync(self) -> None:
         """Nothing left to do: each backward reduce-scattered (summed) its gradients into the shards."""
 
     @torch.no_grad()
-    def sync_generation_model(self) -> None:
-        """Gathers the trainable parameters into the generation model (collective: every rank, same order).
-        Frozen ones (a LoRA base) never change and are not gathered."""
+    def sync_generation_model(self, frozen_too: bool = False) -> None:
+        """Gathers the trainable parameters into the generation model (collective: every rank, same order), each
+        cast to its dtype before the all-gather. Frozen ones (a LoRA base) never change: gathered once, at start."""
         mirror = dict(self.generation_model.named_parameters())
         for name, p in self.model.named_parameters():
-            if p.requires_grad:
-                mirror[name].copy_(full_tensor(p, self.ctx.device))
+            if p.requires_grad or frozen_too:
+                mirror[name].copy_(full_tensor(p, self.ctx.device, mirror[name].dtype))
 
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
         """(sharded tensors for torch.distributed.checkpoint, the optimiser's param groups as plain values)."""
@@ -160,11 +203,35 @@ def shard_model(model: torch.nn.Module, options: dict, reshard_after_forward: bo
             module.set_force_sum_reduction_for_comms(True)
 
 
-def full_tensor(p: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The whole tensor of a sharded parameter; CPU-offloaded shards travel through the compute device."""
+def meta_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """`module`'s structure with its parameters on the meta device (no memory; tied ones tied) and its buffers
+    copied."""
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    return copy.deepcopy(module, memo)
+
+
+def generation_copy(skeleton: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """An unsharded module of `skeleton`'s structure with empty parameters in `dtype` on `device` (to be gathered
+    into) and the skeleton's buffers as they are (the rotary frequencies stay float32, as from_pretrained keeps them
+    in any dtype)."""
+    memo: dict[int, Any] = {}
+    for p in skeleton.parameters():
+        memo[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device),
+                                         requires_grad=p.requires_grad)
+    for b in skeleton.buffers():
+        memo[id(b)] = b.to(device, copy=True)
+    return copy.deepcopy(skeleton, memo).eval()
+
+
+def full_tensor(p: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The whole tensor of a sharded parameter, in `dtype` (cast before the all-gather: only the shard is ever in
+    the parameter's own dtype); CPU-offloaded shards travel through the compute device."""
     if not isinstance(p, DTensor):
-        return p
-    if p.to_local().device.type != device.type:
-        p = DTensor.from_local(p.to_local().to(device), p.device_mesh, p.placements, shape=p.shape,
-                               stride=p.stride())
+        return p if dtype is None else p.to(dtype)
+    local = p.to_local()
+    if local.device.type != device.type or (dtype is not None and local.dtype != dtype):
+        local = local.to(device, dtype)
+        p = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
     return p.full_tensor()

@@ -24,7 +24,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 

@@ -86,8 +86,7 @@ def load_pretrained(path_or_id: str, dtype: str = "float32", trust_remote_code: 
     if looks_local and not (local / "config.json").is_file():
         raise UserError(f"model.name_or_path: {path_or_id!r} is not a model directory (no config.json in it)")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(local) if looks_local else path_or_id,
-                                                  trust_remote_code=trust_remote_code)
+        tokenizer = load_tokenizer(str(local) if looks_local else path_or_id, trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
             str(local) if looks_local else path_or_id,
             dtype=getattr(torch, dtype),
@@ -97,10 +96,16 @@ def load_pretrained(path_or_id: str, dtype: str = "float32", trust_remote_code: 
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         where = "local path" if looks_local else "hub id (offline, or no such repo?)"
         raise UserError(f"model.name_or_path: cannot load {path_or_id!r} as a {where}: {first}") from None
+    return model, tokenizer
+
+
+def load_tokenizer(path_or_id: str, trust_remote_code: bool = False):
+    """The model's tokenizer, padding on the left (with the end-of-sequence token when it has no pad token)."""
+    tokenizer = AutoTokenizer.from_pretrained(path_or_id, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    return model, tokenizer
+    return tokenizer
 
 
 def load_policy(cfg: ModelConfig, base_path: str | None = None, seed: int = 0):

@@ -142,9 +142,12 @@ class PackedForward:
 
 def _rows(values: Tensor, plan: Plan) -> Tensor:
     """[T] values per predicted token -> [B, W], 0 elsewhere. By index, not by the bool mask: masked_scatter's
-    backward (masked_select) reads the mask's count on the host, a sync per micro-batch."""
-    zeros = torch.zeros(plan.output_shape[0] * plan.output_shape[1], dtype=values.dtype, device=values.device)
-    return zeros.index_copy(0, plan.output_index, values).view(plan.output_shape)
+    backward (masked_select) reads the mask's count on the host, a sync per micro-batch. Written through a flat view
+    into a tensor of its own, which is returned: the root's output is no view (FSDP2 warns on views, whose in-place
+    changes would skip its pre-backward hook)."""
+    rows = torch.zeros(plan.output_shape, dtype=values.dtype, device=values.device)
+    rows.view(-1).index_copy_(0, plan.output_index, values)
+    return rows
 
 
 def _block_attend(plan: Plan, layer: LayerPlan, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

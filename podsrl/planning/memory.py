@@ -1,7 +1,8 @@
 """The memory model behind `podsrl plan --memory`: the predicted peak memory of a step's generation and of its update,
 from the model's config alone (built on the meta device, no weights), and the largest micro-batch that fits a device.
 What it plans for (the model's shape, the step's workload) is podsrl/planning/workload.py; its table and command
-line are podsrl/planning/memory_report.py.
+line are podsrl/planning/memory_report.py; what a run holds before its first step (the start-up row, rank 0's host
+memory) and each checkpoint's size are podsrl/planning/startup.py.
 
 Every term is bytes = count x element size, the count read off the code that allocates it (each function's
 docstring names that code); all rows are taken at the full prompt and completion lengths (the worst case a step can
@@ -45,12 +46,12 @@ CPU's counterpart is (benchmarks/memory_plan_check.py), a GPU run measures it (b
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+from podsrl.planning.startup import ADAM_STATES, host_load, startup_peak
 from podsrl.planning.workload import ModelShape, Workload
 
 GIB = 2**30
-ADAM_STATES = 2  # exp_avg and exp_avg_sq, each in the parameter's dtype (torch.optim.AdamW)
 # What a phase costs beyond its tensors, per device: on CPU the process's growth around a phase of a negligible model
 # (malloc arenas, the autograd engine's thread, oneDNN's kernels), calibrated by `python
 # benchmarks/memory_plan_check.py --models 0` (median of its rounds). On CUDA the allocator's share: cuBLAS's
@@ -126,9 +127,9 @@ def layer_activations(shape: ModelShape, mb: MicroBatch, work: Workload, last: b
                       first: bool = False) -> int:
     """Bytes one decoder layer saves for its backward (podsrl/models/llama.py decoder_layer with the autograd
     functions of kernels.py), N packed tokens in, the last layer's MLP over the T predicting positions only:
-    - each RMSNorm (kernels._RMSNorm, in the residual stream's dtype, the master dtype): its normalised input and
-      1/rms, and the output the next matmul reads (under autocast, a compute dtype narrower than the master, that
-      matmul's compute-dtype copy of it);
+    - each RMSNorm (`norm_saved`, on the residual stream: in the master dtype, under FSDP2 in the compute dtype,
+      Workload.stream_bytes), and the output the next matmul reads (under autocast, a compute dtype narrower than
+      the stream, that matmul's compute-dtype copy of it);
     - the fused q/k/v and gate/up weights (llama.fused_qkv / fused_gate_up: fresh concatenations, saved by the
       matmuls that read them); under autocast every projection's compute-dtype copy (o and down too);
     - attention (`attention_saved`), its output (o_proj's input);
@@ -141,7 +142,7 @@ def layer_activations(shape: ModelShape, mb: MicroBatch, work: Workload, last: b
     (`first`: its input, the embeddings' output, needs no gradient) nothing upstream of the first adapter. Not
     modelled: the first layer with adapters on only some of q/k/v or of gate/up, or on down_proj alone, saves less
     than counted (a frozen partner's output needs no gradient), so its count is an upper bound there."""
-    e, r, n, d = work.e, work.p, mb.tokens, shape.head_dim
+    e, r, n, d = work.e, work.stream_bytes, mb.tokens, shape.head_dim
     autocast = e < r
     mlp_tokens = mb.predicted if last else n
     adapted = set(shape.lora_targets)
@@ -155,7 +156,7 @@ def layer_activations(shape: ModelShape, mb: MicroBatch, work: Workload, last: b
     def norm(tokens: int, live: bool, readers: list[str]) -> int:
         """A norm's own saved tensors (when a gradient flows into its input) and its output as the projections
         read it: one (fused) read when they train, else one per adapter (autocast casts each read anew)."""
-        own = tokens * (shape.hidden * r + r) if live else 0
+        own = norm_saved(tokens, shape.hidden, r) if live else 0
         reads = 1 if not frozen else sum(m in adapted for m in readers) if autocast else int(
             any(m in adapted for m in readers))
         return own + reads * tokens * shape.hidden * (e if autocast else r)
@@ -182,17 +183,25 @@ def layer_activations(shape: ModelShape, mb: MicroBatch, work: Workload, last: b
     return total
 
 
+def norm_saved(tokens: int, hidden: int, stream: int) -> int:
+    """Bytes an RMSNorm keeps for its backward beside its output: on a float32 stream (kernels._RMSNorm) the
+    normalised input and 1/rms; on a narrower one the transformers module, which normalises in float32, keeps its
+    float32 input, 1/rms and the normalised values cast back to the stream's dtype."""
+    return tokens * (hidden * 4 + 4) if stream == 4 else tokens * (hidden * (4 + stream) + 4)
+
+
 def activations(shape: ModelShape, mb: MicroBatch, work: Workload, checkpointing: bool) -> dict[str, int]:
     """Saved activations of a micro-batch's forward: per layer, or with checkpointing (torch.utils.checkpoint per
-    decoder layer, podsrl/models/packed.py) each layer's input, the [N, D] residual stream in the master dtype
-    (the recomputed layer's own tensors are in `update_peak`'s transient); the stream's shared tensors (rotary cos
-    and sin [N, d] twice, index tensors); the final norm and the head's saved hidden states [T, D], log-sum-exp and
-    entropy."""
-    r, L = work.p, shape.layers  # the residual stream, the final norm and the head run in the master dtype
+    decoder layer, podsrl/models/packed.py) each layer's input, the [N, D] residual stream (the recomputed layer's
+    own tensors are in `update_peak`'s transient); the stream's shared tensors (rotary cos and sin [N, d] twice,
+    index tensors); the final norm and the head's saved hidden states [T, D], log-sum-exp and entropy. The stream,
+    the final norm and the head's input are in the master dtype, under FSDP2 in the compute dtype its parameters are
+    gathered in (Workload.stream_bytes)."""
+    r, L = work.stream_bytes, shape.layers
     shared = 2 * mb.tokens * shape.head_dim * r + 8 * (3 * mb.tokens + 2 * mb.predicted)
-    head = mb.predicted * (2 * shape.hidden * r + r + 8)
+    head = norm_saved(mb.predicted, shape.hidden, r) + mb.predicted * (shape.hidden * r + 8)
     if checkpointing:
-        layers = L * mb.tokens * shape.hidden * work.p
+        layers = L * mb.tokens * shape.hidden * r
     else:
         first, middle = layer_activations(shape, mb, work, first=True), layer_activations(shape, mb, work)
         last = layer_activations(shape, mb, work, last=True, first=L == 1)
@@ -205,8 +214,9 @@ def backward_transient(shape: ModelShape, mb: MicroBatch, work: Workload) -> dic
     - the head's forward (logprobs._FromHidden, float32 outside autocast): one chunk of update.logits_chunk x V
       float32 logits and torch.logsumexp's two temporaries of its size;
     - the head's backward: that chunk's recomputed logits and probabilities (and under autocast their
-      compute-dtype cast), the [V, D] weight gradient (and the compute-dtype product added to it), the [T, D]
-      hidden gradient;
+      compute-dtype cast), the [V, D] weight gradient (and the compute-dtype product added to it; under FSDP2 the
+      compute-dtype gradient and its float32 copy for the reduce-scatter), the [T, D] hidden gradient in the
+      stream's dtype;
     - a layer's attention (CPU): the gradient of the scores through the softmax, masking and scaling, two
       float32 tensors of the largest block's scores at a time;
     - a layer's MLP: the [N, 2I] gate/up gradient, the [N, I] product, the fused [2I, D] weight's gradient and
@@ -214,7 +224,8 @@ def backward_transient(shape: ModelShape, mb: MicroBatch, work: Workload) -> dic
     e, p, chunk, v = work.e, work.p, min(work.logits_chunk, mb.predicted), shape.vocab
     narrow = e < p  # autocast
     head_weight_grad = 0 if shape.lora else v * shape.hidden * (p + (e if narrow else 0))
-    head_backward = head_weight_grad + mb.predicted * shape.hidden * p + chunk * v * (8 + (e if narrow else 0))
+    head_backward = (head_weight_grad + mb.predicted * shape.hidden * work.stream_bytes
+                     + chunk * v * (8 + (e if narrow else 0)))
     scores = max(mb.groups * mb.prompt_length**2, mb.rows * mb.width * (mb.prompt_length + mb.width)) * shape.heads
     attention = 2 * scores * 4 if work.device == "cpu" else 0
     mlp = mb.tokens * (3 * shape.intermediate + shape.hidden) * e + 2 * shape.intermediate * shape.hidden * e
@@ -253,11 +264,11 @@ def gathered_layers(shape: ModelShape, work: Workload) -> int:
 
 
 def host_memory(shape: ModelShape, work: Workload) -> dict[str, int]:
-    """Host (CPU) memory of the rank that needs most: the model as loaded before it is sharded or moved (rank 0
-    reads the whole model in the master dtype; under torchrun the others receive it on their device:
-    podsrl/models/rank_loading.py), and with train.cpu_offload the sharded state kept there."""
+    """Host (CPU) memory of the rank that needs most: what rank 0 loads the model through (startup.host_load: one
+    tensor at a time under FSDP2, else the whole model in the master dtype; under torchrun the others receive it on
+    their device), and with train.cpu_offload the sharded state kept there."""
     offloaded = sum(sharded_state(shape, work).values()) if work.offloaded else 0
-    return {"load": shape.params * work.p, "offloaded_state": offloaded}
+    return {"load": host_load(shape, work), "offloaded_state": offloaded}
 
 
 def update_peak(shape: ModelShape, work: Workload, rows: int, checkpointing: bool) -> dict[str, int]:
@@ -304,9 +315,10 @@ def engine_weights(shape: ModelShape, work: Workload) -> int:
 
 
 def engine_has_own_copy(work: Workload) -> bool:
-    """The fast engine copies the weights it samples when they are wider than the compute dtype (podsrl/build.py
-    sampling_dtype); FSDP2's generation copy is in the compute dtype already, so it samples that copy itself."""
-    return work.compute_dtype != work.dtype and not work.sharded
+    """The weights the fast engine samples are a copy only sampled from: its own, made when the masters are wider
+    than the compute dtype (podsrl/build.py sampling_dtype), or FSDP2's generation copy (podsrl/fsdp.py), whose
+    projections share_fused_weights makes views of the fused tensors too."""
+    return work.compute_dtype != work.dtype or work.sharded
 
 
 def engine_fused_weights(shape: ModelShape, work: Workload) -> int:
@@ -401,6 +413,7 @@ class MemoryPlan:
     update: dict[bool, dict[str, int]]  # checkpointing -> terms at the recommended (or smallest) micro-batch
     micro_batch: dict[bool, int]  # checkpointing -> largest micro-batch that fits (0: none)
     host: dict[str, int]  # host memory of the rank that needs most, rank 0 (host_memory)
+    startup: dict[str, int] = field(default_factory=dict)  # rank 0's start-up peak (startup_terms)
 
     @property
     def budget(self) -> int:
@@ -408,8 +421,10 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        """Generation fits (at least one row at a time) and so does an update micro-batch of at least one row."""
-        return sum(self.generation.values()) <= self.budget and max(self.micro_batch.values()) > 0
+        """Start-up fits, generation fits (at least one row at a time) and so does an update micro-batch of at least
+        one row."""
+        return (sum(self.startup.values()) <= self.budget and sum(self.generation.values()) <= self.budget
+                and max(self.micro_batch.values()) > 0)
 
 
 def largest_micro_batch(shape: ModelShape, work: Workload, budget: int, checkpointing: bool) -> int:
@@ -435,7 +450,17 @@ def make_plan(shape: ModelShape, work: Workload, memory: int, reserve: float = R
     micro = {c: largest_micro_batch(shape, work, budget, c) for c in (False, True)}
     update = {c: update_peak(shape, work, max(1, micro[c]), c) for c in (False, True)}
     return MemoryPlan(shape, work, memory, reserve, generation_peak(shape, work), update, micro,
-                      host_memory(shape, work))
+                      host_memory(shape, work), startup_terms(shape, work))
+
+
+def startup_terms(shape: ModelShape, work: Workload) -> dict[str, int]:
+    """Rank 0's start-up peak (podsrl/planning/startup.py) over what this plan keeps resident from then on: the
+    weights and reference (model_state), the engine's weights copy and train.async's generator copy."""
+    state = model_state(shape, work)
+    resident = {"weights": state["weights"], "reference": state["reference"],
+                "engine_weights": engine_weights(shape, work),
+                "generator_weights": generator_weights(shape, work) if work.training_run else 0}
+    return startup_peak(shape, work, resident)
 
 
 def update_flops(plan: MemoryPlan) -> float:

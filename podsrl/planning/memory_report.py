@@ -11,6 +11,7 @@ from pathlib import Path
 
 from podsrl.errors import UserError
 from podsrl.planning.memory import GIB, RESERVE, MemoryPlan, make_plan, update_flops
+from podsrl.planning.startup import describe_checkpoints, planned_checkpoint, streamed
 from podsrl.planning.workload import LINEAR_MODULES, Workload, load_model_config, model_shape, parse_memory
 
 ADVICE_LORA_RANK = 64  # the Qwen presets' rank, on all seven projections
@@ -39,9 +40,7 @@ def render(plan: MemoryPlan, model: str) -> str:
         + (" (one process: nothing sharded)" if w.strategy == "fsdp" and not w.sharded else "")
         + f"; a rank generates {w.rank_prompts} prompts' {w.rank_rows} rows and trains {w.trained_rows} rows a step "
         "(optim.micro_batch_size is per rank, rollout.prompts_per_step global)",
-        f"host memory: {_gib(plan.host['load'])} GiB to load the model in {w.dtype} before it is moved"
-        + (" and sharded" if w.sharded else "")
-        + (" (on rank 0 alone: the other ranks receive its tensors on their device)" if w.world_size > 1 else "")
+        host_line(plan)
         + (f"; train.cpu_offload keeps {_gib(plan.host['offloaded_state'])} GiB of sharded weights, gradients and "
            "AdamW state there (none on the device)" if w.offloaded else ""),
         *(["train.async: the update's rows include the next batch's generation, which runs meanwhile (its KV cache "
@@ -51,6 +50,7 @@ def render(plan: MemoryPlan, model: str) -> str:
         "|---" * (len(_TERMS) + 4) + "|",
     ]
     gen = plan.generation
+    lines.append(_row("start-up (models loaded, generation copy made)", plan.startup, plan.budget))
     lines.append(_row(f"generation ({w.generation_rows} of {w.rank_rows} rows at once)", gen, plan.budget))
     for c in (False, True):
         rows = plan.micro_batch[c]
@@ -73,6 +73,18 @@ def render(plan: MemoryPlan, model: str) -> str:
         lines.append(f"generation: the fast engine decodes {w.generation_rows} rows at a time, refilling finished "
                      "rows from the queue (its default rollout.engine_options.max_rows on this device)")
     return "\n".join(lines) + "\n"
+
+
+def host_line(plan: MemoryPlan) -> str:
+    """Host memory rank 0 loads the model through (podsrl/planning/startup.py host_load)."""
+    s, w = plan.shape, plan.work
+    if streamed(s, w):
+        return (f"host memory: {_gib(plan.host['load'])} GiB on rank 0, which reads a safetensors checkpoint one "
+                f"tensor at a time (the largest as stored, {s.stored_dtype}, and in {w.dtype}) and sends each rank "
+                "its shards (any other checkpoint format: the whole model)")
+    return (f"host memory: {_gib(plan.host['load'])} GiB to load the model in {w.dtype} before it is moved"
+            + (" and sharded" if w.sharded else "")
+            + (" (on rank 0 alone: the other ranks receive its tensors on their device)" if w.world_size > 1 else ""))
 
 
 def render_advice(options: list[tuple[list[str], MemoryPlan]], plan: MemoryPlan) -> str:
@@ -134,6 +146,7 @@ def to_json(plan: MemoryPlan) -> dict:
         "workload": asdict(plan.work),
         "memory_bytes": plan.memory,
         "host_bytes": plan.host,
+        "startup": plan.startup | {"peak": sum(plan.startup.values())},
         "reserve": plan.reserve,
         "generation": plan.generation | {"peak": sum(plan.generation.values())},
         "update": {("checkpointing" if c else "no_checkpointing"): plan.update[c] | {
@@ -265,6 +278,7 @@ def memory_main(args, config: Path) -> int:
     work = workload_from_config(cfg, prompt_length, args.device, world_size)
     plan = make_plan(shape, work, memory, args.reserve)
     print(render(plan, model), end="")
+    print(describe_checkpoints(planned_checkpoint(shape, work), cfg.train.keep_checkpoints, work.sharded))
     if not plan.fits:
         print(render_advice(advice(config_obj, cfg, work, memory, args.reserve), plan), end="")
     if args.json:

@@ -45,6 +45,7 @@ class ModelShape:
     lora_rank: int = 0  # 0: no adapters
     lora_targets: tuple[str, ...] = ()  # the adapted projections of each decoder layer (LINEAR_MODULES)
     layer_params: int = 0  # parameters of one decoder layer (what FSDP2 gathers per layer)
+    stored_dtype: str = "float32"  # the dtype its config says the checkpoint stores (what loading reads)
 
     @property
     def lora(self) -> bool:
@@ -147,6 +148,8 @@ def model_shape(config, lora_rank: int = 0, lora_targets: list[str] | tuple[str,
         qkv_bias=bool(getattr(config, "attention_bias", model_type == "qwen2")), lora_rank=lora_rank,
         lora_targets=tuple(m for m in LINEAR_MODULES if m in targets),
         layer_params=sum(p.numel() for p in layer.parameters()),
+        stored_dtype=str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+                         ).removeprefix("torch."),
     )
 
 
@@ -204,6 +207,13 @@ class Workload:
     @property
     def e(self) -> int:
         return DTYPE_BYTES[self.compute_dtype]
+
+    @property
+    def stream_bytes(self) -> int:
+        """Bytes of an element of the residual stream and of what the forward keeps of it: the master dtype's
+        (autocast casts only the matmuls' operands), but under FSDP2 the parameters are gathered in the compute dtype
+        (its mixed-precision policy, podsrl/fsdp.py) and the whole forward runs in it, without autocast."""
+        return self.e if self.sharded else self.p
 
     @property
     def p(self) -> int:

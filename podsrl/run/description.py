@@ -1,8 +1,12 @@
-"""The start-up line that says where and how a run trains, and the note on a resume at another world size."""
+"""The start-up lines that say where and how a run trains and what each checkpoint will write, and the note on a
+resume at another world size."""
 
 from __future__ import annotations
 
 import torch
+
+from podsrl.models.transformers_api import has_adapters
+from podsrl.planning.startup import checkpoint_size, describe_checkpoints
 
 
 def describe_run(cfg, facts, ctx, model: torch.nn.Module, engine: str) -> str:
@@ -24,6 +28,19 @@ def describe_run(cfg, facts, ctx, model: torch.nn.Module, engine: str) -> str:
     else:
         what = f"full fine-tune: {_count(trained)} trainable parameters"
     return f"run: {where}; master {master}, compute {compute}; {what}; engine {engine}"
+
+
+def describe_checkpoint_size(cfg, model: torch.nn.Module, generation_model: torch.nn.Module, sharded: bool) -> str:
+    """What each checkpoint writes (podsrl/planning/startup.py checkpoint_size), counted on the run's own tensors:
+    model/ is `generation_model` saved (a LoRA adapter alone), the training state AdamW's moments of `model`'s
+    trained parameters and under FSDP2 its master weights (a sharded parameter counts whole)."""
+    def nbytes(params) -> int:
+        return sum(p.numel() * p.element_size() for p in params)
+
+    exported = [p for p in generation_model.parameters() if p.requires_grad or not has_adapters(generation_model)]
+    size = checkpoint_size(nbytes(exported), nbytes(model.parameters()),
+                           nbytes(p for p in model.parameters() if p.requires_grad), sharded)
+    return describe_checkpoints(size, cfg.train.keep_checkpoints, sharded)
 
 
 def world_size_change(written: int, now: int) -> str:

@@ -28,10 +28,9 @@ from podsrl.episodes.calls import STOP, Interrupted
 from podsrl.episodes.runner import task_episodes
 from podsrl.errors import UnhealthyRun, UserError
 from podsrl.fileio import write_text_atomic
-from podsrl.fsdp import build_data_parallel
+from podsrl.fsdp import build_data_parallel, fsdp_sharding
 from podsrl.methods import METHODS
 from podsrl.models.loading import count_parameters, resolve_device
-from podsrl.models.rank_loading import load_policy_on_ranks
 from podsrl.reporting.plotting import plot_run
 from podsrl.reporting.tracking import build_metrics_logger, build_progress, read_metrics
 from podsrl.run import faults
@@ -48,7 +47,7 @@ from podsrl.run.checkpoint import (
     save_checkpoint,
     set_python_random_state,
 )
-from podsrl.run.description import describe_run, world_size_change
+from podsrl.run.description import describe_checkpoint_size, describe_run, world_size_change
 from podsrl.run.evaluation import evaluate
 from podsrl.run.health import HealthMonitor
 from podsrl.run.lock import RunLock
@@ -94,19 +93,29 @@ class Trainer:
             log.warning("no valid checkpoint in %s: starting from the beginning", self.run_dir)
         with self.dist.main_first():
             self.base_path = base_weights(cfg, progress=cfg.log.progress)
+        # FSDP2 under torchrun: policy and reference go straight into their shards as they load (no rank holds
+        # either whole), the reference before anything else is built
+        sharding = fsdp_sharding(self.dist, cfg)
         self.model, self.tokenizer = load_model(cfg, checkpoint / "model" if checkpoint else None, self.base_path,
-                                                trainable=True, ctx=self.dist)
-        self.model.to(self.device)
+                                                trainable=True, ctx=self.dist,
+                                                shard=sharding.shard if sharding else None)
         self.ref_model = None
         # frozen copy of the starting policy; not loaded at all when beta = 0, nor with LoRA (the policy with its
         # adapters disabled is the starting policy: podsrl/update/updater.py reference_logprobs)
         if cfg.algo.beta > 0 and cfg.model.lora_rank == 0:
-            self.ref_model, _ = load_policy_on_ranks(cfg.model, self.base_path, cfg.seed, self.dist)
-            self.ref_model.to(self.device).eval().requires_grad_(False)
-        # torchrun: DDP-style, or FSDP2 which shards policy and reference in place (so before the optimiser) and
-        # keeps an unsharded copy for the engines; in one process the engines use the policy itself.
+            self.ref_model, _ = load_model(cfg, None, self.base_path, trainable=False, ctx=self.dist,
+                                           shard=(lambda m: sharding.shard(m.eval().requires_grad_(False)))
+                                           if sharding else None)
+            self.ref_model.eval().requires_grad_(False)
+        if sharding is None:
+            self.model.to(self.device)
+            if self.ref_model is not None:
+                self.ref_model.to(self.device)
+        # torchrun: DDP-style, or FSDP2 over the shards (so before the optimiser), which keeps an unsharded copy for
+        # the engines; in one process the engines use the policy itself.
         self.data_parallel = build_data_parallel(
-            self.dist, self.model, self.ref_model, cfg, torch.device("cpu") if cfg.rollout.engine == "ray" else None)
+            self.dist, self.model, self.ref_model, cfg, torch.device("cpu") if cfg.rollout.engine == "ray" else None,
+            sharding)
         self.generation_model = self.data_parallel.generation_model if self.data_parallel else self.model
         self.task, self.eval_problems = load_task(cfg, self.tokenizer, self.model)
         if not self.eval_problems:
@@ -149,6 +158,7 @@ class Trainer:
         if run_ahead.enabled:
             self._build_generator(in_flight)
         log.info(describe_run(cfg, self.facts, self.dist, self.generation_model, self.engine.name))
+        log.info(describe_checkpoint_size(cfg, self.model, self.generation_model, sharded))
         if self.dist.is_main:
             dump_config(cfg, self.run_dir / "config.yaml")
         self.logger = (build_metrics_logger(cfg, self.run_dir, self.step if checkpoint is not None else None)

@@ -1,12 +1,13 @@
 """FSDP2 (`train.strategy: fsdp`): a 2-rank gloo update on sharded parameters equals the one-process update on the
 same batch (GRPO and PODS with uneven groups, mini-batches, epochs, a KL reference, DynaMO's token modulation, LoRA,
 one row for two ranks, parameters kept gathered after the forward, activation checkpointing), with the shared-prompt path and with the plain
-path, and the two paths equal each other; the generation copy holds the updated weights, and the sharded state of
-torch.distributed.checkpoint round-trips exactly."""
+path, and the two paths equal each other, without FSDP2's warning that a module returned a view; the generation copy
+holds the updated weights, and the sharded state of torch.distributed.checkpoint round-trips exactly."""
 
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 
 import pytest
@@ -166,9 +167,13 @@ def _rank_main(rank: int, world: int, tmp: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
     ctx = init_distributed(torch.device("cpu"))  # joins the existing group
-    out = {"updates": {(name, path): run_scenario(name, ctx, shared) for name in SCENARIOS
-                       for path, shared in PATHS.items()},
-           "checkpoint": _checkpoint_roundtrip(ctx, Path(tmp)), "other_unit": _other_unit_reason(ctx)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        updates = {(name, path): run_scenario(name, ctx, shared) for name in SCENARIOS
+                   for path, shared in PATHS.items()}
+    out = {"updates": updates, "checkpoint": _checkpoint_roundtrip(ctx, Path(tmp)),
+           "other_unit": _other_unit_reason(ctx),
+           "view_warnings": [str(w.message) for w in caught if "returned a view tensor" in str(w.message)]}
     torch.save(out, Path(tmp) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -203,6 +208,14 @@ def test_fsdp_update_equals_one_process(two_ranks, name, path):
             torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-4)
     moved = (single["params"] - _full_params(_initial(name))).abs().max()
     assert moved > 1e-3  # the step did something the comparison could miss
+
+
+def test_no_module_returns_a_view_to_fsdp2(two_ranks):
+    """FSDP2 warns when a sharded module returns a view (an in-place change to it would skip the pre-backward
+    hook); the shared-prompt path's root returns a tensor of its own (podsrl/models/packed.py _rows), and no scenario
+    on either path makes FSDP2 warn. Its gradients are the one-process ones: test_fsdp_update_equals_one_process."""
+    for r in two_ranks:
+        assert r["view_warnings"] == []
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

@@ -1,7 +1,12 @@
 """Loading under torchrun: on two gloo ranks, rank 0 alone reads the weights and every rank ends with the model a
 one-process load gives, bit for bit (every parameter and buffer, the rotary frequencies included, the tied output
 head still the embedding), for the built-in tiny model, a local Hugging Face Qwen2 directory (also in bfloat16) and
-LoRA on top; and a trainer built on two ranks (policy and reference) never reads the weights on rank 1."""
+LoRA on top; and a trainer built on two ranks (policy and reference) never reads the weights on rank 1.
+Loaded straight into FSDP2's shards (train.strategy=fsdp), the same cases plus a checkpoint stored in bfloat16 read
+as float32 masters: the gathered shards are the one-process load bit for bit, rank 0 reads a safetensors directory
+tensor by tensor (no load_pretrained) and builds the whole model only for the built-in model and LoRA, and the
+generation copy made from the shards equals the one-process model with its q/k/v and gate/up projections views of
+one fused tensor each."""
 
 from __future__ import annotations
 
@@ -26,25 +31,31 @@ CASES = {
     "local_qwen2_bfloat16": ["model.name_or_path={dir}", "model.dtype=bfloat16"],
     "lora": ["model.name_or_path={dir}", "model.lora_rank=4"],
 }
+# loaded into shards: the cases above, and a checkpoint stored in bfloat16 read as float32 masters
+SHARDED = {**CASES, "stored_bfloat16": ["model.name_or_path={dir}_bf16"]}
 
 
-def save_qwen2(path: Path) -> str:
+def save_qwen2(path: Path, dtype: torch.dtype = torch.float32) -> str:
     """A Qwen2 checkpoint directory (safetensors, config, char tokenizer), as any Hugging Face model is saved."""
     tokenizer = loading.build_char_tokenizer()
     shape = TinyModelConfig(hidden_size=64, num_layers=3, num_heads=4, intermediate_size=96)
-    loading.build_tiny_model(shape, tokenizer, seed=7).save_pretrained(str(path), safe_serialization=True)
+    model = loading.build_tiny_model(shape, tokenizer, seed=7).to(dtype)
+    model.save_pretrained(str(path), safe_serialization=True)
     tokenizer.save_pretrained(str(path))
     return str(path)
 
 
 def case_config(name: str, directory: str, **extra: str):
-    return load_config(None, [o.format(dir=directory) for o in CASES[name]] + [f"{k}={v}" for k, v in extra.items()])
+    return load_config(None, [o.format(dir=directory) for o in SHARDED[name]] + [f"{k}={v}" for k, v in extra.items()])
 
 
 def snapshot(model: torch.nn.Module) -> dict:
-    """Every tensor the model holds, its tied output head and what else a rank builds besides the weights."""
+    """Every tensor the model holds (a sharded one whole), its tied output head and what else a rank builds besides
+    the weights."""
+    from podsrl.fsdp import full_tensor
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return {"tensors": {name: t.detach().clone() for name, t in model_tensors(model)},
+    return {"tensors": {name: full_tensor(t, t.device).detach().clone() for name, t in model_tensors(model)},
             "state_keys": sorted(model.state_dict()),
             "tied": base.lm_head.weight is base.model.embed_tokens.weight,
             "training": model.training, "generation": base.generation_config.to_dict(),
@@ -96,14 +107,38 @@ def _rank_main(rank: int, world: int, tmp: str, directory: str) -> None:
         out[name] = snapshot(load_model(cfg, None, None, trainable=True, ctx=ctx)[0])
     trainer = build_trainer(directory, Path(tmp) / "run")
     out["trainer"] = {"policy": snapshot(trainer.model), "reference": snapshot(trainer.ref_model)}
-    out["reads"] = reads
+    out["reads"] = list(reads)
+    out["sharded"], sharded_reads = {}, len(reads)
+    for name in SHARDED:
+        out["sharded"][name] = sharded_load(name, directory, ctx)
+    out["sharded_reads"] = reads[sharded_reads:]
     torch.save(out, Path(tmp) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 
+def sharded_load(name: str, directory: str, ctx) -> dict:
+    """The case loaded into FSDP2's shards as the trainer loads it; its snapshot and its generation copy's."""
+    from podsrl.fsdp import Sharding, build_data_parallel
+
+    cfg = case_config(name, directory, **{"train.strategy": "fsdp"})
+    torch.manual_seed(cfg.seed)
+    sharding = Sharding(ctx, cfg)
+    model = load_model(cfg, None, None, trainable=True, ctx=ctx, shard=sharding.shard)[0]
+    sharded = [isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters()]
+    copy = build_data_parallel(ctx, model, None, cfg, sharding=sharding).generation_model
+    layer = (copy.get_base_model() if hasattr(copy, "get_base_model") else copy).model.layers[0]
+    fused = [layer.self_attn.q_proj.weight.untyped_storage().data_ptr() ==
+             layer.self_attn.v_proj.weight.untyped_storage().data_ptr(),
+             layer.mlp.gate_proj.weight.untyped_storage().data_ptr() ==
+             layer.mlp.up_proj.weight.untyped_storage().data_ptr()]
+    return {**snapshot(model), "all_sharded": all(sharded), "copy": snapshot(copy), "fused_views": fused}
+
+
 @pytest.fixture(scope="module")
 def local_qwen2(tmp_path_factory) -> str:
-    return save_qwen2(tmp_path_factory.mktemp("qwen2"))
+    path = tmp_path_factory.mktemp("qwen2")
+    save_qwen2(Path(f"{path}_bf16"), torch.bfloat16)
+    return save_qwen2(path)
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +181,24 @@ def test_trainer_policy_and_reference_are_rank_0s(two_ranks):
     for role in ("policy", "reference"):
         assert_same_model(one[role], zero[role])
     assert not zero["reference"]["trainable"]
+
+
+@pytest.mark.parametrize("name", list(SHARDED))
+def test_loaded_into_shards_every_rank_gathers_the_one_process_load(two_ranks, local_qwen2, name):
+    want = one_process_load(name, local_qwen2)
+    for rank in two_ranks:
+        got = rank["sharded"][name]
+        assert got["all_sharded"]
+        assert_same_model(got, want)
+        copy = got["copy"]  # float32 compute on the CPU: the generation copy is the model itself, unsharded
+        assert copy["tensors"].keys() == want["tensors"].keys() and copy["tied"] == want["tied"]
+        assert all(torch.equal(copy["tensors"][k], v) for k, v in want["tensors"].items())
+        # fused into one tensor each, where LoRA leaves q/k/v and gate/up plain (the Qwen presets wrap all seven)
+        assert got["fused_views"] == [True, True] if name != "lora" else got["fused_views"][1]
+
+
+def test_loaded_into_shards_rank_0_streams_safetensors_and_rank_1_reads_nothing(two_ranks):
+    """Rank 0 builds or loads the whole model only where it cannot stream (the built-in model, built from code; LoRA,
+    whose adapters peft makes); the local directories, in float32 or bfloat16, are read tensor by tensor."""
+    assert two_ranks[1]["sharded_reads"] == []
+    assert two_ranks[0]["sharded_reads"] == ["build_tiny_model", "load_pretrained"]

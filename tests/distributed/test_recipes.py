@@ -23,7 +23,8 @@ from podsrl.reporting.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_MD = ROOT / "docs" / "gpu.md"
-NAMES = [f"math-{size}-{method}" for size in ("1.5b", "7b-fsdp", "7b-lora") for method in ("grpo", "pods")]
+NAMES = [f"math-{size}-{method}" for size in ("1.5b", "7b-fsdp", "7b-lora") for method in ("grpo", "pods")] + [
+    "math-7b-fsdp-grpo-kl"]  # verl's KL term (algo.beta=0.001): a sharded reference beside the policy
 # a marker, then the command's fenced block; a plan's block is followed by its output's
 BLOCK = re.compile(r"<!-- (recipe|plan): (\S+) -->\n```bash\n(.*?)\n```(?:\n```text\n(.*?)\n```)?", re.S)
 TORCHRUN = ["torchrun", "--nproc_per_node", "8", "-m", "podsrl", "train", "--config"]

@@ -29,14 +29,16 @@ def qwen2(hidden=64, layers=2, heads=4, kv_heads=2, vocab=500) -> Qwen2Config:
 
 
 def saved_bytes(config: Qwen2Config, prompts: int, m: int, prompt_length: int, completion_length: int,
-                compute: str = "float32", lora_targets: tuple[str, ...] = ()) -> int:
+                compute: str = "float32", lora_targets: tuple[str, ...] = (), weights: str = "float32",
+                checkpointing: bool = False) -> int:
     """Bytes of the distinct floating-point tensors (parameters excepted) the real shared-prompt forward saves for its
-    backward, under autocast to `compute` as the updater runs it (float32 masters), with LoRA of rank 4 on
-    `lora_targets`. Index and mask tensors are left out, as the formula leaves them out: they are views of the
+    backward, under autocast to `compute` as the updater runs it over float32 masters, with LoRA of rank 4 on
+    `lora_targets`; with `weights="bfloat16"` the parameters are bfloat16, as FSDP2 gathers them, and nothing is
+    autocast; with `checkpointing`, per decoder layer (update.activation_checkpointing). Index and mask tensors are left out, as the formula leaves them out: they are views of the
     micro-batch's plan, one packed buffer per dtype (podsrl/models/transfer.py) that lives through the micro-batch
     whether or not autograd keeps a view of it."""
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
+    model = Qwen2ForCausalLM(config).to(getattr(torch, weights))
     if lora_targets:
         from podsrl.lora import apply_lora
 
@@ -58,9 +60,10 @@ def saved_bytes(config: Qwen2Config, prompts: int, m: int, prompt_length: int, c
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute == "bfloat16")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute == "bfloat16" and weights == "float32")
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        SharedPromptForward(model, 1024)(batch, torch.arange(rows), completion_length, torch.device("cpu"), 1.0)
+        SharedPromptForward(model, 1024, checkpointing)(batch, torch.arange(rows), completion_length,
+                                                        torch.device("cpu"), 1.0)
     return sum(storages.values())
 
 
@@ -307,12 +310,14 @@ def test_ddp_and_fsdp_terms_per_rank_by_hand():
     assert upd["gradients"] == state["gradients"] == -(-shape.params * 4 // 8)
     assert upd["gathered"] == (shape.root_params + 2 * shape.layer_params) * 2 + shape.layer_params * 4
     gen = mp.generation_peak(shape, fsdp)
-    assert gen["engine_weights"] == shape.params * 2 and gen["fused_weights"] == 28 * shape.fused_weights * 2
+    # the generation copy's projections are views of the fused tensors (podsrl/fsdp.py): no fused copies
+    assert gen["engine_weights"] == shape.params * 2 and gen["fused_weights"] == 0
     assert "gathered" not in gen
     offload = pods_work(["train.strategy=fsdp", "train.cpu_offload=true"], world_size=8)
     assert not any(mp.model_state(shape, offload).values())
-    host = mp.host_memory(shape, offload)
-    assert host == {"load": shape.params * 4, "offloaded_state": sum(state.values())}
+    host = mp.host_memory(shape, offload)  # rank 0 reads one tensor at a time: the head, as stored and in float32
+    assert host == {"load": 152064 * 3584 * (4 + 4), "offloaded_state": sum(state.values())}
+    assert mp.host_memory(shape, ddp)["load"] == shape.params * 4  # the whole model, then moved
     single = pods_work(["train.strategy=fsdp"], world_size=1)
     assert mp.make_plan(shape, single, 80 * 2**30).update == mp.make_plan(shape, one, 80 * 2**30).update
 
@@ -433,4 +438,5 @@ def test_an_episode_task_is_planned_with_its_whole_episode_and_the_sessions_cach
     assert not workload_from_config(load_config(None), 40, "cpu").episodes
     assert main(["plan", "arithmetic_tool", "--memory", "--gpu-memory", "8GiB"]) == 0
     assert f"episode {cfg.episode.max_tokens} tokens" in capsys.readouterr().out
+
 

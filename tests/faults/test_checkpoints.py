@@ -1,6 +1,7 @@
 """Checkpoint integrity: corrupt or partial checkpoints are skipped, leftovers are cleaned, pruning never keeps a bad
-checkpoint over a good one, a full or read-only run directory keeps the previous checkpoint, and a checkpoint
-carrying a pickle payload is refused instead of executed."""
+checkpoint over a good one, a full or read-only run directory keeps the previous checkpoint, a checkpoint
+carrying a pickle payload is refused instead of executed, and the size the start-up line announces is what a save
+writes."""
 
 from __future__ import annotations
 
@@ -213,3 +214,31 @@ def test_a_read_only_checkpoint_dir(tmp_path, launcher, warm_cache):
         (run / "checkpoints").chmod(0o755)
     assert result.code == 2
     assert "cannot write checkpoint" in error_line(result.stderr)
+
+
+def test_the_size_the_start_up_line_says_is_what_a_save_writes(tmp_path):
+    """The start-up line's checkpoint size (run/description.py, counted on the run's tensors) against the bytes a
+    save writes: model/'s safetensors and optimizer.pt after an AdamW step, within 2% (headers, the optimizer's
+    step counters, torch.save's per-tensor records and the tokenizer are left out), and the disk
+    train.keep_checkpoints needs."""
+    from podsrl.config import load_config
+    from podsrl.run.description import describe_checkpoint_size
+
+    cfg = load_config(None, ["train.keep_checkpoints=3"])
+    model = build_tiny_model(TinyModelConfig(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=256),
+                             build_char_tokenizer(), seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(input_ids=torch.arange(3, 11)[None]).logits.sum().backward()
+    optimizer.step()
+    path = save_checkpoint(tmp_path, 1, model, None, {"optimizer": optimizer.state_dict()}, {}, {}, keep=3)
+    written = {"model": sum(f.stat().st_size for f in (path / "model").glob("*.safetensors")),
+               "training_state": (path / "optimizer.pt").stat().st_size}
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    line = describe_checkpoint_size(cfg, model, model, sharded=False)
+    total = sum(written.values())
+    assert written["model"] == pytest.approx(weights, rel=0.02)
+    assert written["training_state"] == pytest.approx(2 * weights, rel=0.02)
+    assert line == (f"checkpoints: {3 * weights / 2**20:.1f} MiB a save (model/ {weights / 2**20:.1f} MiB, "
+                    f"optimizer.pt (AdamW state) {2 * weights / 2**20:.1f} MiB); train.keep_checkpoints=3 keeps 3, "
+                    f"4 on disk while the next is written: {4 * 3 * weights / 2**20:.1f} MiB")
+    assert total == pytest.approx(3 * weights, rel=0.02)
