@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from podsrl.config import ModelConfig
 from podsrl.models.rank_loading import Blueprint, model_tensors, tensor_list
 from podsrl.models.safetensors_stream import SafetensorsDirectory
 
 if TYPE_CHECKING:
+    from podsrl.config import ModelConfig
     from podsrl.distributed import DistContext
 
 log = logging.getLogger("podsrl")
