@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from podsrl.engines import DEFAULT_ENGINE, ENGINES
 from podsrl.methods import METHODS
 from podsrl.options import option
 
@@ -100,7 +101,8 @@ class RolloutConfig:
     top_p: float = _f(1.0, "Nucleus sampling threshold.")
     top_k: int = _f(0, "Top-k sampling (0 = off).")
     max_new_tokens: int = _f(8, "Completion length cap (TRL: max_completion_length).")
-    engine: Literal["hf", "fast", "ray", "vllm"] = _f("fast", "Rollout engine.")
+    # the choices are the engine registry's, read when the config is built (an engine registered later counts)
+    engine: Literal[tuple(ENGINES)] = _f(DEFAULT_ENGINE, f"Rollout engine (podsrl.engines.ENGINES): {', '.join(ENGINES)}.")
     engine_options: dict[str, Any] = _f({}, (
         "Engine-specific options, each listed in its engine's docstring (podsrl/engines). fast: cuda_graphs (default "
         "on when the model is on a CUDA device: the decode step is captured as one CUDA graph per (rows, cache "
