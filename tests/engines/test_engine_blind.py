@@ -14,6 +14,7 @@ import typing
 from pathlib import Path
 
 import pytest
+import torch
 
 from podsrl.config import ConfigError, load_config
 from podsrl.config.sections import RolloutConfig
@@ -99,3 +100,15 @@ def test_option_values_of_other_types_pass_at_load():
                       ["rollout.engine_options.weights_dtype=bfloat16"], ["rollout.engine_options.max_rows=null"],
                       ["rollout.engine=ray", "rollout.engine_options.cpus_per_worker=2"]):
         load_config(None, overrides)
+
+
+def test_what_the_loop_and_the_planner_read_follows_the_traits():
+    from podsrl.build import generation_device
+    from podsrl.config.facts import async_generator, rows_in_flight
+
+    pool, default = (load_config(None, ["rollout.engine=ray", "train.async.enabled=true"]),
+                     load_config(None, ["train.async.enabled=true", "rollout.engine_options.max_rows=12"]))
+    assert generation_device(pool) == torch.device("cpu") and generation_device(default) is None
+    assert (async_generator(pool), async_generator(default)) == ("workers", "in_process")
+    assert async_generator(load_config(None, [])) == "none"
+    assert (rows_in_flight(pool), rows_in_flight(default)) == (0, 12)
