@@ -11,7 +11,7 @@ import torch
 from podsrl.batch import Problem
 from podsrl.config import Config
 from podsrl.distributed import DistContext
-from podsrl.engines import RolloutEngine, build_engine
+from podsrl.engines import RolloutEngine, build_engine, engine_class
 from podsrl.models.precision import resolve_compute_dtype
 from podsrl.models.rank_loading import load_policy_on_ranks
 from podsrl.models.sharded_loading import load_sharded
@@ -64,20 +64,30 @@ def load_task(cfg: Config, tokenizer, model: torch.nn.Module | None = None) -> t
 
 
 def rollout_engine(cfg: Config, model: torch.nn.Module, tokenizer) -> RolloutEngine:
-    """The configured engine over `model`. The fast engine samples in model.compute_dtype: a copy of the weights in
-    that dtype when it is narrower than the parameters (bfloat16 sampling of float32 masters), refreshed after each
-    update, unless rollout.engine_options names its own weights_dtype."""
+    """The configured engine over `model`. An engine with a `compute_dtype_option` (the fast engine's weights_dtype)
+    samples in model.compute_dtype: a copy of the weights in that dtype when it is narrower than the parameters
+    (bfloat16 sampling of float32 masters), refreshed after each update, unless rollout.engine_options sets that
+    option itself."""
     options = dict(cfg.rollout.engine_options)
-    if cfg.rollout.engine == "fast":
-        options["weights_dtype"] = sampling_dtype(cfg, model)
+    option = engine_class(cfg.rollout.engine).compute_dtype_option
+    if option is not None:
+        options[option] = sampling_dtype(cfg, model)
     return build_engine(cfg.rollout.engine, model, tokenizer, **options)
 
 
+def generation_device(cfg: Config) -> torch.device | None:
+    """Where the engine's unsharded copy of the policy lives under FSDP (its `generation_device`; None: the run's
+    device)."""
+    device = engine_class(cfg.rollout.engine).generation_device
+    return torch.device(device) if device is not None else None
+
+
 def sampling_dtype(cfg: Config, model: torch.nn.Module) -> torch.dtype | str | None:
-    """The dtype the fast engine samples `model` in: rollout.engine_options.weights_dtype if given, else the compute
-    dtype where it differs from the parameters' (None: the parameters' own)."""
-    if "weights_dtype" in cfg.rollout.engine_options:
-        return cfg.rollout.engine_options["weights_dtype"]
+    """The dtype an engine with a `compute_dtype_option` samples `model` in: that option if rollout.engine_options
+    sets it, else the compute dtype where it differs from the parameters' (None: the parameters' own)."""
+    option = engine_class(cfg.rollout.engine).compute_dtype_option
+    if option in cfg.rollout.engine_options:
+        return cfg.rollout.engine_options[option]
     param = next(model.parameters())
     compute = resolve_compute_dtype(cfg, param.device)  # the generation copy's device (CPU for the Ray pool)
     return compute if compute != param.dtype else None

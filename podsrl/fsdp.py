@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from podsrl.distributed import DataParallel, DistContext, log
+from podsrl.engines import engine_class
 from podsrl.models.decode import share_fused_weights
 from podsrl.models.precision import resolve_compute_dtype
 
@@ -161,7 +162,7 @@ class FullyShardedDataParallel(DataParallel):
         device = generation_device or ctx.device
         self.generation_model = generation_copy(sharding.skeleton(model), resolve_compute_dtype(cfg, device), device)
         self.sync_generation_model(frozen_too=True)
-        if cfg.rollout.engine != "ray":  # the pool pickles the weights: views of one tensor would each carry it all
+        if engine_class(cfg.rollout.engine).in_process:  # pickled to workers, views of one tensor would each carry it all
             share_fused_weights(self.generation_model)
 
     def grad_sync(self) -> None:

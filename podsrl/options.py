@@ -1,6 +1,6 @@
 """`option(default, help)`: a dataclass field with its help text, the one way config sections declare keys.
 
-A leaf module, so that a method's own section (podsrl/methods/<name>.py) and the core sections (podsrl/config/__init__.py)
+A leaf module, so that a method's own section (podsrl/methods/<name>.py) and the core sections (podsrl/config/sections.py)
 declare keys the same way without importing each other. docs/config.md is generated from the help texts.
 """
 

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from podsrl.models.precision import resolve_compute_dtype
 from podsrl.models.transfer import host_values
 
 # podsrl name -> TRL's vllm_importance_sampling_mode
@@ -105,39 +104,6 @@ def _masked_max(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     if values.numel() == 0:
         return values.new_zeros(())
     return torch.where(where.any(), torch.where(where, values, -torch.inf).amax(), 0.0)
-
-
-PRECISION_MODE = "token_tis"  # `auto`'s mode for a sampler that differs from the trainer in precision alone
-
-
-def mismatch_kinds(cfg, device: torch.device) -> tuple[str, ...]:
-    """How the sampler's log-probs differ from the trainer's in this run: "engine" (vLLM's kernels), "staleness"
-    (train.async samples from weights up to max_staleness steps old), "precision" (the update computes in a dtype
-    narrower than the trained parameters; the fast engine samples from a copy in that dtype); empty when the
-    sampler is the trained module in its own precision (fast/hf/ray engines): the ratio is 1 up to float rounding."""
-    kinds = {
-        "engine": cfg.rollout.engine == "vllm",
-        "staleness": cfg.train.asynchronous.runs_ahead,
-        "precision": resolve_compute_dtype(cfg, device) != getattr(torch, cfg.model.dtype),
-    }
-    return tuple(kind for kind, present in kinds.items() if present)
-
-
-def resolve_rollout_correction(cfg, device: torch.device) -> str:
-    """The mode `algo.rollout_correction` means for this run. `auto` follows TRL's default where TRL applies it
-    (rollouts from another engine: vLLM) and where the weights differ (staleness). For a precision-only mismatch (a
-    bfloat16 sampling copy of float32 masters) it truncates per token: a sequence ratio multiplies every token's
-    rounding gap, and on the GSM8K-shaped model with a trained model's entropy the 1,024-token completions'
-    sequence ratios spread from 0.28 to 2.28 (a rescaling of whole completions that follows no policy change)
-    where 99.8% of the token ratios lie within 0.87-1.15 (docs/results.md, "Rollout correction for a
-    precision-only mismatch"); token weights also log the mismatch. None without a mismatch: it would only cost."""
-    mode = cfg.algo.rollout_correction
-    if mode != "auto":
-        return mode
-    kinds = mismatch_kinds(cfg, device)
-    if "engine" in kinds or "staleness" in kinds:
-        return TRL_DEFAULT_MODE
-    return PRECISION_MODE if kinds else "none"
 
 
 def uncorrected_staleness(cfg) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from podsrl.config.method_checks import check_choices
+from podsrl.engines import ENGINES, engine_class
 from podsrl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -62,11 +63,11 @@ def validate(cfg: Config) -> None:
     run_ahead = cfg.train.asynchronous
     need(run_ahead.max_staleness >= 0, "train.async.max_staleness", "must be >= 0 (0 = synchronous)")
     need(run_ahead.generator_threads >= 0, "train.async.generator_threads", "must be >= 0 (0 = half of torch's)")
-    # hf seeds transformers' sampling through the process-wide torch RNG, which the learner thread draws from too;
-    # vllm shares the learner's GPU and has no second copy of the weights to sample from
-    need(not run_ahead.enabled or cfg.rollout.engine in ("fast", "ray"), "train.async.enabled",
-         f"needs rollout.engine fast or ray (got {cfg.rollout.engine}): the hf engine seeds sampling through the "
-         "process-wide torch RNG that the learner shares, and vllm is colocated with the learner")
+    engine = engine_class(cfg.rollout.engine)
+    if run_ahead.enabled and not engine.may_run_async:
+        able = " or ".join(name for name in ENGINES if engine_class(name).may_run_async)
+        need(False, "train.async.enabled",
+             f"needs rollout.engine {able} (got {cfg.rollout.engine}): {engine.no_async_reason}")
     need(cfg.train.health_steps >= 0, "train.health_steps", "must be >= 0 (0 = no health checks)")
     need(cfg.train.health_min_entropy >= 0, "train.health_min_entropy", "must be >= 0")
     need(cfg.train.health_max_kl > 0, "train.health_max_kl", "must be > 0")

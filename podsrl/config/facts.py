@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from podsrl.algo.rollout_correction import mismatch_kinds, resolve_rollout_correction
+from podsrl.algo.rollout_correction import TRL_DEFAULT_MODE
+from podsrl.engines import engine_class
 from podsrl.methods import METHODS
 from podsrl.models.precision import resolve_compute_dtype
 from podsrl.options import to_dict
@@ -35,6 +36,54 @@ def run_facts(cfg: Config, device: torch.device) -> RunFacts:
         compute_dtype=resolve_compute_dtype(cfg, device),
         overlap=cfg.train.asynchronous.runs_ahead,
         rollout_correction=resolve_rollout_correction(cfg, device), mismatch=mismatch_kinds(cfg, device))
+
+
+PRECISION_MODE = "token_tis"  # `auto`'s mode for a sampler that differs from the trainer in precision alone
+
+
+def mismatch_kinds(cfg, device: torch.device) -> tuple[str, ...]:
+    """How the sampler's log-probs differ from the trainer's in this run: "engine" (an engine with kernels of its own, vLLM's), "staleness"
+    (train.async samples from weights up to max_staleness steps old), "precision" (the update computes in a dtype
+    narrower than the trained parameters; the fast engine samples from a copy in that dtype); empty when the
+    sampler is the trained module in its own precision (every other engine): the ratio is 1 up to float rounding."""
+    kinds = {
+        "engine": engine_class(cfg.rollout.engine).own_kernels,
+        "staleness": cfg.train.asynchronous.runs_ahead,
+        "precision": resolve_compute_dtype(cfg, device) != getattr(torch, cfg.model.dtype),
+    }
+    return tuple(kind for kind, present in kinds.items() if present)
+
+
+def resolve_rollout_correction(cfg, device: torch.device) -> str:
+    """The mode `algo.rollout_correction` means for this run. `auto` follows TRL's default where TRL applies it
+    (rollouts from another engine: vLLM) and where the weights differ (staleness). For a precision-only mismatch (a
+    bfloat16 sampling copy of float32 masters) it truncates per token: a sequence ratio multiplies every token's
+    rounding gap, and on the GSM8K-shaped model with a trained model's entropy the 1,024-token completions'
+    sequence ratios spread from 0.28 to 2.28 (a rescaling of whole completions that follows no policy change)
+    where 99.8% of the token ratios lie within 0.87-1.15 (docs/results.md, "Rollout correction for a
+    precision-only mismatch"); token weights also log the mismatch. None without a mismatch: it would only cost."""
+    mode = cfg.algo.rollout_correction
+    if mode != "auto":
+        return mode
+    kinds = mismatch_kinds(cfg, device)
+    if "engine" in kinds or "staleness" in kinds:
+        return TRL_DEFAULT_MODE
+    return PRECISION_MODE if kinds else "none"
+
+
+def async_generator(cfg: Config) -> str:
+    """Where train.async's generator samples, as the memory planner counts it: "none" (no train.async),
+    "in_process" (a thread of this process, with its own copy of the weights) or "workers" (the engine's worker
+    processes; the generator's copy stays here)."""
+    if not cfg.train.asynchronous.enabled:
+        return "none"
+    return "in_process" if engine_class(cfg.rollout.engine).in_process else "workers"
+
+
+def rows_in_flight(cfg: Config) -> int:
+    """The rows the engine decodes at once as its `rows_option` sets them (0: unset, or no such option: what the
+    device holds)."""
+    return int(cfg.rollout.engine_options.get(engine_class(cfg.rollout.engine).rows_option) or 0)
 
 
 def unread_settings(cfg: Config) -> list[str]:

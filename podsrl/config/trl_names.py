@@ -2,7 +2,7 @@
 sides' defaults), and the TRL names a podsrl config accepts where the meaning is the same.
 
 TRL defaults are stated as TRL declares them; tests/integrations/test_trl_table.py checks every row against the installed
-`GRPOConfig`, and podsrl's defaults are read from podsrl/config/__init__.py, so neither side can go stale silently.
+`GRPOConfig`, and podsrl's defaults are read from podsrl/config/sections.py, so neither side can go stale silently.
 """
 
 from __future__ import annotations

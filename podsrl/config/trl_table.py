@@ -1,5 +1,5 @@
 """The TRL migration table of docs/trl.md, generated from the name map (podsrl/config/trl_names.py) and the config
-defaults (podsrl/config/__init__.py, which itself reads the map to accept TRL names)."""
+defaults (podsrl/config/sections.py, which itself reads the map to accept TRL names)."""
 
 from __future__ import annotations
 

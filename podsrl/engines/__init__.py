@@ -1,6 +1,8 @@
 """Rollout engines: where completions are sampled. All sit behind `RolloutEngine` (see base.py); this registry maps a
 `rollout.engine` name to its class and imports a backend only when it is asked for, so optional extras (Ray, vLLM)
-stay optional and base.py imports none of them."""
+stay optional and base.py imports none of them. It is the one list of engine names: the config's choices for
+`rollout.engine` and its default come from here, and the code outside engines/ reads an engine's traits (base.py)
+from its class, never its name."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ ENGINES: dict[str, str] = {
     "ray": "podsrl.engines.ray:RayEngine",
     "vllm": "podsrl.engines.vllm:VLLMEngine",
 }
+DEFAULT_ENGINE = "fast"
 # Read by every engine from its options (podsrl.engines.rows.special_ids), beside its own keyword arguments.
 SPECIAL_ID_OPTIONS = ("eos_token_id", "pad_token_id")
 
@@ -50,9 +53,10 @@ def check_engine_options(name: str, options: dict[str, Any], key: str = "rollout
     for option in options:
         if option not in known:
             raise ConfigError(f"{key}.{option}: not an option of the {name!r} engine (it takes: {', '.join(known)})")
-    if name == "ray":  # the pool's inner engine gets its own options
-        check_engine_options(options.get("engine", "fast"), options.get("engine_options") or {},
-                             key + ".engine_options")
+    inner = engine_class(name).worker_engine(options)
+    if inner is not None:  # the engine its workers run gets its own options
+        inner_name, inner_options, inner_key = inner
+        check_engine_options(inner_name, inner_options, f"{key}.{inner_key}")
 
 
 def build_engine(name: str, model: torch.nn.Module, tokenizer, **options) -> RolloutEngine:
@@ -61,6 +65,5 @@ def build_engine(name: str, model: torch.nn.Module, tokenizer, **options) -> Rol
     return engine_class(name)(model, tokenizer, **options)
 
 
-__all__ = ["ENGINES", "GenerationOutput", "RolloutEngine", "SamplingParams", "build_engine", "check_engine_options",
-           "engine_option_default",
-           "engine_options"]
+__all__ = ["DEFAULT_ENGINE", "ENGINES", "GenerationOutput", "RolloutEngine", "SamplingParams", "build_engine",
+           "check_engine_options", "engine_class", "engine_option_default", "engine_options"]

@@ -55,6 +55,30 @@ class RolloutEngine(ABC):
     # why this engine runs another one's path instead of its own (None: it runs its own); recorded in the summary
     fallback_reason: str | None = None
 
+    # Traits: what the loop, the config checks and the memory planner read about an engine, instead of its name.
+    # may sample in train.async's generator thread while the learner updates (else `no_async_reason` says why not)
+    may_run_async: bool = False
+    no_async_reason: str = "it cannot sample beside the learner"
+    # samples with kernels of its own, not the update's forward: its log-probs differ beyond rounding (TRL's case
+    # for importance sampling, algo.rollout_correction's "engine" mismatch)
+    own_kernels: bool = False
+    # the option through which it samples from a copy of the weights in model.compute_dtype (None: it samples the
+    # weights it is given); build.py fills it in, and train.async's generator copy is made in that dtype
+    compute_dtype_option: str | None = None
+    # where the unsharded copy of the policy it samples from lives under FSDP (None: the run's device)
+    generation_device: str | None = None
+    # its option bounding the rows decoded at once, which the memory planner counts (None: no such option)
+    rows_option: str | None = None
+    # samples in this process; False: in worker processes that are sent the weights pickled (so no views of one
+    # shared tensor, and no torch threads of this process for the generator)
+    in_process: bool = True
+
+    @classmethod
+    def worker_engine(cls, options: dict) -> tuple[str, dict, str] | None:
+        """(name, options, the option key they sit under) of the engine this one runs in its workers, which is
+        also the one that evaluates in process during train.async; None: it samples itself."""
+        return None
+
     @property
     def sampler(self) -> str:
         """The name of the engine whose code really samples: this one, or the one it fell back to."""

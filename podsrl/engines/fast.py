@@ -97,6 +97,9 @@ class FastEngine(RolloutEngine):
     """
 
     name = "fast"
+    may_run_async = True
+    compute_dtype_option = "weights_dtype"
+    rows_option = "max_rows"
 
     def __init__(
         self,

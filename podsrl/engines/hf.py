@@ -76,6 +76,7 @@ class HFEngine(RolloutEngine):
     """
 
     name = "hf"
+    no_async_reason = "it seeds sampling through the process-wide torch RNG that the learner shares"
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, **options: Any) -> None:
         self.model = model

@@ -134,6 +134,13 @@ class RayEngine(RolloutEngine):
     """Actor pool; see the module docstring."""
 
     name = "ray"
+    may_run_async = True
+    generation_device = "cpu"  # the copy the workers are sent the weights from
+    in_process = False
+
+    @classmethod
+    def worker_engine(cls, options: dict) -> tuple[str, dict, str]:
+        return options.get("engine", "fast"), options.get("engine_options") or {}, "engine_options"
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, num_workers: int = 2,
                  address: str | None = None, num_cpus: int | None = None, cpus_per_worker: float = 1,

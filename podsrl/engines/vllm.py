@@ -119,6 +119,8 @@ class VLLMEngine(RolloutEngine):
     """vLLM generation colocated with the trainer; see the module docstring."""
 
     name = "vllm"
+    own_kernels = True
+    no_async_reason = "it is colocated with the learner, with no second copy of the weights to sample from"
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, model_path: str | None = None,
                  gpu_memory_utilization: float = 0.4, tensor_parallel_size: int = 1, dtype: str = "auto",

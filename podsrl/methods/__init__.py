@@ -1,6 +1,6 @@
 """Rollout-efficiency methods, one module each, chosen by the top-level `method` key. Adding a method: a module
 with a `Method` subclass (podsrl/methods/base.py) and its config section dataclass (`section`), and one line here;
-podsrl/config/__init__.py composes the sections from this registry (docs/architecture.md has a complete example)."""
+podsrl/config/sections.py composes the sections from this registry (docs/architecture.md has a complete example)."""
 
 from podsrl.methods.aero import AERO
 from podsrl.methods.base import Method, StepContext, offline_context

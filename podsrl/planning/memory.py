@@ -331,7 +331,7 @@ def engine_fused_weights(shape: ModelShape, work: Workload) -> int:
 def generator_weights(shape: ModelShape, work: Workload) -> int:
     """train.async's generator copy (podsrl/run/async_generation.py async_engines): in the fast engine's dtype, its
     projections the decode step's fused weights; for the Ray pool a full copy in the master dtype."""
-    return {"in_process": shape.params * work.engine_e, "ray": shape.params * work.p}.get(work.async_generator, 0)
+    return {"in_process": shape.params * work.engine_e, "workers": shape.params * work.p}.get(work.async_generator, 0)
 
 
 def generation_in_flight(shape: ModelShape, work: Workload) -> dict[str, int]:

@@ -189,6 +189,7 @@ def add_memory_arguments(parser) -> None:
 def workload_from_config(cfg, prompt_length: int, device: str, world_size: int = 1) -> Workload:
     """P, n, m, lengths and precision of a podsrl config (m: what the method trains of each prompt at most)."""
 
+    from podsrl.config.facts import async_generator, rows_in_flight
     from podsrl.methods import METHODS
     from podsrl.models.precision import resolve_compute_dtype
     from podsrl.tasks import has_episodes
@@ -201,9 +202,7 @@ def workload_from_config(cfg, prompt_length: int, device: str, world_size: int =
         completion_length=cfg.episode.max_tokens if episodes else cfg.rollout.max_new_tokens, episodes=episodes,
         dtype=cfg.model.dtype, compute_dtype=compute.split(".")[-1],
         beta=cfg.algo.beta, logits_chunk=cfg.update.logits_chunk, top_p=cfg.rollout.top_p, device=device,
-        async_generator=("none" if not cfg.train.asynchronous.enabled
-                         else "ray" if cfg.rollout.engine == "ray" else "in_process"),
-        rows_in_flight=int(cfg.rollout.engine_options.get("max_rows") or 0),  # 0: what the device holds
+        async_generator=async_generator(cfg), rows_in_flight=rows_in_flight(cfg),
         world_size=world_size, strategy=cfg.train.strategy, cpu_offload=cfg.train.cpu_offload,
     )
 

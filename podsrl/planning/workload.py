@@ -172,7 +172,8 @@ class Workload:
     # fused weights through the update (False: each phase alone, as benchmarks/memory_plan_check.py measures them)
     training_run: bool = True
     # train.async: "in_process" (a generator thread with its own weights copy in the engine's dtype, sampling while
-    # the update runs on the same device), "ray" (the actors sample elsewhere; the generator's full copy stays here)
+    # the update runs on the same device), "workers" (an engine whose worker processes sample, the Ray pool: the
+    # generator's full copy stays here)
     async_generator: str = "none"
     rows_in_flight: int = 0  # rows the fast engine decodes at once (one wave; 0: all of a rank's rows)
     # an episode task (podsrl/episodes): completion_length is then the episode's budget (episode.max_tokens), and

@@ -29,7 +29,7 @@ import torch
 from podsrl.batch import RolloutBatch
 from podsrl.build import rollout_engine, sampling_dtype
 from podsrl.config import Config
-from podsrl.engines import build_engine
+from podsrl.engines import build_engine, engine_class
 from podsrl.engines.base import RolloutEngine
 from podsrl.engines.capture_lock import CAPTURE_LOCK
 from podsrl.engines.fast import compute_copy
@@ -45,20 +45,22 @@ def async_engines(cfg: Config, generation_model: torch.nn.Module, tokenizer, dis
     if distributed:
         raise UserError("train.async.enabled: one process only for now (under torchrun the generation shards "
                         "all-gather on the process group the update uses, from another thread)")
-    if cfg.rollout.engine == "fast":  # one copy, in the dtype its engine samples in (not a float32 one and the engine's)
+    traits = engine_class(cfg.rollout.engine)
+    if traits.compute_dtype_option:  # one copy, in the dtype its engine samples in (not a float32 one and the engine's)
         dtype = sampling_dtype(cfg, generation_model)
         generator_model = compute_copy(generation_model, dtype) or copy.deepcopy(generation_model)
         generator_model.requires_grad_(False)
         share_fused_weights(generator_model)  # only sampled from and loaded into, never trained or saved
-    else:  # requires_grad as the learner's: the trainable parameters are the ones synced to the Ray actors
+    else:  # requires_grad as the learner's: the trainable parameters are the ones synced to the workers (Ray actors)
         generator_model = copy.deepcopy(generation_model)
     generator_model.eval()
     engine = rollout_engine(cfg, generator_model, tokenizer)
-    if cfg.rollout.engine != "ray":
+    worker = traits.worker_engine(cfg.rollout.engine_options)
+    if worker is None:
         eval_engine = rollout_engine(cfg, generation_model, tokenizer)
-    else:  # eval in process, with the engine the Ray workers run
-        eval_engine = build_engine(cfg.rollout.engine_options.get("engine", "fast"), generation_model, tokenizer,
-                                   **cfg.rollout.engine_options.get("engine_options", {}))
+    else:  # eval in process, with the engine the workers run
+        name, options, _ = worker
+        eval_engine = build_engine(name, generation_model, tokenizer, **options)
     return generator_model, engine, eval_engine, copy.deepcopy(tokenizer)  # a fast tokenizer is not thread-safe
 
 

@@ -19,10 +19,11 @@ from pathlib import Path
 import torch
 
 from podsrl.batch import RolloutBatch
-from podsrl.build import load_model, load_task, reward_manager, rollout_engine, verifier
+from podsrl.build import generation_device, load_model, load_task, reward_manager, rollout_engine, verifier
 from podsrl.config import Config, dump_config
 from podsrl.config.facts import run_facts, unread_settings
 from podsrl.distributed import NullLogger, init_distributed
+from podsrl.engines import engine_class
 from podsrl.engines.capture_lock import CAPTURE_LOCK
 from podsrl.episodes.calls import STOP, Interrupted
 from podsrl.episodes.runner import task_episodes
@@ -114,8 +115,7 @@ class Trainer:
         # torchrun: DDP-style, or FSDP2 over the shards (so before the optimiser), which keeps an unsharded copy for
         # the engines; in one process the engines use the policy itself.
         self.data_parallel = build_data_parallel(
-            self.dist, self.model, self.ref_model, cfg, torch.device("cpu") if cfg.rollout.engine == "ray" else None,
-            sharding)
+            self.dist, self.model, self.ref_model, cfg, generation_device(cfg), sharding)
         self.generation_model = self.data_parallel.generation_model if self.data_parallel else self.model
         self.task, self.eval_problems = load_task(cfg, self.tokenizer, self.model)
         if not self.eval_problems:
@@ -170,7 +170,7 @@ class Trainer:
         keeps the rest); the Ray pool's workers have theirs."""
         cfg, run_ahead = self.cfg, self.cfg.train.asynchronous
         self.threads = torch.get_num_threads()  # restored by close_engines
-        threads = 0 if cfg.rollout.engine == "ray" else split_threads(run_ahead.generator_threads)
+        threads = split_threads(run_ahead.generator_threads) if engine_class(cfg.rollout.engine).in_process else 0
         self.generator = BackgroundGenerator(self.producer.produce, self.generator_model, self.engine,
                                              run_ahead.max_staleness, self.step, cfg.train.max_steps, in_flight,
                                              threads=threads, start=self.generator_start)

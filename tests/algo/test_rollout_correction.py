@@ -1,5 +1,5 @@
 """Rollout correction (podsrl/algo/rollout_correction.py): every mode on a hand-computed case, the metrics, the `auto`
-resolution, and the ratios of real samplers: the trainer's own fp32 module (1 within float rounding) and a bf16 copy
+resolution (podsrl/config/facts.py), and the ratios of real samplers: the trainer's own fp32 module (1 within float rounding) and a bf16 copy
 of it (not 1, and weighted exactly per the formula)."""
 
 from __future__ import annotations
@@ -11,14 +11,10 @@ import math
 import pytest
 import torch
 
-from podsrl.algo.rollout_correction import (
-    mismatch_kinds,
-    resolve_rollout_correction,
-    rollout_correction,
-    uncorrected_staleness,
-)
+from podsrl.algo.rollout_correction import rollout_correction, uncorrected_staleness
 from podsrl.batch import Problem, RolloutBatch
 from podsrl.config import TinyModelConfig, load_config
+from podsrl.config.facts import mismatch_kinds, resolve_rollout_correction
 from podsrl.engines.base import SamplingParams
 from podsrl.engines.fast import FastEngine
 from podsrl.engines.hf import HFEngine

@@ -181,7 +181,7 @@ def test_train_async_adds_the_generator_copy_and_overlaps_generation_with_the_up
     sync, in_process, ray = (workload_from_config(load_config("podsrl/configs/grpo.yaml", base + extra), 256, "cuda")
                              for extra in ([], ["train.async.enabled=true"],
                                            ["train.async.enabled=true", "rollout.engine=ray"]))
-    assert (sync.async_generator, in_process.async_generator, ray.async_generator) == ("none", "in_process", "ray")
+    assert (sync.async_generator, in_process.async_generator, ray.async_generator) == ("none", "in_process", "workers")
     gen, gen_async = mp.generation_peak(shape, sync), mp.generation_peak(shape, in_process)
     assert gen["generator_weights"] == 0 and gen_async["generator_weights"] == shape.params * 2
     assert gen_async["engine_weights"] == shape.params * 2  # the eval engine's copy of the learner's weights
