@@ -32,6 +32,7 @@ from collections.abc import Hashable, Iterator
 import torch
 import torch.distributed as dist
 
+from podsrl.algo.micro_batches import split_rows
 from podsrl.batch import RolloutBatch
 from podsrl.engines.base import EpisodeSession, GenerationOutput, RolloutEngine, SamplingParams
 from podsrl.engines.rows import check_request
@@ -241,10 +242,20 @@ class DataParallel:
     def sync_generation_model(self) -> None:
         """Nothing to do: the engines generate with the policy module itself."""
 
-    def micro_batches(self, rows: torch.Tensor, size: int) -> list[torch.Tensor]:
+    def micro_batches(self, rows: torch.Tensor, size: int, lengths: torch.Tensor | None = None,
+                      max_tokens: int = 0) -> list[torch.Tensor]:
         """This rank's micro-batches of a mini-batch: an equal row share (sizes differ by at most one), cut into
-        as many micro-batches as the largest share needs, on every rank (empty ones dropped unless `lockstep`)."""
-        share = rows.tensor_split(self.ctx.world_size)[self.ctx.rank]
+        as many micro-batches as the largest share needs, on every rank (empty ones dropped unless `lockstep`).
+        With a token budget each share is cut by split_rows, and under `lockstep` every rank runs as many
+        micro-batches as the rank needing most (each rank knows every share: no collective)."""
+        shares = rows.tensor_split(self.ctx.world_size)
+        share = shares[self.ctx.rank]
+        if max_tokens > 0:
+            mine = split_rows(share, size, lengths, max_tokens)
+            if self.lockstep:
+                most = max(len(split_rows(s, size, lengths, max_tokens)) for s in shares)
+                mine += [share[:0]] * (most - len(mine))
+            return [m for m in mine if m.numel() > 0 or self.lockstep]
         count = max(1, math.ceil(math.ceil(rows.numel() / self.ctx.world_size) / size))
         return [m for m in share.tensor_split(count) if m.numel() > 0 or self.lockstep]
 

@@ -49,6 +49,7 @@ def validate(cfg: Config) -> None:
     need(cfg.optim.epochs >= 1, "optim.epochs", "must be >= 1")
     need(cfg.optim.mini_batches >= 1, "optim.mini_batches", "must be >= 1")
     need(cfg.optim.micro_batch_size >= 1, "optim.micro_batch_size", "must be >= 1")
+    need(cfg.optim.micro_batch_tokens >= 0, "optim.micro_batch_tokens", "must be >= 0 (0 = rows only)")
     need(cfg.update.logits_chunk >= 1, "update.logits_chunk", "must be >= 1")
     need(cfg.optim.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
     need(cfg.optim.max_grad_norm >= 0, "optim.max_grad_norm", "must be >= 0")

@@ -194,6 +194,12 @@ class OptimConfig:
     mini_batches: int = _f(1, "Optimiser steps per pass; the batch is split into this many mini-batches.")
     micro_batch_size: int = _f(256, "Rollouts per forward/backward on each rank (gradient accumulation); memory "
                                "knob only (`podsrl plan --memory` sizes it per rank).")
+    micro_batch_tokens: int = _f(0, "Tokens (prompt + completion, per row) per micro-batch on each rank, as verl's "
+                                 "ppo_max_token_len_per_gpu: rows in their order are cut where the next would pass "
+                                 "the budget (a longer row runs alone), still at most optim.micro_batch_size rows; "
+                                 "0 = rows only. With completions of very different lengths it bounds memory by "
+                                 "what a micro-batch holds, not by its row count (`podsrl plan --memory` advises "
+                                 "it); same gradients either way.")
 
 
 @dataclass

@@ -419,6 +419,12 @@ class MemoryPlan:
     def budget(self) -> int:
         return int(self.memory * (1 - self.reserve))
 
+    def micro_batch_tokens(self, checkpointing: bool) -> int:
+        """The token budget (optim.micro_batch_tokens) of the largest micro-batch: its rows at full length. A cut of
+        any rows under it keeps no more activations, since they grow with the tokens (attention with the tokens
+        times the keys, which full-length rows maximise)."""
+        return self.micro_batch[checkpointing] * (self.work.prompt_length + self.work.completion_length)
+
     @property
     def fits(self) -> bool:
         """Start-up fits, generation fits (at least one row at a time) and so does an update micro-batch of at least

@@ -66,7 +66,8 @@ def render(plan: MemoryPlan, model: str) -> str:
             count = math.ceil(w.trained_rows / rows)
             lines.append(f"{how} activation checkpointing: update.activation_checkpointing={str(c).lower()} "
                          f"optim.micro_batch_size={rows} ({count} micro-batch{'es' if count > 1 else ''} for "
-                         f"{w.trained_rows} trained rows)")
+                         f"{w.trained_rows} trained rows), or by tokens optim.micro_batch_tokens="
+                         f"{plan.micro_batch_tokens(c)} (as many rows at full length; more when they are shorter)")
     if sum(gen.values()) > plan.budget:
         lines.append(f"generation does not fit even {w.generation_rows} row(s) at a time")
     elif w.generation_rows < w.rank_rows:
@@ -150,7 +151,8 @@ def to_json(plan: MemoryPlan) -> dict:
         "reserve": plan.reserve,
         "generation": plan.generation | {"peak": sum(plan.generation.values())},
         "update": {("checkpointing" if c else "no_checkpointing"): plan.update[c] | {
-            "peak": sum(plan.update[c].values()), "micro_batch_size": plan.micro_batch[c]} for c in (False, True)},
+            "peak": sum(plan.update[c].values()), "micro_batch_size": plan.micro_batch[c],
+            "micro_batch_tokens": plan.micro_batch_tokens(c)} for c in (False, True)},
     }
 
 

@@ -14,6 +14,7 @@ import torch
 
 from podsrl.algo.grad_noise import make_probe
 from podsrl.algo.loss import LOSS_AGGREGATIONS, aggregation_stats, clipped_policy_loss, k3_kl
+from podsrl.algo.micro_batches import row_tokens, split_rows
 from podsrl.algo.rollout_correction import (
     RolloutCorrection,
     rollout_correction,
@@ -72,10 +73,12 @@ class PolicyUpdater:
         correction, or the correction's denominator."""
         return self.cfg.optim.epochs * self.cfg.optim.mini_batches > 1 or self.rollout_correction != "none"
 
-    def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
+    def _micro_batches(self, batch: RolloutBatch, rows: torch.Tensor) -> list[torch.Tensor]:
+        optim = self.cfg.optim
+        lengths = row_tokens(batch.prompt_mask, batch.completion_mask) if optim.micro_batch_tokens > 0 else None
         if self.dp is not None:  # this rank's share; the same number of micro-batches on every rank
-            return self.dp.micro_batches(rows, self.cfg.optim.micro_batch_size)
-        return list(rows.split(self.cfg.optim.micro_batch_size))
+            return self.dp.micro_batches(rows, optim.micro_batch_size, lengths, optim.micro_batch_tokens)
+        return split_rows(rows, optim.micro_batch_size, lengths, optim.micro_batch_tokens)
 
     def _probe(self, batch: RolloutBatch, mini: torch.Tensor, generator: torch.Generator):
         """Split-half gradient-noise probe of this mini-batch (None with fewer than two groups in it)."""
@@ -110,7 +113,7 @@ class PolicyUpdater:
         """[R, Lc] log-probs under `model` (old policy or reference), computed once before the first pass; on the
         device (a copy to the host per micro-batch would make the host wait for each)."""
         out = torch.zeros(batch.completion_mask.shape, device=self.device)
-        for rows in self._micro_batches(torch.arange(batch.num_rollouts)):
+        for rows in self._micro_batches(batch, torch.arange(batch.num_rollouts)):
             (logp, _), width = self._forward(model, batch, rows)
             out[rows, :width] = logp.float()
         if self.dp is not None:  # each rank filled its rows, zeros elsewhere
@@ -211,7 +214,7 @@ class PolicyUpdater:
         losses and metrics stay on the device until all have run, then come back in one read."""
         losses, pending = [], []
         for half, rows_of_half in enumerate(probe.halves(mini) if probe is not None else [mini]):
-            for rows in self._micro_batches(rows_of_half):
+            for rows in self._micro_batches(batch, rows_of_half):
                 loss, m = self._micro_step(batch, rows, stats, old_logprobs, ref_logprobs, correction)
                 losses.append(loss)
                 pending.extend((k, v, w) for k, (v, w) in m.items())

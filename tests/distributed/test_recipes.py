@@ -70,8 +70,11 @@ def test_the_documented_plan_is_todays_and_fits_the_recipes_micro_batch(name, tm
     preset, overrides = recipe_parts(name)
     cfg = load_config(preset_path(preset), overrides)
     fits = json.loads(report.read_text())["update"][
-        "checkpointing" if cfg.update.activation_checkpointing else "no_checkpointing"]["micro_batch_size"]
-    assert 0 < cfg.optim.micro_batch_size <= fits, (name, fits)
+        "checkpointing" if cfg.update.activation_checkpointing else "no_checkpointing"]
+    if cfg.optim.micro_batch_tokens:  # a token budget bounds the micro-batch, whatever its row cap
+        assert 0 < cfg.optim.micro_batch_tokens <= fits["micro_batch_tokens"], (name, fits)
+    else:
+        assert 0 < cfg.optim.micro_batch_size <= fits["micro_batch_size"], (name, fits)
 
 
 @pytest.fixture(scope="module")
