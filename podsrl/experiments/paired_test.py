@@ -116,7 +116,8 @@ def verdict_text(direction: str, agree: int, n: int, p: float | None, p_holm: fl
     if held <= alpha:
         return f"{direction} ({agree} of {n} seeds, {shown})"
     if agree == n:
-        return f"all {n} seeds agree, {direction} ({shown}: not significant at {alpha:.0%})"
+        both = "both seeds agree" if n == 2 else f"all {n} seeds agree"
+        return f"{both}, {direction} ({shown}: not significant at {alpha:.0%})"
     return "inconclusive"
 
 

@@ -7,9 +7,9 @@ for the first step); the unit of evidence is the per-seed difference d_s = metho
   about the bootstrap", §5): B resamples of the n differences with replacement; the percentiles are taken at
   alpha'/2 and 1 - alpha'/2 with Phi^-1(alpha'/2) = -sqrt(n/(n-1)) * t_{n-1, 1-alpha/2}. The plain percentile
   interval is too narrow for small n (it ignores that the spread itself is estimated); the expansion makes it
-  as wide as a t interval would be. A percentile bootstrap can never leave [min d, max d]: with 3 seeds the
-  interval is the range of the differences, so a verdict means every seed agreed in sign. Under no effect that
-  happens by chance 2 * 2^-3 = 25% of the time: 3 seeds give an ~75% interval, not 95% (docs/statistics.md).
+  as wide as a t interval would be. A percentile bootstrap can never leave [min d, max d]: up to 4 seeds the
+  interval is the range of the differences, ~75% for the median with 3 (paired_test.interval_label names each n's
+  level; docs/statistics.md).
 - Verdict (podsrl/experiments/paired_test.py): the exact sign-flip test of the mean difference, one-sided in each
   direction, Holm-corrected across the metrics of one comparison (`paired_family`); "better" / "worse" when that
   p <= alpha, "all n seeds agree" when every seed lies on one side but p > alpha, else "inconclusive". Each direction's
@@ -18,7 +18,8 @@ for the first step); the unit of evidence is the per-seed difference d_s = metho
 - Seeds needed (not significant only): the smallest n with n >= ((t_{n-1, 1-alpha/2} + t_{n-1, power}) * s / |dbar|)^2,
   the paired t-test sample size (normal approximation of the non-central t, iterated on the t quantiles) to
   detect the observed mean difference dbar at the observed standard deviation s of the differences, two-sided
-  alpha = 0.05, power 0.8. At least n + 1 (more seeds than were run). An estimate from the observed spread, which is
+  alpha = 0.05, power 0.8. At least n + 1 (more seeds than were run), and at least the fewest with which the exact
+  test can pass at all (2^-n * metrics <= alpha). An estimate from the observed spread, which is
   itself uncertain: the range puts the ends of the spread's chi-square (1 - alpha) interval through the same formula.
   None when dbar = 0 or s is unknown (< 2 pairs).
 """
@@ -33,7 +34,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-from podsrl.experiments.paired_test import holm, sd_interval, sign_flip_p, verdict_text
+from podsrl.experiments.paired_test import format_p, holm, sd_interval, sign_flip_p, verdict_text
 
 ALPHA = 0.05
 POWER = 0.8
@@ -118,7 +119,7 @@ def seeds_text(needed: int) -> str:
 
 def seeds_range_text(needed: int, low: int | None, high: int | None) -> str:
     """'~9 (4-340)': the estimate and the range from the spread's own interval."""
-    if low is None or high is None:
+    if low is None or high is None or min(low, MAX_SEEDS + 1) == min(high, MAX_SEEDS + 1):
         return seeds_text(needed)
     low_text, high_text = (f">{MAX_SEEDS}" if k > MAX_SEEDS else str(k) for k in (low, high))
     return f"{seeds_text(needed)} ({low_text}–{high_text})"
@@ -163,15 +164,16 @@ class PairedStat:
         return self.holm_worse if self.direction == WORSE else self.holm_better
 
     def short(self, digits: int = 3) -> str:
-        """'+0.021 [+0.010, +0.030] better (5 of 5 seeds, p = 0.031)' (or '... inconclusive, ~9 seeds')."""
+        """For a plot legend: "+0.021 [+0.010, +0.030] better, Holm p = 0.020" (or "... all 3 agree, Holm p = 0.625")."""
         if self.mean_diff is None:
             return "no pairs"
         text = f"{self.mean_diff:+.{digits}f}"
         if self.ci_low is not None and self.ci_high is not None:
             text += f" [{self.ci_low:+.{digits}f}, {self.ci_high:+.{digits}f}]"
-        text += f" {self.words}"
-        if self.seeds_needed is not None:
-            text += f", {seeds_text(self.seeds_needed)} seeds"
+        agree = max(self.above, self.below) == self.pairs and self.verdict == INCONCLUSIVE
+        text += f" all {self.pairs} agree" if agree else f" {self.verdict}"
+        if self.p_holm is not None:
+            text += f", Holm p {'< ' if self.p_holm < 0.001 else '= '}{format_p(self.p_holm)}"
         return text
 
 

@@ -131,6 +131,7 @@ def test_verdict_words():
     assert verdict_text("better", 5, 5, 1 / 32, 5 / 32, 0.05) == (
         "all 5 seeds agree, better (p = 0.031, Holm 0.156: not significant at 5%)"
     )
+    assert verdict_text("worse", 2, 2, 0.25, 0.25, 0.05) == "both seeds agree, worse (p = 0.250: not significant at 5%)"
     assert verdict_text("better", 2, 3, 0.375, 0.375, 0.05) == "inconclusive"
     assert verdict_text("better", 1, 1, None, None, 0.05) == "inconclusive"
     assert verdict_text("better", 12, 12, 0.0002, 0.0002, 0.05) == "better (12 of 12 seeds, p < 0.001)"

@@ -19,6 +19,7 @@ from podsrl.experiments.stats import (
     bootstrap_interval,
     paired_stat,
     seeds_needed,
+    seeds_range_text,
     seeds_text,
     t_quantile,
 )
@@ -80,6 +81,9 @@ def test_paired_stat_verdicts_and_pairing():
     assert faster.words == "all 3 seeds agree, better (p = 0.125: not significant at 5%)"
     # 5 seeds: the least a sign-flip test can say at 5% with one metric (2^-5 = 0.031)
     assert faster.seeds_needed == 5 and (faster.seeds_low, faster.seeds_high) == (5, 5)
+    assert seeds_range_text(5, 5, 5) == "~5" and seeds_range_text(9, 4, 340) == "~9 (4–340)"
+    assert seeds_range_text(MAX_SEEDS + 1, MAX_SEEDS + 1, MAX_SEEDS + 1) == "> 1000"
+    assert seeds_range_text(600, 200, MAX_SEEDS + 1) == "~600 (200–>1000)"
     mixed = paired_stat("final", base, {1: 0.33, 2: 0.30, 3: 0.33, 4: 0.28, 5: 0.30})
     assert mixed.verdict == INCONCLUSIVE and mixed.words == "inconclusive"
     assert mixed.seeds_low <= mixed.seeds_needed <= mixed.seeds_high and mixed.seeds_needed > 5
@@ -161,7 +165,7 @@ def test_report_files_and_legend_carry_the_verdicts(tmp_path):
     assert "(range, ~75% for the median) (3 pairs) all 3 seeds agree, better (p = 0.125, Holm 0.625" in lines[0]
     assert "seeds would resolve it (estimate from the observed spread)" in lines[0]
     legend = paired_legend(compare_runs(runs, "grpo").configs[1].paired)
-    assert legend.startswith("area under acc-vs-time / T vs baseline: +") and "all 3 seeds agree, better" in legend
+    assert legend.startswith("area under acc-vs-time / T vs baseline: +") and legend.endswith("all 3 agree, Holm p = 0.625")
 
 
 @pytest.mark.parametrize(("seeds", "label"), [(5, "n = 5: bootstrap, ~92%"), (10, "n = 10: bootstrap 95%")])
