@@ -30,7 +30,7 @@ import numpy as np
 import yaml
 
 from podsrl.errors import DataError, UserError
-from podsrl.experiments.stats import PairedStat, paired_stat
+from podsrl.experiments.stats import PairedStat, paired_family, paired_stat
 
 ACCURACY = "eval/accuracy"
 TIME = "time/elapsed"
@@ -454,10 +454,10 @@ def compare_runs(
 
 
 def paired_metrics(baseline: list[RunResult], method: list[RunResult]) -> dict[str, PairedStat]:
-    """PAIRED_METRICS of `method` against `baseline`, paired by seed."""
+    """PAIRED_METRICS of `method` against `baseline`, paired by seed, Holm-corrected across the metrics."""
     out = {}
     for metric, (attr, higher_is_better) in PAIRED_METRICS.items():
         base = {r.record.seed: getattr(r, attr) for r in baseline}
         values = {r.record.seed: getattr(r, attr) for r in method}
         out[metric] = paired_stat(metric, base, values, higher_is_better)
-    return out
+    return paired_family(out)

@@ -22,7 +22,8 @@ from podsrl.experiments.analysis import (
     compare_runs,
     load_run,
 )
-from podsrl.experiments.stats import ALPHA, POWER, PairedStat, seeds_text
+from podsrl.experiments.paired_test import format_p, interval_label
+from podsrl.experiments.stats import ALPHA, POWER, PairedStat, seeds_range_text
 
 NOT_REACHED = "not reached"
 HEADER_FILE = "header.md"  # written by `podsrl compare`, picked up by `podsrl report` on the same folder
@@ -87,12 +88,14 @@ def comparison_rows(comparison: Comparison) -> list[dict]:
 
 def _paired_columns(metric: str, p: PairedStat | None) -> dict:
     """vs-baseline columns of one metric (empty for the baseline itself)."""
+    names = ("pairs", "diff", "ci_low", "ci_high", "p", "p_holm", "verdict", "verdict_words", "seeds_needed",
+             "seeds_low", "seeds_high")
     values = (
-        (None,) * 6
+        (None,) * len(names)
         if p is None
-        else (p.pairs, p.mean_diff, p.ci_low, p.ci_high, p.verdict, p.seeds_needed)
+        else (p.pairs, p.mean_diff, p.ci_low, p.ci_high, p.p_value, p.p_holm, p.verdict, p.words, p.seeds_needed,
+              p.seeds_low, p.seeds_high)
     )
-    names = ("pairs", "diff", "ci_low", "ci_high", "verdict", "seeds_needed")
     return {f"{metric}_{name}": v for name, v in zip(names, values)}
 
 
@@ -109,16 +112,18 @@ def verdict_lines(rows: list[dict]) -> list[str]:
             text += "no pairs" if diff is None else f"{diff:+.{digits}f}"
             if row[f"{metric}_ci_low"] is not None:
                 text += f" [{row[f'{metric}_ci_low']:+.{digits}f}, {row[f'{metric}_ci_high']:+.{digits}f}]"
-            text += f" ({row[f'{metric}_pairs']} pairs) {verdict}"
+                text += f" ({interval_label(row[f'{metric}_pairs'], ALPHA).split(': ', 1)[1]})"
+            text += f" ({row[f'{metric}_pairs']} pairs) {row[f'{metric}_verdict_words']}"
             if row[f"{metric}_seeds_needed"] is not None:
-                text += f"; {seeds_text(row[f'{metric}_seeds_needed'])} seeds would resolve it"
+                seeds = seeds_range_text(*(row[f"{metric}_seeds_{k}"] for k in ("needed", "low", "high")))
+                text += f"; {seeds} seeds would resolve it (estimate from the observed spread)"
             lines.append(text)
     return lines
 
 
 def paired_table(comparison: Comparison) -> str:
-    """Markdown: per config and metric, mean paired difference [95% interval], pairs, verdict, seeds needed."""
-    rows = []
+    """Markdown: per config and metric, mean paired difference [interval], sign-flip p, pairs, verdict, seeds."""
+    rows, pairs = [], set()
     for cfg in comparison.configs[1:]:
         for metric, p in cfg.paired.items():
             digits = 1 if metric == "time_to_target" else 3
@@ -128,21 +133,25 @@ def paired_table(comparison: Comparison) -> str:
                 diff = f"{p.mean_diff:+.{digits}f}"
                 if p.ci_low is not None:
                     diff += f" [{p.ci_low:+.{digits}f}, {p.ci_high:+.{digits}f}]"
-            needed = "—" if p.seeds_needed is None else seeds_text(p.seeds_needed)
-            verdict = f"**{p.verdict}**" if p.verdict != "inconclusive" else p.verdict
+                    pairs.add(p.pairs)
+            needed = "—" if p.seeds_needed is None else seeds_range_text(p.seeds_needed, p.seeds_low, p.seeds_high)
+            verdict = f"**{p.words}**" if p.verdict != "inconclusive" else p.words
+            tested = "—" if p.p_value is None else f"{format_p(p.p_value)} ({format_p(p.p_holm)})"
             rows.append(
-                [f"`{cfg.label}`", PAIRED_TITLES[metric], diff, f"{p.pairs}/{p.seeds}", verdict, needed]
+                [f"`{cfg.label}`", PAIRED_TITLES[metric], diff, tested, f"{p.pairs}/{p.seeds}", verdict, needed]
             )
     if not rows:
         return ""
+    levels = "; ".join(interval_label(n, ALPHA) for n in sorted(pairs))
     return _table(
         [
             "config",
             "metric",
-            f"mean difference vs `{comparison.baseline}` [bootstrap {1 - ALPHA:.0%} interval]",
+            f"mean difference vs `{comparison.baseline}` [interval: {levels or 'none'}]",
+            "sign-flip p (Holm)",
             "pairs",
             "verdict",
-            "seeds to resolve",
+            f"seeds to resolve (estimate from the observed spread; range from its {1 - ALPHA:.0%} interval)",
         ],
         rows,
     )
@@ -239,14 +248,18 @@ def render_markdown(comparison: Comparison, header: str | None = None) -> str:
     ]
     paired_note = [
         f"Paired by seed (seed s of a config minus seed s of `{c.baseline}`): mean difference with an expanded",
-        f"percentile bootstrap {1 - ALPHA:.0%} interval; verdict better / worse when the interval excludes 0",
-        "(time to target: lower is better), else inconclusive with the seeds a paired t-test would need to",
-        f"resolve the observed difference at the observed spread (two-sided {ALPHA}, power {POWER}).",
+        "percentile bootstrap interval, at the level the header names for its number of pairs (up to 4 pairs it",
+        "is the range of the differences). p: exact one-sided sign-flip test of the mean difference on the side",
+        "it lies on, Holm-corrected across the metrics in brackets; verdict better / worse when the Holm p is at",
+        f"most {ALPHA} (time to target: lower is better), 'all n seeds agree' when every pair lies on one side",
+        "without that, else inconclusive, with the seeds a paired t-test would need to resolve the observed",
+        f"difference at the observed spread (two-sided {ALPHA}, power {POWER}) and the range from the spread's",
+        "own uncertainty.",
         f"Final = last eval point; area = trapezoid integral of accuracy over the seed's common {c.clock}",
         "[0, T] (T = earliest end among that seed's runs) divided by T; final, peak and plateau use each run's",
         "whole curve, like for like only under an equal budget. Time to target uses the pairs where both",
-        "reached it. With 3 seeds the interval is the range of the 3 differences (a verdict means all",
-        "three agree; ~25% chance under no effect): see docs/statistics.md.",
+        "reached it. No result of 3 seeds can reach p = 0.05 (all three agreeing has p = 0.125):",
+        "see docs/statistics.md.",
     ]
     parts = [header.strip() + "\n"] if header else []
     parts.append(" ".join(method) + "\n")
