@@ -27,7 +27,6 @@ models/transformers_api.check_fast_path); other models it cannot drive fall back
 
 from __future__ import annotations
 
-import copy
 import logging
 import weakref
 from collections import deque
@@ -48,6 +47,7 @@ from podsrl.engines.rows import (
     stop_ids,
 )
 from podsrl.engines.sampling import sample_next
+from podsrl.engines.weights_copy import compute_copy, refresh_copy
 from podsrl.errors import ConfigError
 from podsrl.models.decode import (
     DecodeStack,
@@ -418,9 +418,6 @@ class FastEngine(RolloutEngine):
         return self.state
 
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
-
-
 def _pieces(prompts: list[list[int]], counts: list[int], limit: int, prefixes: list | None) -> list[tuple]:
     """The queue of a generate call: (prompt, first output row, rows, the prompt's cached prefix or None) per
     prompt group, a group of more than `limit` rows split into pieces of at most `limit` (a piece is admitted
@@ -477,29 +474,3 @@ def plan_rows_in_flight(model: torch.nn.Module, shape: ModelShape, prompts: list
     work = Workload(prompts=len(used), n=-(-sum(counts) // len(used)), m=1, prompt_length=max(used),
                     completion_length=steps, dtype=dtype, compute_dtype=dtype, top_p=top_p, device="cuda")
     return rows_in_flight(shape, work, available)
-
-
-def compute_copy(model: torch.nn.Module, dtype: torch.dtype | str | None) -> torch.nn.Module | None:
-    """A copy of `model` whose parameters are in `dtype`, for sampling (None when they already are, or no dtype).
-    Each parameter is cast straight into the copy (the model is never duplicated in its own dtype); buffers (the
-    rotary frequencies) are copied as they are, as from_pretrained keeps them in float32 in any dtype."""
-    if isinstance(dtype, str):  # as written in a config file
-        dtype = getattr(torch, dtype, None) if dtype in DTYPE_NAMES else None
-        if dtype is None:
-            raise ConfigError(f"rollout.engine_options.weights_dtype: one of {', '.join(DTYPE_NAMES)}")
-    if dtype is None or all(p.dtype == dtype for p in model.parameters()):
-        return None
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        if id(p) not in memo:  # tied weights stay tied
-            memo[id(p)] = torch.nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=False)
-    return copy.deepcopy(model, memo)
-
-
-def refresh_copy(copy_: torch.nn.Module, model: torch.nn.Module) -> None:
-    """Copies `model`'s parameters into the copy's, in place, by name (rounded to the copy's dtype): one foreach
-    copy (on CUDA a few multi-tensor kernels, not a launch per parameter)."""
-    sources = dict(model.named_parameters())
-    targets = list(copy_.named_parameters())
-    with torch.no_grad():
-        torch._foreach_copy_([p for _, p in targets], [sources[name] for name, _ in targets])
