@@ -54,6 +54,9 @@ class RolloutEngine(ABC):
     name: str = "base"
     # why this engine runs another one's path instead of its own (None: it runs its own); recorded in the summary
     fallback_reason: str | None = None
+    # whether it keeps device state between calls (a KV cache, captured CUDA graphs) that stays valid through an
+    # update; the trainer then skips `release` before the update where the memory plan counts that state
+    keeps_state_across_updates: bool = False
 
     @property
     def sampler(self) -> str:
@@ -77,7 +80,8 @@ class RolloutEngine(ABC):
         """Called after each update. In-process engines share the trainer's module, so nothing to do."""
 
     def release(self) -> None:  # noqa: B027 (optional hook)
-        """Frees what the engine keeps on the device between calls (the trainer calls it before the update)."""
+        """Frees what the engine keeps on the device between calls (the trainer calls it before the update, unless
+        keeps_state_across_updates and the memory plan fits that state beside the update)."""
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release workers, processes, GPU memory."""

@@ -84,7 +84,9 @@ class FastEngine(RolloutEngine):
     - cuda_graphs (None: on when the model is on a CUDA device and the layer loop runs with the static cache):
       capture one CUDA graph of the decode step per bucket and replay it. The engine then keeps its KV cache and
       step state between calls (max_rows rows, a power of two, positions to a multiple of cache_block) until
-      `release` (the trainer calls it before each update): the graphs replay at those addresses;
+      `release`: the graphs replay at those addresses. The trainer keeps them through the update where the memory
+      plan fits them (keeps_state_across_updates), and the graphs replay the new weights: the optimiser, sync_weights
+      and DecodeStack.begin update the tensors they read in place;
     - compile (False): run the step under torch.compile(fullgraph=True, dynamic=False), one compilation per bucket
       (True: inductor; a string: that backend); with cuda_graphs the compiled step is what is captured;
     - cache_block (64): with cuda_graphs or compile, a step attends over the filled cache rounded up to a multiple of
@@ -177,6 +179,12 @@ class FastEngine(RolloutEngine):
             refresh_copy(self.copy, base_model(model))
 
     @property
+    def keeps_state_across_updates(self) -> bool:
+        """The step state and graphs stay between calls under buckets (CUDA graphs or compile), eager decoding
+        keeps none."""
+        return self.runner is not None and not self.buckets.exact
+
+    @property
     def sampler(self) -> str:
         return self.name if self.fallback is None else self.fallback.name
 
@@ -231,8 +239,8 @@ class FastEngine(RolloutEngine):
 
     def release(self) -> None:
         """Frees what the engine keeps between calls (the step state and KV cache, the graphs that read them, open
-        episode sessions' caches): the trainer calls it before the update, so generation's cache never sits beside
-        the update's activations (a session's next turn then prefills its episodes whole)."""
+        episode sessions' caches): the trainer calls it before the update where the memory plan does not fit them
+        beside it, and after an eval (a session's next turn then prefills its episodes whole)."""
         for session in list(self.sessions):
             session.close()
         self.state = None
