@@ -68,6 +68,10 @@ from podsrl.planning.memory import RESERVE, rows_in_flight
 from podsrl.planning.workload import ModelShape, Workload, model_shape
 
 logger = logging.getLogger("podsrl")
+# Under buckets (CUDA graphs, compile) the host reads the finished rows and the top column every SYNC_EVERY steps,
+# not every step: a read waits for the device, so between reads the GPU runs ahead of the Python loop. The price:
+# rows that finished decode padding until the next read (compaction, refills and the call's end wait for it).
+SYNC_EVERY = 8
 
 
 class FastEngine(RolloutEngine):
@@ -297,12 +301,13 @@ class FastEngine(RolloutEngine):
         out_tokens = torch.full((rows, steps + 1), self.pad_token_id, dtype=torch.long, device=device)
         out_logprobs = torch.zeros((rows, steps + 1), dtype=torch.float32, device=device)
         lengths = torch.zeros(rows, dtype=torch.long, device=device)
-        n = top = 0  # live rows; the largest column among them
+        n = top = since = 0  # live rows; the largest column among them (a bound); steps since the host read them
         while True:
             if n == 0:  # every row finished: the next wave starts from the queue
                 step = (tokens, logprobs, finished)
             elif stepped:
-                step = self.runner(self.forward, state, self.buckets.rows(n), self.buckets.length(top + 2), sampler)
+                length = self.buckets.length(min(top + 2, state.positions))
+                step = self.runner(self.forward, state, self.buckets.rows(n), length, sampler)
             else:
                 step = cached_step(self.forward, cache, state, n, top + 2, sampler)
             tokens, logprobs, finished = (t[:n] for t in step)
@@ -337,7 +342,11 @@ class FastEngine(RolloutEngine):
             finished = finished | (emitted >= steps)
             if kept is not None:  # before a later step overwrites its last column, or compaction its row
                 _keep_finished(state, finished & ~was_finished, live, kept)
-            n_finished, top = (int(x) for x in torch.stack([finished.sum(), state.column[:n].max()]).tolist())
+            if self.buckets.exact or not stepped or kept is not None or admitted or since + 1 >= SYNC_EVERY:
+                n_finished, top = (int(x) for x in torch.stack([finished.sum(), state.column[:n].max()]).tolist())
+                since = 0
+            else:  # no host sync: a column moves at most one a step, finished rows decode padding until the next read
+                n_finished, top, since = 0, top + 1, since + 1
             if n_finished == n and not queue:
                 break
             state.advance(tokens, finished)
