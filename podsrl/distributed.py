@@ -186,6 +186,10 @@ class ShardedEngine(RolloutEngine):
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.inner.sync_weights(model)
 
+    @property
+    def keeps_state_across_updates(self) -> bool:
+        return self.inner.keeps_state_across_updates
+
     def release(self) -> None:
         self.inner.release()
 

@@ -1,9 +1,11 @@
 """End-to-end behaviour of the trainer on tiny CPU runs: it learns, it logs the agreed metrics, it is deterministic."""
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from podsrl.config import load_config
 from podsrl.reporting.tracking import read_metrics
@@ -118,3 +120,86 @@ def test_the_engine_releases_an_evals_state_after_it(tmp_path, warmup_cache, mon
     Trainer(load_config(None, tiny_overrides(tmp_path, warmup_cache, **{"train.eval_every": 1}))).train()
     evals = [i for i, event in enumerate(events) if event == "eval"]
     assert len(evals) >= 2 and all(events[i + 1] == "release" for i in evals), events
+
+
+def _graphed_run(tmp_path, warmup_cache, monkeypatch):
+    """A run whose fast engine keeps a decode state between calls on the CPU: buckets, and the decode-step tests'
+    stand-in for CUDA graphs (each replay reruns the step the capture saw). Returns the overrides and the events:
+    ("capture", bucket) per graph captured, ("update",) per update."""
+    from podsrl.engines import fast
+    from podsrl.engines.decode_step import Buckets
+    from podsrl.update import PolicyUpdater
+    from tests.engines.test_decode_graph import RerunGraphs
+
+    events = []
+
+    class CountedGraphs(RerunGraphs):
+        def run(self, key, step):
+            if key not in self.graphs:
+                events.append(("capture", key))
+            return super().run(key, step)
+
+    class GraphedRunner(fast.StepRunner):
+        def __init__(self, compile=False, cuda_graphs=False):
+            super().__init__(compile, cuda_graphs)
+            self.graphs = CountedGraphs()
+
+    update = PolicyUpdater.update
+
+    def spy_update(updater, *args, **kwargs):
+        events.append(("update",))
+        return update(updater, *args, **kwargs)
+
+    monkeypatch.setattr(fast, "StepRunner", GraphedRunner)
+    monkeypatch.setattr(fast, "Buckets", lambda block, exact: Buckets(block=block))
+    monkeypatch.setattr(PolicyUpdater, "update", spy_update)
+    # no compaction: every step decodes its 16 rows in one bucket, so what a step captures is what it re-captures
+    return tiny_overrides(tmp_path, warmup_cache, **{"train.max_steps": 3,
+                                                     "rollout.engine_options": "{compaction: false}"}), events
+
+
+def _captures_per_step(events) -> list[int]:
+    """Graphs each step's generation captured (the evals' greedy ones, released after each eval, left out)."""
+    counts = [0]
+    for event in events:
+        if event[0] == "update":
+            counts.append(0)
+        elif not event[1][2].greedy:
+            counts[-1] += 1
+    return counts[:-1]  # the last entry: after the last update
+
+
+def test_kept_graphs_are_not_captured_again_after_an_update(tmp_path, warmup_cache, monkeypatch):
+    """Where the memory plan fits the engine's decode state beside the update, the trainer keeps it: after the
+    first step a step captures nothing, and the kept graphs replay the updated weights (the tokens of an eager
+    engine over the trained policy). Before, the trainer released them before every update: one capture a step."""
+    from podsrl.engines import SamplingParams
+    from podsrl.engines.fast import FastEngine
+    from tests.engines.test_engines import random_prompts
+
+    overrides, events = _graphed_run(tmp_path, warmup_cache, monkeypatch)
+    trainer = Trainer(load_config(None, overrides))
+    trainer.train()
+    assert trainer.keep_engine_state
+    assert _captures_per_step(events) == [1, 0, 0], events
+    prompts, params, seeds = random_prompts([3, 5]), SamplingParams(max_new_tokens=4, temperature=1.0), torch.arange(8)
+    eager = FastEngine(trainer.generation_model, trainer.tokenizer, compaction=False)
+    replayed = trainer.engine.generate(prompts, [4, 4], params, seeds)
+    assert torch.equal(replayed.completion_ids, eager.generate(prompts, [4, 4], params, seeds).completion_ids)
+
+
+def test_decode_state_the_plan_does_not_fit_is_released_before_each_update(tmp_path, warmup_cache, monkeypatch,
+                                                                          caplog):
+    """On a device too small for the decode state beside the update, the trainer frees it before each update (each
+    step captures its graphs anew) and says so in one start-up line."""
+    from podsrl.run import engine_state
+
+    overrides, events = _graphed_run(tmp_path, warmup_cache, monkeypatch)
+    monkeypatch.setattr(engine_state, "device_memory", lambda device: 2**20)
+    with caplog.at_level(logging.INFO, logger="podsrl"):
+        trainer = Trainer(load_config(None, overrides))
+        trainer.train()
+    assert not trainer.keep_engine_state
+    assert _captures_per_step(events) == [1, 1, 1], events
+    lines = [r.getMessage() for r in caplog.records if "decode state" in r.getMessage()]
+    assert len(lines) == 1 and "freed before each update" in lines[0]

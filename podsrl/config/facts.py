@@ -86,6 +86,13 @@ def rows_in_flight(cfg: Config) -> int:
     return int(cfg.rollout.engine_options.get(engine_class(cfg.rollout.engine).rows_option) or 0)
 
 
+def keeps_decode_state(cfg: Config, device: str) -> bool:
+    """Whether the configured engine keeps a decode state between calls, which a synchronous run keeps through the
+    update where the plan fits it (train.async samples beside the update: generation_in_flight counts it there)."""
+    return (not cfg.train.asynchronous.enabled
+            and engine_class(cfg.rollout.engine).keeps_decode_state(cfg.rollout.engine_options, device))
+
+
 def unread_settings(cfg: Config) -> list[str]:
     """Dotted keys set away from their defaults in the sections of methods other than the chosen one: nothing in
     the run reads them (a method reads only its own section)."""

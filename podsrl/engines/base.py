@@ -54,6 +54,9 @@ class RolloutEngine(ABC):
     name: str = "base"
     # why this engine runs another one's path instead of its own (None: it runs its own); recorded in the summary
     fallback_reason: str | None = None
+    # whether it keeps device state between calls (a KV cache, captured CUDA graphs) that stays valid through an
+    # update; the trainer then skips `release` before the update where the memory plan counts that state
+    keeps_state_across_updates: bool = False
 
     # Traits: what the loop, the config checks and the memory planner read about an engine, instead of its name.
     # may sample in train.async's generator thread while the learner updates (else `no_async_reason` says why not)
@@ -72,6 +75,12 @@ class RolloutEngine(ABC):
     # samples in this process; False: in worker processes that are sent the weights pickled (so no views of one
     # shared tensor, and no torch threads of this process for the generator)
     in_process: bool = True
+
+    @classmethod
+    def keeps_decode_state(cls, options: dict, device: str) -> bool:
+        """Whether an engine of these options on this device keeps a decode state between calls (what
+        keeps_state_across_updates says of a built one), for the planner to count before anything is built."""
+        return False
 
     @classmethod
     def worker_engine(cls, options: dict) -> tuple[str, dict, str] | None:
@@ -101,7 +110,8 @@ class RolloutEngine(ABC):
         """Called after each update. In-process engines share the trainer's module, so nothing to do."""
 
     def release(self) -> None:  # noqa: B027 (optional hook)
-        """Frees what the engine keeps on the device between calls (the trainer calls it before the update)."""
+        """Frees what the engine keeps on the device between calls (the trainer calls it before the update, unless
+        keeps_state_across_updates and the memory plan fits that state beside the update)."""
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release workers, processes, GPU memory."""

@@ -10,7 +10,8 @@ correct, only more or less fast; a row's tokens still depend only on (weights, c
 
 Memory: between turns the session holds each live episode's keys and values (the context a re-prefill would
 recompute), on the model's device; during a turn, also the new caches of the rows that finished. `close` (the runner,
-at the end of its episodes) and the engine's `release` (the trainer, before each update) free them.
+at the end of its episodes) and the engine's `release` (the trainer: after an eval, before an update the plan keeps no
+state through) free them.
 """
 
 from __future__ import annotations

@@ -12,8 +12,7 @@ Where the time goes in GRPO rollouts (many samples of few prompts, varied length
 - counter-based per-row sampling (see sampling.py): no multinomial, no global RNG, and a row's completion depends
   only on (weights, prompt, seed, params).
 - on Llama/Mistral/Qwen2/Qwen3 models, the decoder stack driven layer by layer by podsrl/models/decode.py (q/k/v
-  and gate/up each one matmul, attention as grouped matmuls over the cache, as few ops per layer as give the same
-  bits).
+  and gate/up each one matmul, attention as grouped matmuls over the cache, few ops per layer, the same bits).
 - on those models, each decode step one function of static shapes with no host synchronisation inside
   (decode_step.py): forward, sampling and stop flags; under `cuda_graphs` one CUDA graph per (rows, cache length)
   bucket is captured and replayed, so a step costs its kernels, not their launches.
@@ -27,7 +26,6 @@ models/transformers_api.check_fast_path); other models it cannot drive fall back
 
 from __future__ import annotations
 
-import copy
 import logging
 import weakref
 from collections import deque
@@ -48,6 +46,7 @@ from podsrl.engines.rows import (
     stop_ids,
 )
 from podsrl.engines.sampling import sample_next
+from podsrl.engines.weights_copy import compute_copy, refresh_copy
 from podsrl.errors import ConfigError
 from podsrl.models.decode import (
     DecodeStack,
@@ -68,6 +67,10 @@ from podsrl.planning.memory import RESERVE, rows_in_flight
 from podsrl.planning.workload import ModelShape, Workload, model_shape
 
 logger = logging.getLogger("podsrl")
+# Under buckets (CUDA graphs, compile) the host reads the finished rows and the top column every SYNC_EVERY steps,
+# not every step: a read waits for the device, so between reads the GPU runs ahead of the Python loop. The price:
+# rows that finished decode padding until the next read (compaction, refills and the call's end wait for it).
+SYNC_EVERY = 8
 
 
 class FastEngine(RolloutEngine):
@@ -84,7 +87,9 @@ class FastEngine(RolloutEngine):
     - cuda_graphs (None: on when the model is on a CUDA device and the layer loop runs with the static cache):
       capture one CUDA graph of the decode step per bucket and replay it. The engine then keeps its KV cache and
       step state between calls (max_rows rows, a power of two, positions to a multiple of cache_block) until
-      `release` (the trainer calls it before each update): the graphs replay at those addresses;
+      `release`: the graphs replay at those addresses. The trainer keeps them through the update where the memory
+      plan fits them (keeps_state_across_updates), and the graphs replay the new weights: the optimiser, sync_weights
+      and DecodeStack.begin update the tensors they read in place;
     - compile (False): run the step under torch.compile(fullgraph=True, dynamic=False), one compilation per bucket
       (True: inductor; a string: that backend); with cuda_graphs the compiled step is what is captured;
     - cache_block (64): with cuda_graphs or compile, a step attends over the filled cache rounded up to a multiple of
@@ -179,6 +184,17 @@ class FastEngine(RolloutEngine):
         if self.copy is not None:
             refresh_copy(self.copy, base_model(model))
 
+    @classmethod
+    def keeps_decode_state(cls, options: dict, device: str) -> bool:
+        """Its static-shape step under CUDA graphs (on by default on CUDA) or compiled keeps a state between calls."""
+        buckets = bool(options.get("compile")) or (device == "cuda" and options.get("cuda_graphs") is not False)
+        return bool(options.get("layer_loop", True) and options.get("cache", "static") == "static" and buckets)
+
+    @property
+    def keeps_state_across_updates(self) -> bool:
+        """Under buckets (CUDA graphs or compile) the step state and graphs stay between calls."""
+        return self.runner is not None and not self.buckets.exact
+
     @property
     def sampler(self) -> str:
         return self.name if self.fallback is None else self.fallback.name
@@ -234,8 +250,8 @@ class FastEngine(RolloutEngine):
 
     def release(self) -> None:
         """Frees what the engine keeps between calls (the step state and KV cache, the graphs that read them, open
-        episode sessions' caches): the trainer calls it before the update, so generation's cache never sits beside
-        the update's activations (a session's next turn then prefills its episodes whole)."""
+        episode sessions' caches): the trainer calls it before the update where the memory plan does not fit them
+        beside it, and after an eval (a session's next turn then prefills its episodes whole)."""
         for session in list(self.sessions):
             session.close()
         self.state = None
@@ -292,12 +308,13 @@ class FastEngine(RolloutEngine):
         out_tokens = torch.full((rows, steps + 1), self.pad_token_id, dtype=torch.long, device=device)
         out_logprobs = torch.zeros((rows, steps + 1), dtype=torch.float32, device=device)
         lengths = torch.zeros(rows, dtype=torch.long, device=device)
-        n = top = 0  # live rows; the largest column among them
+        n = top = since = 0  # live rows; the largest column among them (a bound); steps since the host read them
         while True:
             if n == 0:  # every row finished: the next wave starts from the queue
                 step = (tokens, logprobs, finished)
             elif stepped:
-                step = self.runner(self.forward, state, self.buckets.rows(n), self.buckets.length(top + 2), sampler)
+                length = self.buckets.length(min(top + 2, state.positions))
+                step = self.runner(self.forward, state, self.buckets.rows(n), length, sampler)
             else:
                 step = cached_step(self.forward, cache, state, n, top + 2, sampler)
             tokens, logprobs, finished = (t[:n] for t in step)
@@ -332,7 +349,11 @@ class FastEngine(RolloutEngine):
             finished = finished | (emitted >= steps)
             if kept is not None:  # before a later step overwrites its last column, or compaction its row
                 _keep_finished(state, finished & ~was_finished, live, kept)
-            n_finished, top = (int(x) for x in torch.stack([finished.sum(), state.column[:n].max()]).tolist())
+            if self.buckets.exact or not stepped or kept is not None or admitted or since + 1 >= SYNC_EVERY:
+                n_finished, top = (int(x) for x in torch.stack([finished.sum(), state.column[:n].max()]).tolist())
+                since = 0
+            else:  # no host sync: a column moves at most one a step, finished rows decode padding until the next read
+                n_finished, top, since = 0, top + 1, since + 1
             if n_finished == n and not queue:
                 break
             state.advance(tokens, finished)
@@ -421,9 +442,6 @@ class FastEngine(RolloutEngine):
         return self.state
 
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
-
-
 def _pieces(prompts: list[list[int]], counts: list[int], limit: int, prefixes: list | None) -> list[tuple]:
     """The queue of a generate call: (prompt, first output row, rows, the prompt's cached prefix or None) per
     prompt group, a group of more than `limit` rows split into pieces of at most `limit` (a piece is admitted
@@ -480,29 +498,3 @@ def plan_rows_in_flight(model: torch.nn.Module, shape: ModelShape, prompts: list
     work = Workload(prompts=len(used), n=-(-sum(counts) // len(used)), m=1, prompt_length=max(used),
                     completion_length=steps, dtype=dtype, compute_dtype=dtype, top_p=top_p, device="cuda")
     return rows_in_flight(shape, work, available)
-
-
-def compute_copy(model: torch.nn.Module, dtype: torch.dtype | str | None) -> torch.nn.Module | None:
-    """A copy of `model` whose parameters are in `dtype`, for sampling (None when they already are, or no dtype).
-    Each parameter is cast straight into the copy (the model is never duplicated in its own dtype); buffers (the
-    rotary frequencies) are copied as they are, as from_pretrained keeps them in float32 in any dtype."""
-    if isinstance(dtype, str):  # as written in a config file
-        dtype = getattr(torch, dtype, None) if dtype in DTYPE_NAMES else None
-        if dtype is None:
-            raise ConfigError(f"rollout.engine_options.weights_dtype: one of {', '.join(DTYPE_NAMES)}")
-    if dtype is None or all(p.dtype == dtype for p in model.parameters()):
-        return None
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        if id(p) not in memo:  # tied weights stay tied
-            memo[id(p)] = torch.nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=False)
-    return copy.deepcopy(model, memo)
-
-
-def refresh_copy(copy_: torch.nn.Module, model: torch.nn.Module) -> None:
-    """Copies `model`'s parameters into the copy's, in place, by name (rounded to the copy's dtype): one foreach
-    copy (on CUDA a few multi-tensor kernels, not a launch per parameter)."""
-    sources = dict(model.named_parameters())
-    targets = list(copy_.named_parameters())
-    with torch.no_grad():
-        torch._foreach_copy_([p for _, p in targets], [sources[name] for name, _ in targets])

@@ -92,22 +92,29 @@ def sample_rows(
 def sample_with_uniforms(
     logits: torch.Tensor, uniforms: torch.Tensor | None, temperature: float, top_k: int = 0, top_p: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample_rows` with the rows' uniforms [B] given (a decode loop hashes all positions at once); None = greedy."""
+    """`sample_rows` with the rows' uniforms [B] given (a decode loop hashes all positions at once); None = greedy.
+
+    The log-prob is the token's logit less the log-softmax's normaliser, max + log(sum of the shifted
+    exponentials): sampling's CDF already holds that sum as its last entry when nothing is truncated, so the
+    sampled path reads the vocabulary in a max, an exp-and-cumsum and the search, with no [B, V] log-softmax
+    written. Top-k and top-p keep the largest logit, so their CDF shifts by the same max."""
     logits = logits.float()
     # dividing by 1 is exact, so skipping it changes nothing
     scaled = logits / temperature if temperature > 0 and temperature != 1.0 else logits
-    logp = scaled.log_softmax(dim=-1)
+    top = scaled.amax(dim=-1, keepdim=True)
     if uniforms is None:
         tokens = logits.argmax(dim=-1)
+        norm = (scaled - top).exp().sum(dim=-1, keepdim=True)
     else:
         kept = filter_logits(scaled, top_k, top_p)
-        cdf = (kept - kept.amax(dim=-1, keepdim=True)).exp().cumsum(dim=-1)
+        cdf = (kept - top).exp().cumsum(dim=-1)
         total = cdf[..., -1:]
         target = uniforms.to(cdf.device, cdf.dtype).unsqueeze(-1) * total
         # float rounding must not push the target onto the total (that would pick a trailing zero-mass token)
         target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
         tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        norm = total if kept is scaled else (scaled - top).exp().sum(dim=-1, keepdim=True)
+    return tokens, (scaled.gather(-1, tokens.unsqueeze(-1)) - top - norm.log()).squeeze(-1)
 
 
 def sample_next(

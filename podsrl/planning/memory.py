@@ -27,7 +27,8 @@ Update (the shared-prompt path of podsrl/models/packed.py, one micro-batch of b 
   + the largest transient on top of them: the log-prob head's backward (a [V, D] weight gradient and one
     update.logits_chunk x V float32 chunk twice) or a layer's attention or MLP backward
   + in a training run the fast engine's weights copy and fused weights, kept from the last generate call; the
-    runtime's growth. Its KV cache and step state are not kept: the trainer releases them before the update.
+    runtime's growth; and where it keeps them (CUDA graphs: Workload.kept_decode_state, `decode_state_fits`), its
+    step state, KV cache and graphs' pool (`kept_decode_state`), else the trainer releases them before the update.
 
 Per rank (torchrun, `world_size` N): generation is sharded by prompt groups (podsrl/distributed.py ShardedEngine),
 so a rank decodes ceil(P/N) prompts' rows; the update gives each rank ceil(P m / N) rows of a step
@@ -295,6 +296,8 @@ def update_peak(shape: ModelShape, work: Workload, rows: int, checkpointing: boo
         terms["generator_weights"] = generator_weights(shape, work)
         if work.async_generator == "in_process":  # the next batch is sampled meanwhile: its cache and workspace
             terms.update(generation_in_flight(shape, work))
+        elif work.kept_decode_state:
+            terms["decode_state"] = kept_decode_state(shape, work)
     one_micro_batch = rows >= work.trained_rows
     if one_micro_batch and state["gradients"] > terms["activations"] + terms["transient"]:
         terms["gradients"], terms["activations"], terms["transient"] = state["gradients"], 0, 0
@@ -337,21 +340,42 @@ def generator_weights(shape: ModelShape, work: Workload) -> int:
 def generation_in_flight(shape: ModelShape, work: Workload) -> dict[str, int]:
     """What a generate call allocates for its rows in flight, one wave of work.generation_rows (see
     generation_peak): the step's KV cache and state, the prefill's cache, and the larger workspace."""
-    rows, length = work.generation_rows, kept_positions(work)
-    e, v = work.engine_e, shape.vocab
+    rows, length, e = work.generation_rows, kept_positions(work), work.engine_e
     kv_position = shape.layers * 2 * shape.kv_heads * shape.head_dim * e
     prompts = min(work.rank_prompts, rows)  # distinct prompts prefilled at once (a wave's)
-    state = rows * length * (1 + 4) + rows * 8 * 4  # valid (bool) and uniforms (float32) per column; row vectors
-    sampling = rows * v * (e + (4 if e < 4 else 0) + 4 * 3 + (4 * 2 + 8 if work.top_p < 1 else 0))
-    decode_attention = 2 * rows * shape.heads * length * 4
+    step_cache, step_workspace = decode_step_terms(shape, work)
     prefill_tokens = prompts * work.prompt_length
     prefill = (2 * prompts * shape.heads * work.prompt_length**2 * 4
                + prefill_tokens * (3 * shape.intermediate + shape.qkv_width + 2 * shape.hidden) * e)
     # episodes: the session's copies of the rank's live episodes' caches (engines/continuation.py), kept between
     # turns and through the next turn's call
     sessions = kv_position * work.rank_rows * length if work.episodes else 0
-    return {"kv_cache": kv_position * (rows * length + prefill_tokens) + state + sessions,
-            "workspace": max(sampling + decode_attention, prefill)}
+    return {"kv_cache": step_cache + kv_position * prefill_tokens + sessions,
+            "workspace": max(step_workspace, prefill)}
+
+
+def decode_step_terms(shape: ModelShape, work: Workload) -> tuple[int, int]:
+    """(the step's KV cache and state, a decode step's workspace) at work.generation_rows rows: the StepCache and
+    StepState's per-column valid (bool) and uniforms (float32) and row vectors (engines/decode_step.py); the logits
+    [rows, V] (and their float32 copy), float32 log-softmax, the sampling's shifted exponentials and CDF (top-p: a
+    sort, its int64 order and probabilities) and the attention scores over the cache."""
+    rows, length, e = work.generation_rows, kept_positions(work), work.engine_e
+    kv_position = shape.layers * 2 * shape.kv_heads * shape.head_dim * e
+    state = rows * length * (1 + 4) + rows * 8 * 4
+    sampling = rows * shape.vocab * (e + (4 if e < 4 else 0) + 4 * 3 + (4 * 2 + 8 if work.top_p < 1 else 0))
+    return kv_position * rows * length + state, sampling + 2 * rows * shape.heads * length * 4
+
+
+def kept_decode_state(shape: ModelShape, work: Workload) -> int:
+    """What the fast engine keeps between generate calls under CUDA graphs (engines/fast.py `_step_state`): the step
+    state and KV cache, and the graphs' pool (decode_step.py CudaGraphs), the largest captured step's workspace."""
+    return sum(decode_step_terms(shape, work))
+
+
+def decode_state_fits(shape: ModelShape, work: Workload, budget: int, rows: int, checkpointing: bool) -> bool:
+    """Whether the update in micro-batches of `rows` rows fits `budget` beside the engine's kept decode state."""
+    kept = replace(work, kept_decode_state=True)
+    return sum(update_peak(shape, kept, max(1, rows), checkpointing).values()) <= budget
 
 
 def kept_positions(work: Workload) -> int:
@@ -381,11 +405,10 @@ def generation_peak(shape: ModelShape, work: Workload) -> dict[str, int]:
     - the fused q/k/v and gate/up weights of every layer, unless the engine has its own copy (engine_fused_weights);
     - train.async's generator copy (generator_weights);
     - the KV cache (models/static_cache.py StepCache): L x 2 x Hkv x d x (Lp + Lc) x rows x e (on CUDA the
-      positions rounded up to the cache block), the step state's per-column tensors, plus the prefill cache of the
-      distinct prompts it is loaded from (SlotLayer, Lp positions);
-    - the larger workspace: a decode step's logits [rows, V] (and their float32 copy), float32 log-softmax and the
-      sampling's shifted exponentials and CDF (top-p adds a sort, its int64 order and probabilities), and its
-      attention scores over the cache; or the prefill's [G, H, Lp, Lp] float32 scores twice and its MLP."""
+      positions rounded up to the cache block), the step state, plus the prefill cache of the distinct prompts it is
+      loaded from (SlotLayer, Lp positions);
+    - the larger workspace: a decode step's (decode_step_terms) or the prefill's [G, H, Lp, Lp] float32 scores
+      twice and its MLP."""
     state = model_state(shape, work)
     state["gradients"] = 0
     if not work.training_run:
@@ -420,9 +443,8 @@ class MemoryPlan:
         return int(self.memory * (1 - self.reserve))
 
     def micro_batch_tokens(self, checkpointing: bool) -> int:
-        """The token budget (optim.micro_batch_tokens) of the largest micro-batch: its rows at full length. A cut of
-        any rows under it keeps no more activations, since they grow with the tokens (attention with the tokens
-        times the keys, which full-length rows maximise)."""
+        """optim.micro_batch_tokens of the largest micro-batch, its rows at full length: activations grow with the
+        tokens (attention with tokens x keys, which full-length rows maximise), so any cut under it fits too."""
         return self.micro_batch[checkpointing] * (self.work.prompt_length + self.work.completion_length)
 
     @property
@@ -450,13 +472,22 @@ def make_plan(shape: ModelShape, work: Workload, memory: int, reserve: float = R
     """The plan: generation's rows in flight are what the budget holds beside the resident state (the fast engine's
     default max_rows), then the largest micro-batch of each update."""
     budget = int(memory * (1 - reserve))
-    resident = {k: v for k, v in generation_peak(shape, work).items() if k not in ("kv_cache", "workspace")}
-    if not work.rows_in_flight:
-        work = replace(work, rows_in_flight=rows_in_flight(shape, work, budget - sum(resident.values())))
-    micro = {c: largest_micro_batch(shape, work, budget, c) for c in (False, True)}
-    update = {c: update_peak(shape, work, max(1, micro[c]), c) for c in (False, True)}
+    work = with_rows_in_flight(shape, work, budget)
+    released = replace(work, kept_decode_state=False)
+    micro = {c: largest_micro_batch(shape, released, budget, c) for c in (False, True)}
+    # the engine's decode state is kept (counted) where it costs the update no rows of its largest micro-batch
+    update = {c: update_peak(shape, work if micro[c] and decode_state_fits(shape, work, budget, micro[c], c)
+                             else released, max(1, micro[c]), c) for c in (False, True)}
     return MemoryPlan(shape, work, memory, reserve, generation_peak(shape, work), update, micro,
                       host_memory(shape, work), startup_terms(shape, work))
+
+
+def with_rows_in_flight(shape: ModelShape, work: Workload, budget: int) -> Workload:
+    """`work` with its rows in flight set (when 0) to what `budget` holds beside generation's resident state."""
+    if work.rows_in_flight:
+        return work
+    resident = {k: v for k, v in generation_peak(shape, work).items() if k not in ("kv_cache", "workspace")}
+    return replace(work, rows_in_flight=rows_in_flight(shape, work, budget - sum(resident.values())))
 
 
 def startup_terms(shape: ModelShape, work: Workload) -> dict[str, int]:
@@ -467,18 +498,3 @@ def startup_terms(shape: ModelShape, work: Workload) -> dict[str, int]:
                 "engine_weights": engine_weights(shape, work),
                 "generator_weights": generator_weights(shape, work) if work.training_run else 0}
     return startup_peak(shape, work, resident)
-
-
-def update_flops(plan: MemoryPlan) -> float:
-    """A step's matmul work on one rank, the cost the advice ranks settings by: 2 x parameters per token for a
-    forward; the backward twice that with every weight trained, once (input gradients only; the adapters' share is
-    small) with a frozen LoRA base; activation checkpointing one forward more. Generation: one forward per prompt
-    and completion token of the rank's rows. Host-device traffic of train.cpu_offload is not timed here."""
-    s, w = plan.shape, plan.work
-    checkpointing = plan.micro_batch[False] == 0
-    rows = plan.micro_batch[checkpointing]
-    mb = MicroBatch.of(min(rows, w.trained_rows), w.m, w)
-    tokens = math.ceil(w.trained_rows / rows) * mb.tokens
-    passes = 1 + (1 if s.lora else 2) + (1 if checkpointing else 0)
-    generated = w.rank_rows * w.completion_length + w.rank_prompts * w.prompt_length
-    return 2.0 * s.params * (passes * tokens + generated)

@@ -10,7 +10,15 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from podsrl.errors import UserError
-from podsrl.planning.memory import GIB, RESERVE, MemoryPlan, make_plan, update_flops
+from podsrl.planning.memory import (
+    GIB,
+    RESERVE,
+    MemoryPlan,
+    MicroBatch,
+    decode_state_fits,
+    make_plan,
+    with_rows_in_flight,
+)
 from podsrl.planning.startup import describe_checkpoints, planned_checkpoint, streamed
 from podsrl.planning.workload import LINEAR_MODULES, Workload, load_model_config, model_shape, parse_memory
 
@@ -68,6 +76,14 @@ def render(plan: MemoryPlan, model: str) -> str:
                          f"optim.micro_batch_size={rows} ({count} micro-batch{'es' if count > 1 else ''} for "
                          f"{w.trained_rows} trained rows), or by tokens optim.micro_batch_tokens="
                          f"{plan.micro_batch_tokens(c)} (as many rows at full length; more when they are shorter)")
+    for c in (False, True):
+        if w.kept_decode_state:
+            kept = "decode_state" in plan.update[c]
+            lines.append(f"{'with' if c else 'without'} activation checkpointing: the fast engine's decode state (KV "
+                         "cache, step state, CUDA graphs) is " + (
+                             "kept through the update (decode_state): a step captures no graph an earlier step did"
+                             if kept else "freed before each update (it does not fit beside the largest "
+                             "micro-batch): each step captures its graphs anew"))
     if sum(gen.values()) > plan.budget:
         lines.append(f"generation does not fit even {w.generation_rows} row(s) at a time")
     elif w.generation_rows < w.rank_rows:
@@ -86,6 +102,21 @@ def host_line(plan: MemoryPlan) -> str:
     return (f"host memory: {_gib(plan.host['load'])} GiB to load the model in {w.dtype} before it is moved"
             + (" and sharded" if w.sharded else "")
             + (" (on rank 0 alone: the other ranks receive its tensors on their device)" if w.world_size > 1 else ""))
+
+
+def update_flops(plan: MemoryPlan) -> float:
+    """A step's matmul work on one rank, the cost the advice ranks settings by: 2 x parameters per token for a
+    forward; the backward twice that with every weight trained, once (input gradients only; the adapters' share is
+    small) with a frozen LoRA base; activation checkpointing one forward more. Generation: one forward per prompt
+    and completion token of the rank's rows. Host-device traffic of train.cpu_offload is not timed here."""
+    s, w = plan.shape, plan.work
+    checkpointing = plan.micro_batch[False] == 0
+    rows = plan.micro_batch[checkpointing]
+    mb = MicroBatch.of(min(rows, w.trained_rows), w.m, w)
+    tokens = math.ceil(w.trained_rows / rows) * mb.tokens
+    passes = 1 + (1 if s.lora else 2) + (1 if checkpointing else 0)
+    generated = w.rank_rows * w.completion_length + w.rank_prompts * w.prompt_length
+    return 2.0 * s.params * (passes * tokens + generated)
 
 
 def render_advice(options: list[tuple[list[str], MemoryPlan]], plan: MemoryPlan) -> str:
@@ -131,7 +162,7 @@ def advice(config, cfg, work: Workload, memory: int, reserve: float) -> list[tup
 
 
 _TERMS = ("weights", "gradients", "optimizer", "reference", "engine_weights", "fused_weights", "generator_weights",
-          "gathered", "kv_cache", "activations", "transient", "workspace", "runtime")
+          "gathered", "kv_cache", "decode_state", "activations", "transient", "workspace", "runtime")
 
 
 def _row(label: str, terms: dict[str, int], budget: int) -> str:
@@ -189,7 +220,7 @@ def add_memory_arguments(parser) -> None:
 def workload_from_config(cfg, prompt_length: int, device: str, world_size: int = 1) -> Workload:
     """P, n, m, lengths and precision of a podsrl config (m: what the method trains of each prompt at most)."""
 
-    from podsrl.config.facts import async_generator, rows_in_flight
+    from podsrl.config.facts import async_generator, keeps_decode_state, rows_in_flight
     from podsrl.methods import METHODS
     from podsrl.models.precision import resolve_compute_dtype
     from podsrl.tasks import has_episodes
@@ -203,8 +234,21 @@ def workload_from_config(cfg, prompt_length: int, device: str, world_size: int =
         dtype=cfg.model.dtype, compute_dtype=compute.split(".")[-1],
         beta=cfg.algo.beta, logits_chunk=cfg.update.logits_chunk, top_p=cfg.rollout.top_p, device=device,
         async_generator=async_generator(cfg), rows_in_flight=rows_in_flight(cfg),
+        kept_decode_state=keeps_decode_state(cfg, device),
         world_size=world_size, strategy=cfg.train.strategy, cpu_offload=cfg.train.cpu_offload,
     )
+
+
+def run_keeps_decode_state(cfg, model_config, prompt_length: int, device: str, world_size: int,
+                           memory: int) -> bool:
+    """A run's start-up decision for an engine that keeps a decode state between calls: whether the plan fits it
+    beside the update at the configured micro-batch (optim.micro_batch_size, update.activation_checkpointing) and
+    the rows in flight the device holds, on a device of `memory` bytes (less the default reserve)."""
+    shape = model_shape(model_config, cfg.model.lora_rank, cfg.model.lora_target_modules)
+    work = replace(workload_from_config(cfg, prompt_length, device, world_size), kept_decode_state=True)
+    budget = int(memory * (1 - RESERVE))
+    work = with_rows_in_flight(shape, work, budget)
+    return decode_state_fits(shape, work, budget, cfg.optim.micro_batch_size, cfg.update.activation_checkpointing)
 
 
 def transformers_config(cfg, model: str):

@@ -176,6 +176,9 @@ class Workload:
     # generator's full copy stays here)
     async_generator: str = "none"
     rows_in_flight: int = 0  # rows the fast engine decodes at once (one wave; 0: all of a rank's rows)
+    # the fast engine keeps its decode state (KV cache, step state, CUDA graphs) through the update (make_plan keeps
+    # it only where it fits: memory.decode_state_fits)
+    kept_decode_state: bool = False
     # an episode task (podsrl/episodes): completion_length is then the episode's budget (episode.max_tokens), and
     # the fast engine's session keeps every live episode's cache between turns beside the turn's own
     episodes: bool = False

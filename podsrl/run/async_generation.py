@@ -32,7 +32,7 @@ from podsrl.config import Config
 from podsrl.engines import build_engine, engine_class
 from podsrl.engines.base import RolloutEngine
 from podsrl.engines.capture_lock import CAPTURE_LOCK
-from podsrl.engines.fast import compute_copy
+from podsrl.engines.weights_copy import compute_copy
 from podsrl.episodes.calls import Interrupted
 from podsrl.errors import UserError
 from podsrl.models.decode import share_fused_weights

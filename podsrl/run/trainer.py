@@ -49,6 +49,7 @@ from podsrl.run.checkpoint import (
     set_python_random_state,
 )
 from podsrl.run.description import describe_checkpoint_size, describe_run, world_size_change
+from podsrl.run.engine_state import keeps_engine_state
 from podsrl.run.evaluation import evaluate
 from podsrl.run.health import HealthMonitor
 from podsrl.run.lock import RunLock
@@ -127,6 +128,9 @@ class Trainer:
         else:
             self.generator_model, self.engine, self.eval_engine, self.eval_tokenizer = async_engines(
                 cfg, self.generation_model, self.tokenizer, self.dist.enabled)
+        self.keep_engine_state = keeps_engine_state(cfg, self.engine, self.generation_model, self.task,
+                                                    self.tokenizer, self.device, self.dist.world_size,
+                                                    self.dist.is_main)
         # a task with an environment is evaluated on episodes, as it trains
         context = model_context(self.generation_model)
         self.eval_episodes = task_episodes(self.eval_engine, self.eval_tokenizer, self.task, cfg.episode, context)
@@ -188,7 +192,8 @@ class Trainer:
             self.generator.publish(self.step, self.generation_model)
             produced, waited = self.generator.take(self.step)
         kept = self.dist.agree_batch(produced.kept, self.update_rng)
-        if self.generator is None:  # the update's memory, not the engine's kept cache (train.async: in flight)
+        # the update's memory, not the engine's kept cache, unless the plan counts it (train.async: in flight)
+        if self.generator is None and not self.keep_engine_state:
             self.engine.release()
         t_upd = time.perf_counter()
         if faults.fire("loss", self.step + 1):  # injected numerical fault: a NaN loss and gradient

@@ -186,13 +186,51 @@ def test_train_async_adds_the_generator_copy_and_overlaps_generation_with_the_up
     assert gen["generator_weights"] == 0 and gen_async["generator_weights"] == shape.params * 2
     assert gen_async["engine_weights"] == shape.params * 2  # the eval engine's copy of the learner's weights
     assert mp.generation_peak(shape, ray)["generator_weights"] == shape.params * 4
-    upd, upd_async = (mp.update_peak(shape, w, rows=8, checkpointing=False) for w in (sync, in_process))
+    released = dataclasses.replace(sync, kept_decode_state=False)  # the synchronous engine's state freed before it
+    upd, upd_async = (mp.update_peak(shape, w, rows=8, checkpointing=False) for w in (released, in_process))
     assert "kv_cache" not in upd and upd_async["kv_cache"] == gen["kv_cache"]
     assert upd_async["workspace"] == gen["workspace"]
     assert sum(upd_async.values()) - sum(upd.values()) == shape.params * 2 + gen["kv_cache"] + gen["workspace"]
     assert "kv_cache" not in mp.update_peak(shape, ray, rows=8, checkpointing=False)
     budget = 72 * 2**30
     assert mp.largest_micro_batch(shape, in_process, budget, False) < mp.largest_micro_batch(shape, sync, budget, False)
+
+
+def test_the_engines_decode_state_is_counted_through_the_update_or_freed_before_it():
+    """Memory is a contract: the fast engine's decode state under CUDA graphs (a synchronous run on CUDA) is either
+    counted in the update's peak, its step cache and state and the graphs' pool (a decode step's workspace), or
+    freed before the update. The plan keeps it beside each mode's largest micro-batch where that still fits (the
+    micro-batch never shrinks for it); the trainer decides the same at its configured micro-batch."""
+    from podsrl.config import load_config
+    from podsrl.planning.memory_report import run_keeps_decode_state, workload_from_config
+
+    config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
+    shape = mw.model_shape(config)
+    base = ["rollout.prompts_per_step=8", "rollout.n=8", "rollout.max_new_tokens=256", "model.compute_dtype=bfloat16"]
+    cfg = load_config("podsrl/configs/grpo.yaml", base)
+    work = workload_from_config(cfg, 64, "cuda")
+    assert work.kept_decode_state
+    assert not workload_from_config(cfg, 64, "cpu").kept_decode_state  # eager on the CPU: nothing kept
+    run_ahead = load_config("podsrl/configs/grpo.yaml", base + ["train.async.enabled=true"])
+    assert not workload_from_config(run_ahead, 64, "cuda").kept_decode_state  # generation_in_flight counts it
+    # 64 rows of 64 + 256 positions (whole cache blocks): the cache, the state, the logits and sampling, the scores
+    by_hand = (28 * 2 * 2 * 128 * 2 * 64 * 320 + 64 * 320 * 5 + 64 * 32
+               + 64 * 151936 * (2 + 4 + 12) + 2 * 64 * 12 * 320 * 4)
+    assert mp.kept_decode_state(shape, work) == by_hand
+    kept, released = (mp.update_peak(shape, dataclasses.replace(work, kept_decode_state=k), 8, True)
+                      for k in (True, False))
+    assert kept["decode_state"] == by_hand and "decode_state" not in released
+    assert sum(kept.values()) - sum(released.values()) == by_hand
+    plan, without = (mp.make_plan(shape, w, 40 * 2**30)
+                     for w in (work, dataclasses.replace(work, kept_decode_state=False)))
+    assert plan.micro_batch == without.micro_batch == {False: 6, True: 64}
+    assert "decode_state" in plan.update[True] and "decode_state" not in plan.update[False]  # 6 rows fill the budget
+    assert all(sum(plan.update[c].values()) <= plan.budget for c in (False, True))
+    for checkpointing, fits in ((True, True), (False, False)):  # the configured micro-batch of 6 rows: 35.6 GiB
+        configured = load_config("podsrl/configs/grpo.yaml", base + [
+            "optim.micro_batch_size=6", f"update.activation_checkpointing={str(checkpointing).lower()}"])
+        assert run_keeps_decode_state(configured, config, 64, "cuda", 1, 40 * 2**30) is fits
 
 
 def test_the_default_pods_step_at_1_5b_generates_in_waves_that_fit():
