@@ -87,15 +87,20 @@ def range_coverage(n: int) -> float:
     return 1 - 2 * 0.5**n
 
 
-def interval_label(n: int, alpha: float) -> str:
-    """What the report's interval of n paired differences is and the level it has."""
+def interval_level(n: int, alpha: float) -> str:
+    """What the report's interval of n paired differences is and the level it has: 'range, ~75% for the median'."""
     if n < 2:
-        return f"n = {n}: none"
+        return "none"
     if n <= RANGE_UP_TO:
-        return f"n = {n}: range, ~{range_coverage(n):.0%} for the median"
+        return f"range, ~{range_coverage(n):.0%} for the median"
     if n < NOMINAL_FROM:
-        return f"n = {n}: bootstrap, ~{MEASURED_COVERAGE[n]:.0%}"
-    return f"n = {n}: bootstrap {1 - alpha:.0%}"
+        return f"bootstrap, ~{MEASURED_COVERAGE[n]:.0%}"
+    return f"bootstrap {1 - alpha:.0%}"
+
+
+def interval_label(n: int, alpha: float) -> str:
+    """interval_level with its n: 'n = 3: range, ~75% for the median' (a table header may hold several)."""
+    return f"n = {n}: {interval_level(n, alpha)}"
 
 
 def format_p(p: float) -> str:

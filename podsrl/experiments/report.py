@@ -22,7 +22,7 @@ from podsrl.experiments.analysis import (
     compare_runs,
     load_run,
 )
-from podsrl.experiments.paired_test import format_p, interval_label
+from podsrl.experiments.paired_test import format_p, interval_label, interval_level
 from podsrl.experiments.stats import ALPHA, POWER, PairedStat, seeds_range_text
 
 NOT_REACHED = "not reached"
@@ -112,7 +112,7 @@ def verdict_lines(rows: list[dict]) -> list[str]:
             text += "no pairs" if diff is None else f"{diff:+.{digits}f}"
             if row[f"{metric}_ci_low"] is not None:
                 text += f" [{row[f'{metric}_ci_low']:+.{digits}f}, {row[f'{metric}_ci_high']:+.{digits}f}]"
-                text += f" ({interval_label(row[f'{metric}_pairs'], ALPHA).split(': ', 1)[1]})"
+                text += f" ({interval_level(row[f'{metric}_pairs'], ALPHA)})"
             text += f" ({row[f'{metric}_pairs']} pairs) {row[f'{metric}_verdict_words']}"
             if row[f"{metric}_seeds_needed"] is not None:
                 seeds = seeds_range_text(*(row[f"{metric}_seeds_{k}"] for k in ("needed", "low", "high")))
