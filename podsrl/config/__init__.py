@@ -68,7 +68,8 @@ class ModelConfig:
 class TaskConfig:
     name: str = _f("arithmetic", "'arithmetic' (built-in), 'arithmetic_tool' (built-in, episodes with a calculator tool: "
                    "docs/episodes.md), 'dataset' (jsonl/csv/parquet/HF), 'reasoning_gym', 'trl_environment' "
-                   "(episodes in a TRL environment class: docs/episodes.md).")
+                   "(episodes in a TRL environment class), 'environment' (episodes in your podsrl environment class, "
+                   "task.args.factory: 'my_env.py:MyEnv'; docs/episodes.md).")
     args: dict[str, Any] = _f({}, "Task-specific arguments (e.g. operands/digits/train_size/solution for arithmetic, "
                               "dataset path and columns).")
     eval_size: int = _f(2000, "Held-out problems; fixed by the task seed (0 = no eval set: trains, says so).")

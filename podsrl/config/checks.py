@@ -11,7 +11,7 @@ from podsrl.errors import ConfigError
 if TYPE_CHECKING:
     from podsrl.config import Config
 
-NO_REFERENCES = ("dataset", "trl_environment")  # tasks without reference completions to warm up on
+NO_REFERENCES = ("dataset", "trl_environment", "environment")  # tasks without reference completions to warm up on
 
 
 def validate(cfg: Config) -> None:

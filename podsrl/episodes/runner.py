@@ -39,7 +39,7 @@ from podsrl.config import EpisodeConfig
 from podsrl.engines.base import EpisodeSession, GenerationOutput, RolloutEngine, SamplingParams, left_pad
 from podsrl.engines.sampling import splitmix64
 from podsrl.episodes.calls import CALLS, STOP, Call, Interrupted, Outcome
-from podsrl.episodes.environment import Environment, ToolEnvironment, checked_reset, checked_step
+from podsrl.episodes.environment import Environment, checked_reset, checked_step
 from podsrl.episodes.formats import format_for
 from podsrl.episodes.render import EpisodeRenderer
 from podsrl.episodes.stats import EpisodeStats
@@ -123,7 +123,7 @@ class EpisodeRunner:
         for count in counts:
             for _ in range(count):
                 env = self.task.environment(self.cfg.tool_timeout_s)
-                if isinstance(env, ToolEnvironment):
+                if callable(getattr(env, "configure", None)):  # a ToolEnvironment, or an adapter passing it on
                     env.configure(self.tool_format, self.cfg.max_parallel_calls, self.response_limit)
                 episodes.append(_Episode(env, EpisodeRenderer(self.tokenizer, env.tools)))
         self._reset(episodes, [p for p, count in zip(problems, counts) for _ in range(count)])
