@@ -160,6 +160,11 @@ class EpisodeConfig:
         "(hermes: Qwen2.5/Qwen3 <tool_call> JSON, also without a template; llama3_json: Llama 3.x; mistral: "
         "[TOOL_CALLS]). docs/episodes.md.")
 
+    credit: Literal["episode", "turn"] = _f("episode", "Episodes: how advantages reach tokens. 'episode': every token "
+                                            "of an episode gets its advantage; 'turn': each turn's tokens are "
+                                            "credited from their turn on, by the rewards the environment's steps "
+                                            "give (docs/episodes.md, 'Per-turn rewards').")
+    turn_discount: float = _f(1.0, "Episodes under credit=turn: the discount of later turns' rewards, in [0, 1].")
 
 @dataclass
 class AlgoConfig:
