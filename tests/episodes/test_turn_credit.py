@@ -80,3 +80,12 @@ def test_the_producer_credits_each_countdown_turn_from_its_turn_on(tmp_path, war
 def test_a_tiny_trainer_trains_with_turn_credit(tmp_path, warmup_cache):
     train_two_episode_steps(tmp_path, overrides(tmp_path, warmup_cache, "Countdown", COUNTDOWNS,
                                                 **{"episode.credit": "turn", "episode.turn_discount": 0.9}))
+
+
+def test_credit_leaves_the_warm_up_cache_key_alone():
+    """The warm-up reads no advantage: both credit modes (and runs from before the keys) share its cached weights."""
+    from podsrl.run.warmup import warmup_key
+
+    plain = load_config("configs/arithmetic_tool.yaml")
+    turn = load_config("configs/arithmetic_tool.yaml", ["episode.credit=turn", "episode.turn_discount=0.5"])
+    assert warmup_key(plain) == warmup_key(turn)
