@@ -42,6 +42,11 @@ class RolloutBatch:
     # [R, Lc] float, 1 on the tokens the model generated: an episode's tool and environment tokens are in the
     # context (completion_mask) but not trained on. None: every token present was generated (completion_mask).
     loss_mask: torch.Tensor | None = None
+    # episodes under episode.credit: turn (podsrl/episodes/credit.py): [R, Lc] long turn of each completion token,
+    # [R, T] float each turn's reward from its step, and [R, Lc] float token advantages (None: `advantages` holds)
+    turn_index: torch.Tensor | None = None
+    turn_rewards: torch.Tensor | None = None
+    token_advantages: torch.Tensor | None = None
 
     @property
     def num_rollouts(self) -> int:
@@ -94,8 +99,9 @@ class RolloutBatch:
         )
         if self.sampler_logprobs is not None:
             out.sampler_logprobs = self.sampler_logprobs[:, :length]
-        if self.loss_mask is not None:
-            out.loss_mask = self.loss_mask[:, :length]
+        for name in ("loss_mask", "turn_index", "token_advantages"):
+            if getattr(self, name) is not None:
+                setattr(out, name, getattr(self, name)[:, :length])
         return out
 
 
@@ -137,6 +143,12 @@ def concat_batches(batches: list[RolloutBatch], pad_token_id: int, disjoint: boo
         out.sampler_logprobs = torch.cat([right(b.sampler_logprobs, lc, 0.0) for b in batches])
     if any(b.loss_mask is not None for b in batches):  # a batch without one trains every token it holds
         out.loss_mask = torch.cat([right(b.trained_mask, lc, 0) for b in batches])
+    if all(b.turn_index is not None for b in batches):
+        turns = max(b.turn_rewards.shape[1] for b in batches)
+        out.turn_index = torch.cat([right(b.turn_index, lc, 0) for b in batches])
+        out.turn_rewards = torch.cat([right(b.turn_rewards, turns, 0.0) for b in batches])
+    if all(b.token_advantages is not None for b in batches):
+        out.token_advantages = torch.cat([right(b.token_advantages, lc, 0.0) for b in batches])
     if all(b.completions is not None for b in batches):
         out.completions = [c for b in batches for c in b.completions]
     if all(b.advantages is not None for b in batches):

@@ -12,7 +12,7 @@ from podsrl.errors import ConfigError
 if TYPE_CHECKING:
     from podsrl.config import Config
 
-NO_REFERENCES = ("dataset", "trl_environment")  # tasks without reference completions to warm up on
+NO_REFERENCES = ("dataset", "trl_environment", "environment")  # tasks without reference completions to warm up on
 
 
 def validate(cfg: Config) -> None:
@@ -29,6 +29,7 @@ def validate(cfg: Config) -> None:
     need(cfg.rollout.top_k >= 0, "rollout.top_k", "must be >= 0")
     need(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
     need(cfg.episode.max_turns >= 1, "episode.max_turns", "must be >= 1")
+    need(0 <= cfg.episode.turn_discount <= 1, "episode.turn_discount", "must be in [0, 1]")
     need(cfg.episode.max_tokens >= 1, "episode.max_tokens", "must be >= 1")
     need(cfg.episode.tool_timeout_s > 0, "episode.tool_timeout_s", "must be > 0")
     need(cfg.episode.env_timeout_s > 0, "episode.env_timeout_s", "must be > 0")

@@ -51,7 +51,8 @@ class ModelConfig:
 class TaskConfig:
     name: str = _f("arithmetic", "'arithmetic' (built-in), 'arithmetic_tool' (built-in, episodes with a calculator tool: "
                    "docs/episodes.md), 'dataset' (jsonl/csv/parquet/HF), 'reasoning_gym', 'trl_environment' "
-                   "(episodes in a TRL environment class: docs/episodes.md).")
+                   "(episodes in a TRL environment class), 'environment' (episodes in your podsrl environment class, "
+                   "task.args.factory: 'my_env.py:MyEnv'; docs/episodes.md).")
     args: dict[str, Any] = _f({}, "Task-specific arguments (e.g. operands/digits/train_size/solution for arithmetic, "
                               "dataset path and columns).")
     eval_size: int = _f(2000, "Held-out problems; fixed by the task seed (0 = no eval set: trains, says so).")
@@ -142,6 +143,11 @@ class EpisodeConfig:
         "auto", "Episodes: how the model writes tool calls; auto reads it from the tokenizer's chat template "
         "(hermes: Qwen2.5/Qwen3 <tool_call> JSON, also without a template; llama3_json: Llama 3.x; mistral: "
         "[TOOL_CALLS]). docs/episodes.md.")
+    credit: Literal["episode", "turn"] = _f("episode", "Episodes: how advantages reach tokens. 'episode': every token "
+                                            "of an episode gets its advantage; 'turn': each turn's tokens are "
+                                            "credited from their turn on, by the rewards the environment's steps "
+                                            "give (docs/episodes.md, 'Per-turn rewards').")
+    turn_discount: float = _f(1.0, "Episodes under credit=turn: the discount of later turns' rewards, in [0, 1].")
 
 
 @dataclass

@@ -39,7 +39,7 @@ from podsrl.config import EpisodeConfig
 from podsrl.engines.base import EpisodeSession, GenerationOutput, RolloutEngine, SamplingParams, left_pad
 from podsrl.engines.sampling import splitmix64
 from podsrl.episodes.calls import CALLS, STOP, Call, Interrupted, Outcome
-from podsrl.episodes.environment import Environment, ToolEnvironment, checked_reset, checked_step
+from podsrl.episodes.environment import Environment, checked_reset, checked_step
 from podsrl.episodes.formats import format_for
 from podsrl.episodes.render import EpisodeRenderer
 from podsrl.episodes.stats import EpisodeStats
@@ -70,6 +70,8 @@ class _Episode:
     truncated: bool = False  # its last turn, or its budget, cut the model off
     env_seconds: float = 0.0  # spent in its environment's reset and steps (episode.timeout_s bounds it)
     cut_responses: int = 0  # environment messages cut to episode.max_response_chars
+    turn_of: list[int] = field(default_factory=list)  # each token's turn (an environment message: the turn before)
+    turn_rewards: list[float] = field(default_factory=list)  # the reward each step gave its turn (0.0 for none)
 
     @property
     def label(self) -> str:
@@ -78,6 +80,7 @@ class _Episode:
 
     def append(self, ids: list[int], generated: bool, logprobs: list[float] | None = None) -> None:
         self.tokens += ids
+        self.turn_of += [max(self.turns - (0 if generated else 1), 0)] * len(ids)
         self.generated += [float(generated)] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
 
@@ -101,6 +104,8 @@ class EpisodeOutput:
     stats: EpisodeStats
     environments: list[Environment]  # row r's episode's environment (its reward, for an environment that has one)
     stopped: torch.Tensor  # [R] bool: stopped by a GroupStop before its end (unscored, not to be trained)
+    turn_index: torch.Tensor | None = None  # [R, Lc] long: the turn of each completion token (episodes/credit.py)
+    turn_rewards: torch.Tensor | None = None  # [R, T] float: each turn's reward from its step (0.0 where none)
 
 
 class EpisodeRunner:
@@ -123,7 +128,7 @@ class EpisodeRunner:
         for count in counts:
             for _ in range(count):
                 env = self.task.environment(self.cfg.tool_timeout_s)
-                if isinstance(env, ToolEnvironment):
+                if callable(getattr(env, "configure", None)):  # a ToolEnvironment, or an adapter passing it on
                     env.configure(self.tool_format, self.cfg.max_parallel_calls, self.response_limit)
                 episodes.append(_Episode(env, EpisodeRenderer(self.tokenizer, env.tools)))
         self._reset(episodes, [p for p, count in zip(problems, counts) for _ in range(count)])
@@ -231,8 +236,9 @@ class EpisodeRunner:
         for episode, outcome in zip(episodes, self._environment_calls("step", episodes, texts)):
             if episode.ending is not None:  # its step failed or expired
                 continue
-            # the turn's own reward is not used here: an episode's reward is the run's reward functions'
-            messages, done, _turn_reward = checked_step(f"{episode.label}.step", outcome.value)
+            messages, done, turn_reward = checked_step(f"{episode.label}.step", outcome.value)
+            episode.turn_rewards += [0.0] * (episode.turns - 1 - len(episode.turn_rewards))
+            episode.turn_rewards.append(0.0 if turn_reward is None else turn_reward)
             if done:
                 episode.ending = "answer"
             elif episode.turns >= self.cfg.max_turns:  # no turn left to read the answer: it is not appended
@@ -309,9 +315,13 @@ class EpisodeRunner:
             truncated=torch.tensor([e.truncated for e in episodes], dtype=torch.bool),
             logprobs=right([e.logprobs for e in episodes], 0.0, torch.float32) if return_logprobs else None,
         )
+        turns = max((e.turns for e in episodes), default=0)
+        turn_rewards = torch.tensor([e.turn_rewards + [0.0] * (turns - len(e.turn_rewards)) for e in episodes],
+                                    dtype=torch.float32).reshape(len(episodes), turns)
         return EpisodeOutput(generation, right([e.generated for e in episodes], 0.0, torch.float32), stats,
                              [e.env for e in episodes],
-                             torch.tensor([e.ending == "stopped" for e in episodes], dtype=torch.bool))
+                             torch.tensor([e.ending == "stopped" for e in episodes], dtype=torch.bool),
+                             right([e.turn_of for e in episodes], 0, torch.long), turn_rewards)
 
 
 def task_episodes(engine: RolloutEngine, tokenizer, task, cfg: EpisodeConfig,

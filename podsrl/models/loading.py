@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import string
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2Tokenizer,
 )
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from podsrl.errors import UserError
 
@@ -30,17 +32,20 @@ CHARS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
 TINY_VOCAB_SIZE = 128  # >= 3 specials + len(CHARS); a round size for the embedding matmul
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer built offline with `tokenizers` (each character is one token)."""
+def build_char_tokenizer() -> Qwen2Tokenizer:
+    """A character-level tokenizer: a byte-level BPE with no merges, so each character is one token.
+
+    It is a Qwen2Tokenizer as the built-in model is a Qwen2: transformers' AutoTokenizer rebuilds a saved qwen2
+    checkpoint's tokenizer as a Qwen2Tokenizer from its vocabulary and merges alone, so only a tokenizer that is one
+    reloads with the same ids (spaces included). Ids are those of the earlier WordLevel tokenizer (specials, then
+    CHARS in order); a character outside CHARS has no token and is dropped, as Qwen2Tokenizer drops unknown bytes."""
+    to_unicode = bytes_to_unicode()  # byte-level BPE spells ' ' as 'Ġ' and '\n' as 'Ċ'
     vocab = {PAD: 0, EOS: 1, UNK: 2}
     for c in CHARS:
-        vocab[c] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK, bos_token=None, padding_side="left"
-    )
+        vocab[to_unicode[ord(c)]] = len(vocab)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=UNK, eos_token=EOS, pad_token=PAD, bos_token=None)
+    tokenizer.padding_side = "left"
+    return tokenizer
 
 
 def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Qwen2ForCausalLM:
@@ -102,10 +107,28 @@ def load_pretrained(path_or_id: str, dtype: str = "float32", trust_remote_code: 
 def load_tokenizer(path_or_id: str, trust_remote_code: bool = False):
     """The model's tokenizer, padding on the left (with the end-of-sequence token when it has no pad token)."""
     tokenizer = AutoTokenizer.from_pretrained(path_or_id, trust_remote_code=trust_remote_code)
+    written = _saved_tokenizer_model(path_or_id)
+    if written is not None and written != type(tokenizer.backend_tokenizer.model).__name__:
+        # AutoTokenizer rebuilt the saved tokenizer.json as the model type's class with another model (a checkpoint
+        # of the built-in model from before its tokenizer was a byte-level BPE is WordLevel): read the file as written
+        log.info("tokenizer: %s holds a %s tokenizer.json; loaded as written, not as %s", path_or_id, written,
+                 type(tokenizer).__name__)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path_or_id)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def _saved_tokenizer_model(path_or_id: str) -> str | None:
+    """The model type ('BPE', 'WordLevel', ...) of a local directory's tokenizer.json; None without one."""
+    path = Path(path_or_id).expanduser() / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))["model"]["type"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def load_policy(cfg: ModelConfig, base_path: str | None = None, seed: int = 0):

@@ -25,6 +25,7 @@ from podsrl.config import Config
 from podsrl.engines import SamplingParams
 from podsrl.engines.base import RolloutEngine
 from podsrl.episodes.calls import Interrupted
+from podsrl.episodes.credit import turn_credit
 from podsrl.episodes.runner import GroupStop, task_episodes
 from podsrl.episodes.stats import EpisodeStats, trained_metrics
 from podsrl.methods import StepContext
@@ -151,8 +152,14 @@ class BatchProducer:
         record = StepRecord()
         ctx = self._context(record, step)  # before drawing: the epoch is that of the step's first problem
         kept, select_metrics = self.collect_and_select(self.next_problems(cfg.rollout.prompts_per_step), ctx, record)
+        if kept.turn_index is not None:  # episode.credit: turn
+            kept.token_advantages = turn_credit(kept.advantages, kept.rewards, kept.group_index, kept.num_groups,
+                                                kept.turn_index, kept.turn_rewards, cfg.episode.turn_discount,
+                                                cfg.algo.scale, cfg.algo.advantage_epsilon)
         if cfg.algo.advantage_clip > 0:
             kept.advantages = kept.advantages.clamp(-cfg.algo.advantage_clip, cfg.algo.advantage_clip)
+            if kept.token_advantages is not None:
+                kept.token_advantages = kept.token_advantages.clamp(-cfg.algo.advantage_clip, cfg.algo.advantage_clip)
         # the method's per-step state moves here, in step order, on the side that reads it (collect)
         method_metrics = self.method.end_step(record.generated, ctx)
         metrics = self._generation_metrics(record, {**select_metrics, **method_metrics})
@@ -231,7 +238,7 @@ class BatchProducer:
         group_index refers to `problems`."""
         t0 = time.perf_counter()
         seeds = torch.randint(0, 2**62, (sum(counts),), generator=self.rng)
-        loss_mask = environments = stopped = None
+        loss_mask = environments = stopped = turn_index = turn_rewards = None
         index_map = torch.tensor(indices, dtype=torch.long)
         finished = None  # the episodes' rewards, scored by the runner as they finished (with a method's stop rule)
         if self.episodes is None:
@@ -245,13 +252,15 @@ class BatchProducer:
                                          after_turn=lambda: faults.fire("turn", step + 1))
             out, loss_mask, stopped = episodes.generation, episodes.loss_mask, episodes.stopped
             environments = episodes.environments
+            if self.cfg.episode.credit == "turn":
+                turn_index, turn_rewards = episodes.turn_index, episodes.turn_rewards
             record.episodes.add(episodes.stats)
         t1 = time.perf_counter()
         batch = RolloutBatch(
             problems=problems, group_index=index_map[out.group_index], prompt_ids=out.prompt_ids,
             prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
             completion_mask=out.completion_mask.float(), truncated=out.truncated, sampler_logprobs=out.logprobs,
-            loss_mask=loss_mask,
+            loss_mask=loss_mask, turn_index=turn_index, turn_rewards=turn_rewards,
         )
         if stopped is not None and bool(stopped.any()):  # spent, never scored, not trained
             record.stopped_rollouts += int(stopped.sum())

@@ -198,6 +198,8 @@ class Trainer:
         t_upd = time.perf_counter()
         if faults.fire("loss", self.step + 1):  # injected numerical fault: a NaN loss and gradient
             kept.advantages = torch.full_like(kept.advantages, float("nan"))
+            if kept.token_advantages is not None:
+                kept.token_advantages = torch.full_like(kept.token_advantages, float("nan"))
         with CAPTURE_LOCK:  # train.async: the generator thread captures no decode-step graph while this runs
             update_metrics = self.updater.update(kept.trim_padding(), self.update_rng) if kept.num_rollouts else {}
             self.optimizer.zero_grad(set_to_none=True)  # the gradients' memory is free for the next generation

@@ -37,6 +37,7 @@ EPISODE_KEYS = ("episode_steps", "episode_batch_size")  # warmup.* read by the e
 # episode.* keys newer than arithmetic_tool 1: in its key only when set away from their defaults, so caches stay
 LATER_EPISODE_KEYS = ("env_timeout_s", "timeout_s", "max_hung_calls", "max_parallel_calls", "max_response_chars",
                       "response_truncate_side", "tool_format")
+RL_EPISODE_KEYS = ("credit", "turn_discount")  # read by RL's advantages alone: never in the key
 
 
 def warmup_task_config(task: TaskConfig) -> TaskConfig:
@@ -55,7 +56,8 @@ def warmup_key(cfg: Config) -> str:
     if cfg.task.name in TASK_VERSIONS:
         episode, defaults = to_dict(cfg.episode), to_dict(EpisodeConfig())
         shaping.update(task_version=TASK_VERSIONS[cfg.task.name],
-                       episode={k: v for k, v in episode.items() if k not in LATER_EPISODE_KEYS or v != defaults[k]})
+                       episode={k: v for k, v in episode.items() if k not in RL_EPISODE_KEYS
+                                and (k not in LATER_EPISODE_KEYS or v != defaults[k])})
     else:
         for key in EPISODE_KEYS:
             shaping["warmup"].pop(key)

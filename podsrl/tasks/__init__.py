@@ -1,5 +1,5 @@
 """Task registry: built-in arithmetic (plain, or with a calculator tool: episodes), datasets (jsonl/csv/parquet/HF),
-reasoning-gym, a user's TRL environment over a dataset (episodes).
+reasoning-gym, a user's TRL environment or podsrl environment class over a dataset (episodes).
 
 `task.args` holds each task's own arguments; prompt formatting keys (prompt_mode, system_prompt, template) apply to
 dataset and reasoning-gym tasks, which ask a real model in its chat template by default.
@@ -21,7 +21,9 @@ CLASSES = {  # task.name -> (module, class), imported when asked for
     "dataset": ("podsrl.tasks.datasets", "DatasetTask"),
     "reasoning_gym": ("podsrl.tasks.reasoning_gym", "ReasoningGymTask"),
     "trl_environment": ("podsrl.tasks.trl_environment", "TRLEnvironmentTask"),
+    "environment": ("podsrl.tasks.environment_task", "EnvironmentTask"),
 }
+ENVIRONMENT_KEYS = {"trl_environment": "environment", "environment": "factory"}  # the class each names
 
 
 def task_class(name: str) -> type[Task]:
@@ -61,12 +63,13 @@ def build_task(cfg: TaskConfig, tokenizer=None) -> Task:
     if cfg.name == "arithmetic_tool":
         return _construct(task_class("arithmetic_tool"), "arithmetic_tool", seed=cfg.seed, eval_size=cfg.eval_size,
                           **args)
-    if cfg.name == "trl_environment":
-        for key in ("path", "environment"):
-            if key not in args:
-                raise ConfigError(f"task.args.{key}: a trl_environment task needs its dataset (path) and its TRL "
-                                  "environment (environment: 'module:Class')")
-        return _construct(task_class("trl_environment"), "trl_environment", args.pop("path"), seed=cfg.seed,
+    if cfg.name in ENVIRONMENT_KEYS:
+        key = ENVIRONMENT_KEYS[cfg.name]
+        for needed in ("path", key):
+            if needed not in args:
+                raise ConfigError(f"task.args.{needed}: a {cfg.name} task needs its dataset (path) and its "
+                                  f"environment class ({key}: 'my_env.py:MyEnv' or 'module:MyEnv')")
+        return _construct(task_class(cfg.name), cfg.name, args.pop("path"), seed=cfg.seed,
                           **_with_eval_set(args, cfg))
     prompt_args = {k: args.pop(k) for k in PROMPT_KEYS if k in args}
     from podsrl.tasks.templates import prompt_formatter

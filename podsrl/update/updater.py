@@ -235,11 +235,13 @@ class PolicyUpdater:
         (logp, entropy), width = self._forward(self.model, batch, rows)
         one_pass_correction = self.rollout_correction != "none" and correction is None
         # this micro-batch's host columns in one transfer per dtype; `rows` too, to index the device's columns
-        host = [rows, batch.trained_mask[rows, :width], batch.advantages[rows]]  # mask: the model's tokens only
+        per_token = batch.token_advantages  # episode.credit: turn; else the row's advantage on each of its tokens
+        adv_rows = batch.advantages[rows] if per_token is None else per_token[rows, :width]
+        host = [rows, batch.trained_mask[rows, :width], adv_rows]  # mask: the model's tokens only
         rows, mask, adv, *sampler = to_device(host + ([batch.sampler_logprobs[rows, :width]] if one_pass_correction
                                                       else []), self.device)
         old = logp.detach() if old_logprobs is None else old_logprobs[rows, :width]
-        adv = adv[:, None].expand_as(logp)
+        adv = adv[:, None].expand_as(logp) if adv.dim() == 1 else adv
         metrics: dict[str, tuple[torch.Tensor | float, torch.Tensor | float]] = {}
         if self.modulation is not None:  # its metrics are floats: one read of the token count here
             factor, mod_metrics = self.modulation(adv, logp.detach() - old, logp.detach(), entropy.detach(), mask)

@@ -11,6 +11,7 @@ import pytest
 
 from tests.faults.common import error_line, tiny
 
+ENVS = Path(__file__).resolve().parents[1] / "fixtures" / "countdown_env.py"
 Case = Callable[[Path, str], tuple[list[str], list[str]]]  # (tmp dir, warm-up cache) -> (argv, expected parts)
 
 
@@ -113,6 +114,15 @@ CASES: dict[str, Case] = {
     "dataset_with_warmup": lambda tmp, cache: (
         _train(tmp, cache, **{"task.name": "dataset", "task.args": "{path: x.jsonl}"}),
         ["warmup.steps", "set warmup.steps=0"]),
+    # environments from files (task.name: environment)
+    "environment_file_missing": lambda tmp, cache: (
+        _train(tmp, cache, **{"task.name": "environment", "warmup.steps": 0,
+                              "task.args": "{path: x.jsonl, factory: '/nonexistent/my_env.py:MyEnv'}"}),
+        ["task.args.factory", "'/nonexistent/my_env.py' not found"]),
+    "environment_class_without_step": lambda tmp, cache: (
+        _train(tmp, cache, **{"task.name": "environment", "warmup.steps": 0,
+                              "task.args": f"{{path: x.jsonl, factory: '{ENVS}:NoStep'}}"}),
+        ["task.args.factory", f"{ENVS}:NoStep", "gives a NoStep without a step method"]),
     # datasets
     "data_missing": _dataset("none.jsonl", None, "file not found"),
     "data_empty": _dataset("empty.jsonl", "", "file is empty"),

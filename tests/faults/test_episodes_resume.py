@@ -7,7 +7,9 @@ produced ahead, episodes included, are in the checkpoint with their loss masks."
 
 from __future__ import annotations
 
+import json
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,6 +55,27 @@ def test_sigkill_with_episodes_in_flight_resumes_exactly(tmp_path, launcher, epi
     result = launcher.run(train_argv(run, episode_cache, **extra), env={"PODSRL_FAULTS": "kill@turn:4"})
     assert result.code == -signal.SIGKILL, result.stderr[-3000:]
     assert last_step(run) in ((2, 3) if run_ahead else (3,)) and latest_checkpoint(run).name == "step-00000002"
+    result = launcher.run(resume_argv(run))
+    assert result.code == 0, result.stderr[-3000:]
+    assert_same_run(run, reference)
+
+
+@pytest.mark.slow  # three runs of about 7 s each
+def test_sigkill_with_spaced_environment_text_resumes_exactly(tmp_path, launcher, warm_cache):
+    """A TRL environment (tests/faults/spaced_env.py) on a dataset, its prompts and environment text with spaces: the
+    resumed run tokenizes both with the checkpoint's tokenizer, which must give the killed run's ids."""
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {a} plus {b}?", "answer": a + b}) + "\n"
+                            for a in range(1, 9) for b in (2, 5)), encoding="utf-8")
+    env = Path(__file__).with_name("spaced_env.py")
+    extra = {**EPISODES, "task.name": "trl_environment", "warmup.steps": 0, "task.eval_size": 4,
+             "task.args": f"{{path: '{data}', environment: '{env}:SpacedSumsEnv'}}"}
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    result = launcher.run(train_argv(reference, warm_cache, **extra))
+    assert result.code == 0, result.stderr[-3000:]
+    result = launcher.run(train_argv(run, warm_cache, **extra), env={"PODSRL_FAULTS": "kill@turn:4"})
+    assert result.code == -signal.SIGKILL, result.stderr[-3000:]
+    assert latest_checkpoint(run).name == "step-00000002"
     result = launcher.run(resume_argv(run))
     assert result.code == 0, result.stderr[-3000:]
     assert_same_run(run, reference)
