@@ -16,7 +16,6 @@ import torch
 
 from podsrl.algo.group_stats import group_outcomes, group_stats, zero_variance_groups
 from podsrl.batch import RolloutBatch
-from podsrl.errors import ConfigError
 
 # A rule: (rewards [P, n], mask [P, n], m, generator) -> keep mask [P, n].
 SelectionRule = Callable[[torch.Tensor, torch.Tensor, int, "torch.Generator | None"], torch.Tensor]
@@ -69,7 +68,7 @@ def _check(rewards: torch.Tensor, mask: torch.Tensor, m: int) -> None:
     if rewards.dim() != 2 or mask.shape != rewards.shape:
         raise ValueError(f"rewards {tuple(rewards.shape)} and mask {tuple(mask.shape)} must be [P, n]")
     if m < 1:
-        raise ConfigError(f"pods.m must be >= 1, got {m}")
+        raise ValueError(f"m (rows kept per group) must be >= 1, got {m}")
 
 
 def _require_finite(ok: torch.Tensor) -> None:
@@ -224,9 +223,7 @@ def select_rollouts(
 ) -> torch.Tensor:
     """Row indices (long, ascending) kept by `rule` (a key of SELECTION_RULES); "none" keeps every row."""
     if rule not in SELECTION_RULES:
-        raise ConfigError(
-            f"pods.rule: unknown rule {rule!r}; choose one of {', '.join(sorted(SELECTION_RULES))}"
-        )
+        raise ValueError(f"unknown selection rule {rule!r}; choose one of {', '.join(sorted(SELECTION_RULES))}")
     if rule == "none":
         return torch.arange(rewards.numel(), device=rewards.device)
     padded, mask, rows = pack_groups(rewards, group_index, num_groups, fill=0.0)
@@ -282,10 +279,6 @@ def aero_select(
     """
     if batch.correct is None:
         raise ValueError("aero_select needs a scored batch (batch.correct is None)")
-    if k <= 0:
-        raise ValueError(f"k must be > 0, got {k}")
-    if keep_dead < 0:
-        raise ValueError(f"keep_dead must be >= 0, got {keep_dead}")
     num_groups = batch.num_groups
     if posterior_mean.shape != (num_groups,):
         raise ValueError(f"posterior_mean has shape {tuple(posterior_mean.shape)}, expected ({num_groups},)")
