@@ -4,6 +4,8 @@
   explicit `group_index` (groups may be unequal and interleaved). `pack_groups` turns them into a padded
   [P, n_max] table in generation order; the rules work on that table and return a keep mask; `select_rollouts` maps
   the mask back to sorted row indices.
+- The PODS step (`pods_keep`): the rule's rows and their GRPO advantages, which methods/pods.py and the TRL
+  integration (integrations/trl.py) both train on.
 - AERO selective rejection (docs/methods.md#aero): `aero_select` keeps all successes and k times as many failures of a
   minority-success group, and `keep_dead` rollouts of an all-same group.
 """
@@ -14,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from podsrl.algo.advantages import grpo_advantages
 from podsrl.algo.group_stats import group_outcomes, group_stats, zero_variance_groups
 from podsrl.batch import RolloutBatch
 
@@ -233,6 +236,29 @@ def select_rollouts(
     kept = torch.zeros(num_rows + 1, dtype=torch.bool, device=rewards.device)
     kept.scatter_(0, torch.where(keep, rows, num_rows).flatten(), True)
     return kept[:num_rows].nonzero().flatten()
+
+
+def pods_keep(
+    rewards: torch.Tensor,
+    group_index: torch.Tensor,
+    num_groups: int,
+    generated: int,
+    m: int,
+    rule: str,
+    normalize_over: str,
+    scale: str,
+    epsilon: float,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PODS step (docs/methods.md#pods): (rows kept, ascending; their [len(rows)] float32 GRPO advantages).
+
+    `rule` keeps m of each group's `generated` rows (all of them when m >= generated); the advantages' group
+    statistics are over the kept rows (`normalize_over="subset"`) or the whole generated group ("group").
+    """
+    rows = select_rollouts(rewards, group_index, num_groups, m, rule if m < generated else "none", generator)
+    stats = (rewards, group_index) if normalize_over == "group" else (None, None)
+    advantages = grpo_advantages(rewards[rows], group_index[rows], num_groups, scale, epsilon, *stats)
+    return rows, advantages
 
 
 def selection_metrics(
