@@ -37,6 +37,7 @@ from podsrl.algo.rollout_correction import ROLLOUT_CORRECTION_MODES, rollout_cor
 from podsrl.batch import Problem, RolloutBatch
 from podsrl.build import rollout_engine
 from podsrl.config import load_config
+from podsrl.config.facts import run_facts
 from podsrl.engines.base import SamplingParams
 from podsrl.models.precision import compute_autocast
 from podsrl.update.shared_prompt import SharedPromptForward
@@ -54,7 +55,7 @@ class Tok:
 
 def sample(cfg, model, prompts: int, n: int, length: int, temperature: float, seed: int) -> RolloutBatch:
     """P x n completions of up to `length` tokens from the engine the trainer would build, as the trainer's batch."""
-    engine = rollout_engine(cfg, model, Tok())
+    engine = rollout_engine(cfg, model, Tok(), run_facts(cfg, next(model.parameters()).device).compute_dtype)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(2, model.config.vocab_size, (prompts, PROMPT_TOKENS), generator=gen)
     seeds = torch.randint(0, 2**31 - 1, (prompts * n,), generator=gen)

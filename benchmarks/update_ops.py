@@ -76,7 +76,7 @@ class Study:
         optimizer, scheduler = build_optimizer(cfg, model, sharded=False)
         self.updater = PolicyUpdater(model, optimizer, scheduler, cfg, run_facts(cfg, torch.device(device)),
                                      modulation=METHODS[cfg.method](cfg).token_modulation())
-        self.engine = rollout_engine(cfg, model, self.tokenizer)
+        self.engine = rollout_engine(cfg, model, self.tokenizer, run_facts(cfg, torch.device(device)).compute_dtype)
         self.task = build_task(cfg.task, self.tokenizer)
 
     def prompts(self, seed: int) -> list[list[int]]:

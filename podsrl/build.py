@@ -12,7 +12,6 @@ from podsrl.batch import Problem
 from podsrl.config import Config
 from podsrl.distributed import DistContext
 from podsrl.engines import RolloutEngine, build_engine, engine_class
-from podsrl.models.precision import resolve_compute_dtype
 from podsrl.models.rank_loading import load_policy_on_ranks
 from podsrl.models.sharded_loading import load_sharded
 from podsrl.rewards import RewardManager, build_reward_manager
@@ -63,15 +62,15 @@ def load_task(cfg: Config, tokenizer, model: torch.nn.Module | None = None) -> t
     return task, task.eval_set()[: cfg.eval.size or None]
 
 
-def rollout_engine(cfg: Config, model: torch.nn.Module, tokenizer) -> RolloutEngine:
+def rollout_engine(cfg: Config, model: torch.nn.Module, tokenizer, compute_dtype: torch.dtype) -> RolloutEngine:
     """The configured engine over `model`. An engine with a `compute_dtype_option` (the fast engine's weights_dtype)
-    samples in model.compute_dtype: a copy of the weights in that dtype when it is narrower than the parameters
+    samples in `compute_dtype` (the run's, RunFacts.compute_dtype): a copy of the weights in that dtype when it is narrower than the parameters
     (bfloat16 sampling of float32 masters), refreshed after each update, unless rollout.engine_options sets that
     option itself."""
     options = dict(cfg.rollout.engine_options)
     option = engine_class(cfg.rollout.engine).compute_dtype_option
     if option is not None:
-        options[option] = sampling_dtype(cfg, model)
+        options[option] = sampling_dtype(cfg, model, compute_dtype)
     return build_engine(cfg.rollout.engine, model, tokenizer, **options)
 
 
@@ -82,15 +81,14 @@ def generation_device(cfg: Config) -> torch.device | None:
     return torch.device(device) if device is not None else None
 
 
-def sampling_dtype(cfg: Config, model: torch.nn.Module) -> torch.dtype | str | None:
+def sampling_dtype(cfg: Config, model: torch.nn.Module, compute_dtype: torch.dtype) -> torch.dtype | str | None:
     """The dtype an engine with a `compute_dtype_option` samples `model` in: that option if rollout.engine_options
-    sets it, else the compute dtype where it differs from the parameters' (None: the parameters' own)."""
+    sets it, else `compute_dtype` (the run's, resolved once in RunFacts; such an engine's copy lives on the training
+    device) where it differs from the parameters' (None: the parameters' own)."""
     option = engine_class(cfg.rollout.engine).compute_dtype_option
     if option in cfg.rollout.engine_options:
         return cfg.rollout.engine_options[option]
-    param = next(model.parameters())
-    compute = resolve_compute_dtype(cfg, param.device)  # the generation copy's device (CPU for the Ray pool)
-    return compute if compute != param.dtype else None
+    return compute_dtype if compute_dtype != next(model.parameters()).dtype else None
 
 
 def reward_manager(cfg: Config, task: Task) -> RewardManager:

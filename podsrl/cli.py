@@ -90,6 +90,7 @@ def cmd_warmup(args) -> int:
 
 def cmd_eval(args) -> int:
     from podsrl.build import load_model, load_task, reward_manager, rollout_engine, verifier
+    from podsrl.config.facts import run_facts
     from podsrl.episodes.runner import task_episodes
     from podsrl.models.loading import resolve_device
     from podsrl.run.evaluation import evaluate
@@ -99,12 +100,13 @@ def cmd_eval(args) -> int:
     cfg = _load(args)
     # The trainer's own builders: a LoRA run's --model is its adapter (on top of the warm-up or model.name_or_path)
     model, tokenizer = load_model(cfg, args.model, base_weights(cfg), trainable=False)
-    model.to(resolve_device(cfg.model.device)).eval()
+    device = resolve_device(cfg.model.device)
+    model.to(device).eval()
     task, problems = load_task(cfg, tokenizer, model)
     if not problems:
         raise UserError(f"task {task.name}: no eval set to evaluate on (task.eval_size, task.eval_fraction, "
                         "task.args.eval_split, task.args.eval_path)")
-    engine = rollout_engine(cfg, model, tokenizer)
+    engine = rollout_engine(cfg, model, tokenizer, run_facts(cfg, device).compute_dtype)
     verify = verifier(reward_manager(cfg, task), task)  # correctness is the `correct` reward alone, as in training
     try:
         metrics = evaluate(engine, tokenizer, problems, verify, cfg.rollout.max_new_tokens, cfg.eval.samples,

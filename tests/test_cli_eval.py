@@ -12,6 +12,7 @@ import torch
 from podsrl.build import load_model, load_task, reward_manager, rollout_engine, verifier
 from podsrl.cli import main
 from podsrl.config import load_config
+from podsrl.config.facts import run_facts
 from podsrl.lora import save_adapter
 from podsrl.run.evaluation import evaluate
 from podsrl.run.warmup import base_weights
@@ -41,7 +42,7 @@ def test_eval_of_a_lora_adapter_equals_the_in_process_model(tmp_path, warmup_cac
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     save_adapter(model, tmp_path / "adapter")
     task, problems = load_task(cfg, tokenizer)
-    expected = evaluate(rollout_engine(cfg, model, tokenizer), tokenizer, problems,
+    expected = evaluate(rollout_engine(cfg, model, tokenizer, run_facts(cfg, torch.device("cpu")).compute_dtype), tokenizer, problems,
                         verifier(reward_manager(cfg, task), task), cfg.rollout.max_new_tokens, cfg.eval.samples,
                         cfg.rollout.temperature, cfg.rollout.top_p, cfg.eval.batch_size)
     got = _eval(capsys, overrides, "--model", str(tmp_path / "adapter"))

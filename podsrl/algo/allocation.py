@@ -20,11 +20,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from podsrl.errors import ConfigError
-
-WEIGHTS = ("variance", "std")
-UNKNOWN_RULES = ("reference", "rollout_n")
-
 
 def _check_history(successes: Tensor, attempts: Tensor) -> tuple[Tensor, Tensor]:
     k, g = torch.as_tensor(successes).long(), torch.as_tensor(attempts).long()
@@ -51,8 +46,6 @@ def variance_priority(
     reference code) or √V (`"std"`, the theorem's n ∝ σ). The floor is in priority units for both
     weightings, so "floor" always means the smallest share a known prompt has.
     """
-    if weight not in WEIGHTS:
-        raise ConfigError(f"dynamo.weight must be one of {WEIGHTS}, got {weight!r}")
     k, g = _check_history(successes, attempts)
     kf, gf = k.double(), g.double()
     unknown = g < max(int(min_history), 1)
@@ -156,21 +149,6 @@ def water_fill(base: Tensor, priority: Tensor, budget: int, n_max: int) -> Tenso
     return counts
 
 
-def _check_budget(num_prompts: int, budget: int, n_min: int, n_max: int, explore: int) -> None:
-    if n_min < 1:
-        raise ConfigError(f"dynamo.n_min must be >= 1 (every prompt needs a group), got {n_min}")
-    if n_max < n_min:
-        raise ConfigError(f"dynamo.n_max ({n_max}) must be >= dynamo.n_min ({n_min})")
-    if explore < 0:
-        raise ConfigError(f"dynamo.explore must be >= 0, got {explore}")
-    if not num_prompts * n_min <= budget <= num_prompts * n_max:
-        raise ConfigError(
-            f"rollout budget {budget} (rollout.n × prompts) is outside [{num_prompts}·dynamo.n_min, "
-            f"{num_prompts}·dynamo.n_max] = [{num_prompts * n_min}, {num_prompts * n_max}]: "
-            "rollout.n must lie between dynamo.n_min and dynamo.n_max"
-        )
-
-
 def allocate_by_variance(
     successes: Tensor,
     attempts: Tensor,
@@ -188,15 +166,12 @@ def allocate_by_variance(
     G_i its attempts so far (so with n_min ≥ min_history every prompt starts at n_min, and unknown prompts, whose
     priority is 0, get no share of the rest); `"rollout_n"` gives unknown prompts clip(explore, n_min, n_max) and the
     others n_min. Base counts that alone overrun the budget are cut evenly from the top (ties by index); the
-    remainder is water-filled by priority. A budget outside [P·n_min, P·n_max] cannot be met and raises ConfigError (the config's
-    rollout.n is outside the DynaMO bounds).
+    remainder is water-filled by priority. Needs 1 ≤ n_min and P·n_min ≤ budget ≤ P·n_max, which the dynamo section's
+    checks guarantee (n_min ≤ rollout.n ≤ n_max, methods/dynamo.py).
     """
     budget, n_min, n_max, explore = int(budget), int(n_min), int(n_max), int(explore)
-    if unknown_rule not in UNKNOWN_RULES:
-        raise ConfigError(f"dynamo.unknown_rule must be one of {UNKNOWN_RULES}, got {unknown_rule!r}")
     priority, unknown = variance_priority(successes, attempts, min_history=min_history, **priority_kwargs)
     num_prompts = priority.numel()
-    _check_budget(num_prompts, budget, n_min, n_max, explore)
     if num_prompts == 0:
         return torch.zeros(0, dtype=torch.long)
     if unknown_rule == "reference":

@@ -10,15 +10,13 @@ Pure functions over [P] tensors and floats; the state (streaks, p_easy, p_hard) 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 SKIPPED_EASY, SKIPPED_HARD, KEPT = 0, 1, 2  # codes of the per-prompt skip log, as in the reference
 
 
 def skip_probabilities(easy_streak: torch.Tensor, hard_streak: torch.Tensor, p_easy: float, p_hard: float,
-                       floor: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
+                       floor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """([P] probability of skipping as easy, [P] probability of skipping as hard); 0 where the streak is 0."""
     def prob(streak: torch.Tensor, p: float) -> torch.Tensor:
         z = streak.double()
@@ -28,7 +26,7 @@ def skip_probabilities(easy_streak: torch.Tensor, hard_streak: torch.Tensor, p_e
 
 
 def skip_decisions(easy_streak: torch.Tensor, hard_streak: torch.Tensor, p_easy: float, p_hard: float,
-                   uniforms: torch.Tensor, floor: float = 0.01) -> torch.Tensor:
+                   uniforms: torch.Tensor, floor: float) -> torch.Tensor:
     """[P] long codes: SKIPPED_EASY, SKIPPED_HARD or KEPT. `uniforms` [P, 2] holds one draw per test (easy
     first, then hard); a test skips when its draw is below its probability."""
     easy_p, hard_p = skip_probabilities(easy_streak, hard_streak, p_easy, p_hard, floor)
@@ -40,24 +38,20 @@ def skip_decisions(easy_streak: torch.Tensor, hard_streak: torch.Tensor, p_easy:
     return codes
 
 
-def adapt_exploration(p: float, ratio: float, target: float, step: float = 0.01, lowest: float = 0.05,
-                      highest: float = 0.95) -> float:
+def adapt_exploration(p: float, ratio: float, target: float, step: float, lowest: float, highest: float) -> float:
     """One adaptation step: skip more (p − step) when the zero-variance share reached its target, else less."""
     p = p - step if ratio >= target else p + step
     return round(min(max(p, lowest), highest), 12)  # rounding keeps 0.5 - 0.01 from drifting to 0.48999...
 
 
-def refill_estimate(missing: int, zero_variance_fraction: float, scale: float = 1.25, lowest: int = 1,
-                    highest: int | None = None) -> int:
+def refill_estimate(missing: int, zero_variance_fraction: float, scale: float, lowest: int, highest: int) -> int:
     """Prompts to draw so that, at this round's zero-variance fraction, about `missing` informative groups come
     back: int(missing / (1 − zvr) · scale), clamped to [lowest, highest]. With zvr = 1 (the reference divides by
-    zero) the estimate is `highest` (or `missing`·scale when there is no upper bound)."""
+    zero) the estimate is `highest`."""
     if missing <= 0:
         return 0
     if zero_variance_fraction >= 1.0:
-        estimate = highest if highest is not None else math.ceil(missing * scale)
+        estimate = highest
     else:
-        estimate = int(missing / (1.0 - zero_variance_fraction) * scale)
-    if highest is not None:
-        estimate = min(estimate, highest)
+        estimate = min(int(missing / (1.0 - zero_variance_fraction) * scale), highest)
     return max(estimate, lowest)

@@ -53,7 +53,7 @@ def greedy_allocation(rates: Sequence[float], total: int, min_n: int, max_extra:
     return extra
 
 
-def success_rate(last_successes: int, last_attempts: int, recent: Sequence[bool], window: int = 16) -> float:
+def success_rate(last_successes: int, last_attempts: int, recent: Sequence[bool], window: int) -> float:
     """p̂: the last visit's success rate if that visit had ≥ `window` rollouts, else the mean of the newest
     `window` outcomes across visits (`recent`, oldest first). 0 for a prompt never seen."""
     if last_attempts >= window:
@@ -96,12 +96,13 @@ def knapsack_allocation(
     valid: Sequence[bool],
     n: int,
     budget: int,
-    min_n: int = 2,
-    max_n: int = 128,
-    negative_n: int = 2,
-    positive_n: int = 2,
-    alpha: float = 0.9,
-    ref_quirks: bool = False,
+    *,
+    min_n: int,
+    max_n: int,
+    negative_n: int,
+    positive_n: int,
+    alpha: float,
+    ref_quirks: bool,
 ) -> KnapsackResult:
     """Rollouts per prompt with Σ = budget (docs/methods.md#knapsack-rl).
 
@@ -113,7 +114,7 @@ def knapsack_allocation(
     - Solve: `greedy_allocation` of r over the effective prompts, each at most max_n. Budget the effective prompts
       cannot hold within max_n goes evenly to the p̂ = 0 prompts, else to the other non-effective prompts.
 
-    Our choice (default): invalid prompts are not "p̂ = 0" prompts, and no prompt exceeds max_n (a capped prompt's
+    Our choice (`ref_quirks=False`): invalid prompts are not "p̂ = 0" prompts, and no prompt exceeds max_n (a capped prompt's
     share passes to the others). `ref_quirks=True` reproduces the reference: invalid prompts count as p̂ = 0 (their
     stored rate is 0), splits are uncapped, and leftover budget is spread over the effective prompts beyond max_n.
     """

@@ -11,8 +11,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from podsrl.errors import ConfigError
-
 _EPS = 1e-8
 
 
@@ -25,15 +23,6 @@ def _masked_stats(values: Tensor, valid: Tensor, prefix: str) -> dict[str, float
         f"{prefix}_min": float(v.min()),
         f"{prefix}_max": float(v.max()),
     }
-
-
-def _check_params(lambda_min: float, gamma: float, mu_max: float) -> None:
-    if not 0.0 <= lambda_min <= 1.0:
-        raise ConfigError(f"dynamo.lambda_min must lie in [0, 1], got {lambda_min}")
-    if gamma < 0:
-        raise ConfigError(f"dynamo.gamma must be >= 0, got {gamma}")
-    if mu_max < 1.0:
-        raise ConfigError(f"dynamo.mu_max must be >= 1, got {mu_max}")
 
 
 @torch.no_grad()
@@ -65,7 +54,6 @@ def dynamo_modulation(
       positive tokens. The ratio lies in [0, 1) for any entropies, so β_comp ∈ [1, μ_max); equal entropies
       give exactly 1.
     """
-    _check_params(lambda_min, gamma, mu_max)
     valid = mask.bool()
     shape = valid.shape
     dtype = (

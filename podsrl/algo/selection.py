@@ -4,6 +4,8 @@
   explicit `group_index` (groups may be unequal and interleaved). `pack_groups` turns them into a padded
   [P, n_max] table in generation order; the rules work on that table and return a keep mask; `select_rollouts` maps
   the mask back to sorted row indices.
+- The PODS step (`pods_keep`): the rule's rows and their GRPO advantages, which methods/pods.py and the TRL
+  integration (integrations/trl.py) both train on.
 - AERO selective rejection (docs/methods.md#aero): `aero_select` keeps all successes and k times as many failures of a
   minority-success group, and `keep_dead` rollouts of an all-same group.
 """
@@ -14,9 +16,9 @@ from collections.abc import Callable
 
 import torch
 
+from podsrl.algo.advantages import grpo_advantages
 from podsrl.algo.group_stats import group_outcomes, group_stats, zero_variance_groups
 from podsrl.batch import RolloutBatch
-from podsrl.errors import ConfigError
 
 # A rule: (rewards [P, n], mask [P, n], m, generator) -> keep mask [P, n].
 SelectionRule = Callable[[torch.Tensor, torch.Tensor, int, "torch.Generator | None"], torch.Tensor]
@@ -69,7 +71,7 @@ def _check(rewards: torch.Tensor, mask: torch.Tensor, m: int) -> None:
     if rewards.dim() != 2 or mask.shape != rewards.shape:
         raise ValueError(f"rewards {tuple(rewards.shape)} and mask {tuple(mask.shape)} must be [P, n]")
     if m < 1:
-        raise ConfigError(f"pods.m must be >= 1, got {m}")
+        raise ValueError(f"m (rows kept per group) must be >= 1, got {m}")
 
 
 def _require_finite(ok: torch.Tensor) -> None:
@@ -224,9 +226,7 @@ def select_rollouts(
 ) -> torch.Tensor:
     """Row indices (long, ascending) kept by `rule` (a key of SELECTION_RULES); "none" keeps every row."""
     if rule not in SELECTION_RULES:
-        raise ConfigError(
-            f"pods.rule: unknown rule {rule!r}; choose one of {', '.join(sorted(SELECTION_RULES))}"
-        )
+        raise ValueError(f"unknown selection rule {rule!r}; choose one of {', '.join(sorted(SELECTION_RULES))}")
     if rule == "none":
         return torch.arange(rewards.numel(), device=rewards.device)
     padded, mask, rows = pack_groups(rewards, group_index, num_groups, fill=0.0)
@@ -236,6 +236,29 @@ def select_rollouts(
     kept = torch.zeros(num_rows + 1, dtype=torch.bool, device=rewards.device)
     kept.scatter_(0, torch.where(keep, rows, num_rows).flatten(), True)
     return kept[:num_rows].nonzero().flatten()
+
+
+def pods_keep(
+    rewards: torch.Tensor,
+    group_index: torch.Tensor,
+    num_groups: int,
+    generated: int,
+    m: int,
+    rule: str,
+    normalize_over: str,
+    scale: str,
+    epsilon: float,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PODS step (docs/methods.md#pods): (rows kept, ascending; their [len(rows)] float32 GRPO advantages).
+
+    `rule` keeps m of each group's `generated` rows (all of them when m >= generated); the advantages' group
+    statistics are over the kept rows (`normalize_over="subset"`) or the whole generated group ("group").
+    """
+    rows = select_rollouts(rewards, group_index, num_groups, m, rule if m < generated else "none", generator)
+    stats = (rewards, group_index) if normalize_over == "group" else (None, None)
+    advantages = grpo_advantages(rewards[rows], group_index[rows], num_groups, scale, epsilon, *stats)
+    return rows, advantages
 
 
 def selection_metrics(
@@ -282,10 +305,6 @@ def aero_select(
     """
     if batch.correct is None:
         raise ValueError("aero_select needs a scored batch (batch.correct is None)")
-    if k <= 0:
-        raise ValueError(f"k must be > 0, got {k}")
-    if keep_dead < 0:
-        raise ValueError(f"keep_dead must be >= 0, got {keep_dead}")
     num_groups = batch.num_groups
     if posterior_mean.shape != (num_groups,):
         raise ValueError(f"posterior_mean has shape {tuple(posterior_mean.shape)}, expected ({num_groups},)")

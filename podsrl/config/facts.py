@@ -31,44 +31,46 @@ class RunFacts:
 
 
 def run_facts(cfg: Config, device: torch.device) -> RunFacts:
+    compute = resolve_compute_dtype(cfg, device)  # the one resolution of the compute dtype for this run's device
+    mismatch = mismatch_kinds(cfg, compute)
     return RunFacts(
-        device=device, master_dtype=getattr(torch, cfg.model.dtype),
-        compute_dtype=resolve_compute_dtype(cfg, device),
+        device=device, master_dtype=getattr(torch, cfg.model.dtype), compute_dtype=compute,
         overlap=cfg.train.asynchronous.runs_ahead,
-        rollout_correction=resolve_rollout_correction(cfg, device), mismatch=mismatch_kinds(cfg, device))
+        rollout_correction=resolve_rollout_correction(cfg, mismatch), mismatch=mismatch)
 
 
 PRECISION_MODE = "token_tis"  # `auto`'s mode for a sampler that differs from the trainer in precision alone
 
 
-def mismatch_kinds(cfg, device: torch.device) -> tuple[str, ...]:
-    """How the sampler's log-probs differ from the trainer's in this run: "engine" (an engine with kernels of its own, vLLM's), "staleness"
-    (train.async samples from weights up to max_staleness steps old), "precision" (the update computes in a dtype
-    narrower than the trained parameters; the fast engine samples from a copy in that dtype); empty when the
-    sampler is the trained module in its own precision (every other engine): the ratio is 1 up to float rounding."""
+def mismatch_kinds(cfg, compute_dtype: torch.dtype) -> tuple[str, ...]:
+    """How the sampler's log-probs differ from the trainer's in this run: "engine" (an engine with kernels of its
+    own, vLLM's), "staleness" (train.async samples from weights up to max_staleness steps old), "precision" (the
+    update computes in `compute_dtype`, the run's resolved compute dtype, narrower than the trained parameters; the
+    fast engine samples from a copy in that dtype); empty when the sampler is the trained module in its own
+    precision (every other engine): the ratio is 1 up to float rounding."""
     kinds = {
         "engine": engine_class(cfg.rollout.engine).own_kernels,
         "staleness": cfg.train.asynchronous.runs_ahead,
-        "precision": resolve_compute_dtype(cfg, device) != getattr(torch, cfg.model.dtype),
+        "precision": compute_dtype != getattr(torch, cfg.model.dtype),
     }
     return tuple(kind for kind, present in kinds.items() if present)
 
 
-def resolve_rollout_correction(cfg, device: torch.device) -> str:
-    """The mode `algo.rollout_correction` means for this run. `auto` follows TRL's default where TRL applies it
-    (rollouts from another engine: vLLM) and where the weights differ (staleness). For a precision-only mismatch (a
-    bfloat16 sampling copy of float32 masters) it truncates per token: a sequence ratio multiplies every token's
-    rounding gap, and on the GSM8K-shaped model with a trained model's entropy the 1,024-token completions'
-    sequence ratios spread from 0.28 to 2.28 (a rescaling of whole completions that follows no policy change)
-    where 99.8% of the token ratios lie within 0.87-1.15 (docs/results.md, "Rollout correction for a
-    precision-only mismatch"); token weights also log the mismatch. None without a mismatch: it would only cost."""
+def resolve_rollout_correction(cfg, mismatch: tuple[str, ...]) -> str:
+    """The mode `algo.rollout_correction` means for this run, given its `mismatch_kinds`. `auto` follows TRL's
+    default where TRL applies it (rollouts from another engine: vLLM) and where the weights differ (staleness). For a
+    precision-only mismatch (a bfloat16 sampling copy of float32 masters) it truncates per token: a sequence ratio
+    multiplies every token's rounding gap, and on the GSM8K-shaped model with a trained model's entropy the
+    1,024-token completions' sequence ratios spread from 0.28 to 2.28 (a rescaling of whole completions that follows
+    no policy change) where 99.8% of the token ratios lie within 0.87-1.15 (docs/results.md, "Rollout correction
+    for a precision-only mismatch"); token weights also log the mismatch. None without a mismatch: it would only
+    cost."""
     mode = cfg.algo.rollout_correction
     if mode != "auto":
         return mode
-    kinds = mismatch_kinds(cfg, device)
-    if "engine" in kinds or "staleness" in kinds:
+    if "engine" in mismatch or "staleness" in mismatch:
         return TRL_DEFAULT_MODE
-    return PRECISION_MODE if kinds else "none"
+    return PRECISION_MODE if mismatch else "none"
 
 
 def async_generator(cfg: Config) -> str:

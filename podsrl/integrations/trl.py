@@ -2,8 +2,8 @@
 
 `PODSGRPOTrainer` lets TRL generate and score n = `num_generations` completions per prompt exactly as usual (same
 dataset handling, generation backends, reward functions and logging), then post-processes the generated batch
-before TRL splits it into micro-steps: it keeps m = `pods_m` completions per prompt (`select_rollouts`), recomputes
-the advantages over what is kept (`grpo_advantages`, TRL's `scale_rewards` semantics), optionally drops zero-variance
+before TRL splits it into micro-steps: it keeps m = `pods_m` completions per prompt and recomputes their advantages
+with the PODS method's own step (`pods_keep`, TRL's `scale_rewards` semantics), optionally drops zero-variance
 prompts, and slices every per-completion entry of the batch. The loss therefore only ever sees the kept rows.
 
 Selection runs on the rewards of the whole (all-process) generation batch, so every process takes the same decision;
@@ -27,14 +27,14 @@ from podsrl.integrations.trl_config import (  # isort: skip
 from trl import GRPOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, unsplit_pixel_values_by_grid
 
-from podsrl.algo.advantages import grpo_advantages
 from podsrl.algo.group_stats import group_stats, zero_variance_groups
-from podsrl.algo.selection import select_rollouts, selection_metrics
+from podsrl.algo.selection import pods_keep, selection_metrics
 
 __all__ = ["TRL_SUPPORTED_SPEC", "PODSGRPOConfig", "PODSGRPOTrainer", "PODSSelection", "pods_select", "slice_batch"]
 
 # Batch entries that describe the whole batch rather than one completion each.
 _BATCH_LEVEL_KEYS = frozenset({"num_items_in_batch"})
+_TRL_EPSILON = 1e-4  # added to the std in GRPOTrainer's advantage denominator
 
 
 @dataclass
@@ -83,15 +83,12 @@ def pods_select(
     fill = group_stats(rewards[finite], group[finite], num_groups).mean  # mean of the scorable rewards
     r = torch.where(finite, rewards, fill[group])
 
-    kept = select_rollouts(r, group, num_groups, m, rule, generator)  # global rows, ascending
-    if normalize_over == "subset":
-        adv = grpo_advantages(r[kept], group[kept], num_groups, scale)
-        basis_r, basis_g = r[kept], group[kept]
-    elif normalize_over == "group":
-        adv = grpo_advantages(r[kept], group[kept], num_groups, scale, stats_rewards=r, stats_group_index=group)
-        basis_r, basis_g = r, group
-    else:
+    if normalize_over not in ("subset", "group"):
         raise PODSConfigError(f"pods_normalize_over must be 'subset' or 'group'; got {normalize_over!r}")
+    # the PODS method's own step: its rule's rows and their advantages (algo/selection.py)
+    kept, adv = pods_keep(r, group, num_groups, num_generations, m, rule, normalize_over, scale, _TRL_EPSILON,
+                          generator)
+    basis_r, basis_g = (r, group) if normalize_over == "group" else (r[kept], group[kept])
     adv = torch.where(finite[kept], adv, torch.zeros_like(adv))
 
     if filter_zero_variance:

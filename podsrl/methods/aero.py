@@ -118,10 +118,11 @@ def _frac_zero(adv: torch.Tensor) -> float:
 def collect_aero_rollouts(
     num_prompts: int,
     generate_and_score: GenerateAndScore,
-    n_explore: int = 8,
-    n_extra: int = 2,
-    n_max: int = 16,
-    pad_token_id: int = 0,
+    *,
+    n_explore: int,
+    n_extra: int,
+    n_max: int,
+    pad_token_id: int,
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """Explore every prompt with `n_explore` rollouts, then rescue all-fail prompts in batched rounds.
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from podsrl.algo.selection import max_variance_decided, select_rollouts, selection_metrics
+from podsrl.algo.selection import max_variance_decided, pods_keep, selection_metrics
 from podsrl.batch import RolloutBatch
 from podsrl.errors import ConfigError
 from podsrl.methods.base import EpisodeStopRule, Method, StepContext
@@ -71,9 +71,9 @@ class PODS(Method):
         return lambda finished, live: max_variance_decided(finished, self.m)
 
     def select(self, batch: RolloutBatch, ctx: StepContext) -> tuple[RolloutBatch, dict[str, float]]:
-        p = self.cfg.pods
-        rule = p.rule if self.m < self.cfg.rollout.n else "none"
-        rows = select_rollouts(batch.rewards, batch.group_index, batch.num_groups, self.m, rule, ctx.rng)
+        p, a = self.cfg.pods, self.cfg.algo
+        rows, advantages = pods_keep(batch.rewards, batch.group_index, batch.num_groups, self.cfg.rollout.n, self.m,
+                                     p.rule, p.normalize_over, a.scale, a.advantage_epsilon, ctx.rng)
         kept = batch.select_rows(rows)
-        kept.advantages = self.grpo_advantages(kept, batch if p.normalize_over == "group" else None)
+        kept.advantages = advantages
         return kept, selection_metrics(batch.rewards, batch.group_index, batch.num_groups, rows)

@@ -39,7 +39,8 @@ from podsrl.models.decode import share_fused_weights
 from podsrl.run.producer import ProducedBatch
 
 
-def async_engines(cfg: Config, generation_model: torch.nn.Module, tokenizer, distributed: bool):
+def async_engines(cfg: Config, generation_model: torch.nn.Module, tokenizer, distributed: bool,
+                  compute_dtype: torch.dtype):
     """(generator's model, its engine, eval engine, eval tokenizer): the generator samples from its own copy of the
     policy; eval (in process) and checkpoints use the learner's."""
     if distributed:
@@ -47,17 +48,17 @@ def async_engines(cfg: Config, generation_model: torch.nn.Module, tokenizer, dis
                         "all-gather on the process group the update uses, from another thread)")
     traits = engine_class(cfg.rollout.engine)
     if traits.compute_dtype_option:  # one copy, in the dtype its engine samples in (not a float32 one and the engine's)
-        dtype = sampling_dtype(cfg, generation_model)
+        dtype = sampling_dtype(cfg, generation_model, compute_dtype)
         generator_model = compute_copy(generation_model, dtype) or copy.deepcopy(generation_model)
         generator_model.requires_grad_(False)
         share_fused_weights(generator_model)  # only sampled from and loaded into, never trained or saved
     else:  # requires_grad as the learner's: the trainable parameters are the ones synced to the workers (Ray actors)
         generator_model = copy.deepcopy(generation_model)
     generator_model.eval()
-    engine = rollout_engine(cfg, generator_model, tokenizer)
+    engine = rollout_engine(cfg, generator_model, tokenizer, compute_dtype)
     worker = traits.worker_engine(cfg.rollout.engine_options)
     if worker is None:
-        eval_engine = rollout_engine(cfg, generation_model, tokenizer)
+        eval_engine = rollout_engine(cfg, generation_model, tokenizer, compute_dtype)
     else:  # eval in process, with the engine the workers run
         name, options, _ = worker
         eval_engine = build_engine(name, generation_model, tokenizer, **options)

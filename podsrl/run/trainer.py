@@ -123,11 +123,12 @@ class Trainer:
             log.warning("no eval set (task %s): training without held-out evaluation", self.task.name)
         run_ahead = cfg.train.asynchronous
         if not run_ahead.enabled:
-            self.engine = self.dist.wrap_engine(rollout_engine(cfg, self.generation_model, self.tokenizer))
+            self.engine = self.dist.wrap_engine(rollout_engine(cfg, self.generation_model, self.tokenizer,
+                                                             self.facts.compute_dtype))
             self.eval_engine, self.eval_tokenizer = self.engine, self.tokenizer
         else:
             self.generator_model, self.engine, self.eval_engine, self.eval_tokenizer = async_engines(
-                cfg, self.generation_model, self.tokenizer, self.dist.enabled)
+                cfg, self.generation_model, self.tokenizer, self.dist.enabled, self.facts.compute_dtype)
         self.keep_engine_state = keeps_engine_state(cfg, self.engine, self.generation_model, self.task,
                                                     self.tokenizer, self.device, self.dist.world_size,
                                                     self.dist.is_main)

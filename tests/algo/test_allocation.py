@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from podsrl.algo import allocation
 from podsrl.algo.allocation import water_fill
+from podsrl.config import load_config
 from podsrl.errors import ConfigError
 from podsrl.methods.dynamo import DynamoConfig
 
@@ -59,8 +60,8 @@ def test_variance_priority_hand_values():
     prio2, unknown2 = variance_priority(t([2, 8]), t([3, 10]), min_history=2, mastered_rate=0.9, floor=0.05)
     assert not unknown2.any()
     assert prio2.tolist() == pytest.approx([2 / 6, max(16 / 90, 0.05)])
-    with pytest.raises(ConfigError, match="dynamo.weight"):
-        variance_priority(k, g, weight="sigma")
+    with pytest.raises(ConfigError, match="dynamo.weight"):  # the choices are the section's, checked at load
+        load_config(None, ["method=dynamo", "dynamo.weight=sigma"])
 
 
 def test_water_fill_proportional_away_from_bounds():
@@ -208,19 +209,20 @@ def test_capped_allocation_redistributes():
 
 
 @pytest.mark.parametrize(
-    ("budget", "n_min", "n_max", "explore", "field"),
+    ("overrides", "field"),
     [
-        (31, 8, 24, 16, "dynamo.n_min"),
-        (97, 8, 24, 16, "dynamo.n_max"),
-        (64, 0, 24, 16, "dynamo.n_min"),
-        (64, 16, 8, 16, "dynamo.n_max"),
-        (64, 8, 24, -1, "dynamo.explore"),
+        (["rollout.n=7", "dynamo.n_min=8"], "dynamo.n_min"),
+        (["rollout.n=25", "dynamo.n_max=24"], "dynamo.n_min"),
+        (["dynamo.n_min=0"], "dynamo.n_min"),
+        (["dynamo.n_min=16", "dynamo.n_max=8"], "dynamo.n_min"),
+        (["dynamo.explore=-1"], "dynamo.explore"),
+        (["dynamo.unknown_rule=other"], "dynamo.unknown_rule"),
     ],
 )
-def test_infeasible_config_raises(budget, n_min, n_max, explore, field):
-    k, g = t([0, 1, 2, 3]), t([10, 10, 10, 10])
+def test_infeasible_config_is_refused_at_load(overrides, field):
+    # a budget P·rollout.n outside [P·n_min, P·n_max] cannot be met: the dynamo section's checks refuse it
     with pytest.raises(ConfigError, match=field):
-        allocate_by_variance(k, g, budget, n_min, n_max, explore)
+        load_config(None, ["method=dynamo", *overrides])
 
 
 def test_bad_history_is_a_bug_not_a_config_error():

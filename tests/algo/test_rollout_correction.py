@@ -14,7 +14,7 @@ import torch
 from podsrl.algo.rollout_correction import rollout_correction, uncorrected_staleness
 from podsrl.batch import Problem, RolloutBatch
 from podsrl.config import TinyModelConfig, load_config
-from podsrl.config.facts import mismatch_kinds, resolve_rollout_correction
+from podsrl.config.facts import run_facts
 from podsrl.engines.base import SamplingParams
 from podsrl.engines.fast import FastEngine
 from podsrl.engines.hf import HFEngine
@@ -97,6 +97,14 @@ def test_unknown_log_probs_are_left_uncorrected_and_the_weight_carries_no_gradie
 def test_none_is_not_a_mode_of_the_function():
     with pytest.raises(ValueError, match="mode must be one of"):
         rollout_correction(TRAINER, SAMPLER, MASK, "none", 3.0)
+
+
+def resolve_rollout_correction(cfg, device):
+    return run_facts(cfg, device).rollout_correction
+
+
+def mismatch_kinds(cfg, device):
+    return run_facts(cfg, device).mismatch
 
 
 def test_auto_resolves_per_mismatch_kind():

@@ -26,6 +26,7 @@ from podsrl.algo.selection import (
     select_rollouts,
     selection_metrics,
 )
+from podsrl.config import load_config
 from podsrl.errors import ConfigError
 
 
@@ -242,13 +243,17 @@ def test_none_rule_and_registry() -> None:
     assert set(SELECTION_RULES) == {"max_variance", "max_reward", "random", "none"}
 
 
-def test_errors_name_the_config_key() -> None:
+def test_bad_arguments_are_errors() -> None:
     r = torch.tensor([1.0, 0.0])
     gi = torch.tensor([0, 0])
-    with pytest.raises(ConfigError, match="pods.rule"):
+    # the kernel also serves the TRL integration, so it checks its arguments, without the config's key names
+    with pytest.raises(ValueError, match="unknown selection rule"):
         select_rollouts(r, gi, 1, 1, "max_entropy")
-    with pytest.raises(ConfigError, match="pods.m"):
+    with pytest.raises(ValueError, match="m .rows kept per group. must be >= 1"):
         select_rollouts(r, gi, 1, 0, "max_variance")
+    for override, key in (("pods.rule=max_entropy", "pods.rule"), ("pods.m=-1", "pods.m")):
+        with pytest.raises(ConfigError, match=key):  # the config's own values are refused at load
+            load_config(None, ["method=pods", override])
     for bad in (float("nan"), float("inf"), float("-inf")):
         for rule in ("max_variance", "max_reward", "random"):
             with pytest.raises(ValueError, match="NaN"):

@@ -97,7 +97,7 @@ def test_rescue_rounds_are_batched_and_stop_at_first_success_or_cap():
         [F] * 14,  # never succeeds: capped at n_max = 9 (last round asks for only 1)
     ]
     engine = ScriptedEngine(outcomes)
-    batch, m = collect_aero_rollouts(4, engine, n_explore=4, n_extra=2, n_max=9)
+    batch, m = collect_aero_rollouts(4, engine, n_explore=4, n_extra=2, n_max=9, pad_token_id=0)
     assert engine.calls == [
         ([0, 1, 2, 3], [4, 4, 4, 4]),
         ([1, 2, 3], [2, 2, 2]),
@@ -120,17 +120,17 @@ def test_rescue_rounds_are_batched_and_stop_at_first_success_or_cap():
 
 def test_rescue_count_is_capped_by_n_max():
     engine = ScriptedEngine([[F] * 20, [F] * 20])
-    batch, m = collect_aero_rollouts(2, engine, n_explore=4, n_extra=3, n_max=9)
+    batch, m = collect_aero_rollouts(2, engine, n_explore=4, n_extra=3, n_max=9, pad_token_id=0)
     assert engine.calls == [([0, 1], [4, 4]), ([0, 1], [3, 3]), ([0, 1], [2, 2])]
     assert batch.group_sizes().tolist() == [9, 9] and m["aero/frac_rescue_failed"] == 1.0
 
 
 def test_no_rescue_when_every_prompt_succeeds_or_cap_equals_explore():
     engine = ScriptedEngine([[T] * 8, [F, T] * 4])
-    batch, m = collect_aero_rollouts(2, engine, n_explore=8)
+    batch, m = collect_aero_rollouts(2, engine, n_explore=8, n_extra=2, n_max=16, pad_token_id=0)
     assert len(engine.calls) == 1 and m["aero/rounds"] == 1 and m["aero/frac_rescued"] == 0
     engine = ScriptedEngine([[F] * 8])
-    batch, m = collect_aero_rollouts(1, engine, n_explore=8, n_max=8)
+    batch, m = collect_aero_rollouts(1, engine, n_explore=8, n_extra=2, n_max=8, pad_token_id=0)
     assert len(engine.calls) == 1 and m["aero/frac_rescue_failed"] == 1.0 and batch.num_rollouts == 8
 
 
@@ -141,9 +141,9 @@ def test_round_returning_wrong_counts_is_an_error():
         return engine(indices, [c - 1 for c in counts])
 
     with pytest.raises(ValueError, match="asked for 8"):
-        collect_aero_rollouts(1, short)
+        collect_aero_rollouts(1, short, n_explore=8, n_extra=2, n_max=16, pad_token_id=0)
     with pytest.raises(ValueError, match="n_max"):
-        collect_aero_rollouts(1, engine, n_explore=8, n_max=4)
+        collect_aero_rollouts(1, engine, n_explore=8, n_extra=2, n_max=4, pad_token_id=0)
 
 
 # --------------------------------------------------------------------------------------------- selection
@@ -273,7 +273,7 @@ def test_zero_advantage_metrics_before_and_after():
 def test_rescued_groups_are_rejected_unless_reject_rescued_is_off():
     # prompt 0 fails its 4 explore rollouts and succeeds in the 2nd rescue round: 1 success in 8 (u = 1/8)
     engine = ScriptedEngine([[F] * 6 + [T, F], [T, F, F, F]])
-    batch, _ = collect_aero_rollouts(2, engine, n_explore=4, n_extra=2, n_max=8)
+    batch, _ = collect_aero_rollouts(2, engine, n_explore=4, n_extra=2, n_max=8, pad_token_id=0)
     assert rescued_groups(batch, 4).tolist() == [T, F]
     stats = PromptStats()
     stats.record([p.uid for p in batch.problems], batch.group_index, batch.correct)
@@ -352,7 +352,7 @@ def test_dead_zone_uses_correctness_not_format_bonus_and_is_finite_at_extremes()
 
 def test_statistics_survive_prompt_stats_round_trip():
     engine = ScriptedEngine([[F] * 16, [T, F] * 8, [T] * 16])
-    batch, _ = collect_aero_rollouts(3, engine, n_explore=8, n_extra=2, n_max=16)
+    batch, _ = collect_aero_rollouts(3, engine, n_explore=8, n_extra=2, n_max=16, pad_token_id=0)
     stats = PromptStats()
     stats.update(["q0", "q2", "other"], [1, 3, 2], [5, 3, 9])
     u = posterior_after_update(stats, batch)

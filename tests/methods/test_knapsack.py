@@ -16,6 +16,15 @@ from podsrl.algo.knapsack import (
     marginal_gain,
     success_rate,
 )
+from podsrl.methods.knapsack import KnapsackConfig
+
+_SOLVER_KEYS = ("min_n", "max_n", "negative_n", "positive_n", "alpha", "ref_quirks")
+
+
+def allocate(rates, valid, n, budget, **overrides):
+    """knapsack_allocation with the knapsack section's defaults for every option not given."""
+    options = {key: getattr(KnapsackConfig(), key) for key in _SOLVER_KEYS} | overrides
+    return knapsack_allocation(rates, valid, n, budget, **options)
 
 
 def objective(rates, extra, min_n):
@@ -55,32 +64,32 @@ def test_spec_example_best_split():
 def test_spec_examples_allocation():
     n, budget = 4, 16
     kw = dict(min_n=2, max_n=8, negative_n=2, positive_n=2)
-    out = knapsack_allocation([1, 0, 0.5, 0.25], [True] * 4, n, budget, **kw)
+    out = allocate([1, 0, 0.5, 0.25], [True] * 4, n, budget, **kw)
     assert out.counts == [2, 2, 5, 7]
     assert not out.fallback and out.fallback_effective_ratio == 1.0 and out.leftover == 0
     # costs 3.32 and 8.00 give E = 11 >= r = 8
     assert fallback_cost(0.5, 0.9) == pytest.approx(3.3219, abs=1e-4)
     assert fallback_cost(0.25, 0.9) == pytest.approx(8.0039, abs=1e-4)
     # a new (invalid) prompt: initial [4, 2, 2, 2], r = 6, E = 3 -> fallback
-    ours = knapsack_allocation([0, 1, 0.5, 0], [False, True, True, True], n, budget, **kw)
-    ref = knapsack_allocation([0, 1, 0.5, 0], [False, True, True, True], n, budget, ref_quirks=True, **kw)
+    ours = allocate([0, 1, 0.5, 0], [False, True, True, True], n, budget, **kw)
+    ref = allocate([0, 1, 0.5, 0], [False, True, True, True], n, budget, ref_quirks=True, **kw)
     assert ours.counts == [4, 2, 5, 5]
     assert ref.counts == [6, 2, 5, 3]
     assert ours.fallback and ours.fallback_effective_ratio == pytest.approx(3 / 6)
     # no effective prompt: the rest goes to the p = 0 prompts; with none, everyone gets n
-    assert knapsack_allocation([1, 0, 0, 1], [True] * 4, n, budget, **kw).counts == [2, 6, 6, 2]
-    assert knapsack_allocation([1, 1], [True] * 2, n, 8, **kw).counts == [4, 4]
+    assert allocate([1, 0, 0, 1], [True] * 4, n, budget, **kw).counts == [2, 6, 6, 2]
+    assert allocate([1, 1], [True] * 2, n, 8, **kw).counts == [4, 4]
 
 
 def test_no_history_gets_n_everywhere():
-    out = knapsack_allocation([0.0] * 5, [False] * 5, 8, 40)
+    out = allocate([0.0] * 5, [False] * 5, 8, 40)
     assert out.counts == [8] * 5 and not out.fallback
 
 
 def test_fallback_with_only_effective_prompts_keeps_the_budget():
     # every prompt effective and easy to resolve: E < r but there is nowhere else to put it (the reference divides
     # by zero here); the solver places all of r within max_n
-    out = knapsack_allocation([0.5, 0.5], [True, True], 8, 16, max_n=16)
+    out = allocate([0.5, 0.5], [True, True], 8, 16, max_n=16)
     assert sum(out.counts) == 16 and not out.fallback and max(out.counts) <= 16
 
 
@@ -88,27 +97,27 @@ def test_leftover_beyond_max_n_goes_to_unsolved_prompts():
     # one effective prompt can hold max_n - min_n = 4 of r = 6; its need (cost capped at max_n = 6) is not below r,
     # so no fallback. The other 2 go to the p = 0 prompt (ours) or past the cap on the effective prompt (reference).
     kw = dict(min_n=2, max_n=6, alpha=0.999999)
-    ours = knapsack_allocation([0.5, 0.0, 1.0], [True] * 3, 4, 12, **kw)
+    ours = allocate([0.5, 0.0, 1.0], [True] * 3, 4, 12, **kw)
     assert ours.counts == [6, 4, 2] and ours.leftover == 2 and not ours.fallback
-    ref = knapsack_allocation([0.5, 0.0, 1.0], [True] * 3, 4, 12, ref_quirks=True, **kw)
+    ref = allocate([0.5, 0.0, 1.0], [True] * 3, 4, 12, ref_quirks=True, **kw)
     assert ref.counts == [8, 2, 2]
 
 
 def test_capped_fallback_passes_the_rest_on():
     # fallback surplus 6 for one p = 0 prompt that can hold 4 more (max_n 6): the rest returns to the solver
     # and what the effective prompt cannot hold goes to the last prompt; no count passes max_n
-    out = knapsack_allocation([0.5, 0.0, 1.0], [True] * 3, 6, 18, min_n=2, max_n=6, alpha=0.999999)
+    out = allocate([0.5, 0.0, 1.0], [True] * 3, 6, 18, min_n=2, max_n=6, alpha=0.999999)
     assert out.fallback and out.counts == [6, 6, 6]
 
 
 def test_success_rate_window():
-    assert success_rate(0, 0, []) == 0.0
-    assert success_rate(3, 4, [True, False, True, True]) == 0.75
+    assert success_rate(0, 0, [], 16) == 0.0
+    assert success_rate(3, 4, [True, False, True, True], 16) == 0.75
     # a visit of >= 16 rollouts stands alone
-    assert success_rate(4, 16, [True] * 16) == 0.25
+    assert success_rate(4, 16, [True] * 16, 16) == 0.25
     # fewer: the 16 newest outcomes across visits
     ring = [False] * 10 + [True] * 8
-    assert success_rate(8, 8, ring) == pytest.approx(8 / 16)
+    assert success_rate(8, 8, ring, 16) == pytest.approx(8 / 16)
 
 
 @settings(max_examples=150, deadline=None)
@@ -136,7 +145,7 @@ def test_allocation_invariants(data, num, n, ref):
     rate = st.one_of(st.just(0.0), st.just(1.0), st.floats(0.01, 0.99))
     rates = data.draw(st.lists(rate, min_size=num, max_size=num))
     valid = data.draw(st.lists(st.booleans(), min_size=num, max_size=num))
-    out = knapsack_allocation(rates, valid, n, num * n, min_n=min_n, max_n=max_n, negative_n=min_n,
+    out = allocate(rates, valid, n, num * n, min_n=min_n, max_n=max_n, negative_n=min_n,
                               positive_n=min_n, ref_quirks=ref)
     assert sum(out.counts) == num * n
     assert min(out.counts) >= min_n
@@ -147,14 +156,14 @@ def test_allocation_invariants(data, num, n, ref):
             assert out.counts[i] >= n
     assert 0.0 <= out.fallback_effective_ratio <= 1.0
     # deterministic: a pure function of its inputs
-    again = knapsack_allocation(rates, valid, n, num * n, min_n=min_n, max_n=max_n, negative_n=min_n,
+    again = allocate(rates, valid, n, num * n, min_n=min_n, max_n=max_n, negative_n=min_n,
                                 positive_n=min_n, ref_quirks=ref)
     assert again.counts == out.counts
 
 
 def test_effective_prompts_get_the_optimum_of_what_they_receive():
     rates = [0.5, 0.1, 0.9, 0.3, 0.0, 1.0]
-    out = knapsack_allocation(rates, [True] * 6, 8, 48, min_n=2, max_n=16, alpha=0.999999)
+    out = allocate(rates, [True] * 6, 8, 48, min_n=2, max_n=16, alpha=0.999999)
     eff = [0, 1, 2, 3]
     extra = [out.counts[i] - 2 for i in eff]
     placed = sum(extra)

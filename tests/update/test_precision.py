@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from podsrl.config import load_config
+from podsrl.config.facts import run_facts
 from podsrl.errors import ConfigError
 from podsrl.models.logprobs import head_logprobs_and_entropy
 from podsrl.models.precision import compute_autocast, describe_precision, resolve_compute_dtype
@@ -175,11 +176,12 @@ def test_run_engine_samples_in_the_compute_dtype(compute, expected):
     from podsrl.build import rollout_engine
 
     model = tiny_causal_lm(32)
-    engine = rollout_engine(load_config(overrides=[f"model.compute_dtype={compute}"]), model, Tok())
+    cfg = load_config(overrides=[f"model.compute_dtype={compute}"])
+    engine = rollout_engine(cfg, model, Tok(), run_facts(cfg, torch.device("cpu")).compute_dtype)
     if expected is None:
         assert engine.copy is None
     else:
         assert {p.dtype for p in engine.copy.parameters()} == {expected}
         assert all(p.dtype == torch.float32 for p in model.parameters())  # the masters stay float32
     explicit = load_config(overrides=["model.compute_dtype=bfloat16", "rollout.engine_options.weights_dtype=null"])
-    assert rollout_engine(explicit, model, Tok()).copy is None
+    assert rollout_engine(explicit, model, Tok(), torch.bfloat16).copy is None
