@@ -8,7 +8,9 @@ is the real tokens, each prompt counted once. Attention runs in padded blocks (`
 - completions: rows bucketed by length (sorted, each bucket padded to its own longest), each row's queries
   attending to its prompt's keys/values (index-expanded from the prompt block, so the prompt's gradient collects
   every row's) and causally to its own completion.
-Positions and masks are those of the plain path.
+Positions and masks are those of the plain path. With `ladder` (CUDA's default) each block's row and token counts
+are rounded up to podsrl/models/shape_ladder.py's sizes, so attention's shapes repeat across batches: the extra rows
+and slots are padding, fully blocked as keys and never read as queries.
 
 Measured choice (`python benchmarks/update_speed.py --attention`, one GSM8K-shaped group of a 200-token prompt and
 16 completions of 50-400 tokens, attention forward + backward on one CPU thread, the same attention kernel in both):
@@ -26,6 +28,7 @@ from torch import Tensor
 
 from podsrl.models.attention import grouped_attention
 from podsrl.models.kernels import gather_slots, packed_order
+from podsrl.models.shape_ladder import ladder_default, rung
 from podsrl.models.transfer import to_device
 
 
@@ -64,10 +67,12 @@ class Plan:
 
 
 def build_plan(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
-               device: torch.device) -> Plan | None:
+               device: torch.device, ladder: bool | None = None) -> Plan | None:
     """The plan of rows given as left-padded prompts and right-padded completions; None when a row has an empty
     prompt or a completion mask with holes (the plain path handles those). Built on the host from host tensors; its
-    device tensors arrive in two copies (podsrl/models/transfer.py), not one per tensor."""
+    device tensors arrive in two copies (podsrl/models/transfer.py), not one per tensor. `ladder` (None: on CUDA
+    only) rounds the attention blocks' sizes up to the shape ladder."""
+    size = rung if (ladder_default(device) if ladder is None else ladder) else int
     W = completion_ids.shape[1]
     lengths = completion_mask.sum(dim=1).long()
     col = torch.arange(W)
@@ -80,15 +85,17 @@ def build_plan(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, 
     lp = real.sum(dim=1)
     if bool((lp == 0).any()):
         return None
-    Lp = int(lp.max())
+    Lp = size(int(lp.max()))
     # prompts: real tokens packed in group order (left padding is a prefix, so row-major order is token order)
     p_start = lp.cumsum(0) - lp
     n_prompt = int(lp.sum())
     p_tokens = distinct[real]
     p_pos = torch.arange(n_prompt) - p_start.repeat_interleave(lp)
     slot = torch.arange(Lp)
-    p_real = slot < lp[:, None]
-    prompt_index = torch.where(p_real, p_start[:, None] + slot, p_start[:, None])
+    blank_prompts = size(len(lp)) - len(lp)  # ladder rows of no prompt: every slot padding (token 0)
+    p_real = slot < _pad(lp, blank_prompts)[:, None]
+    p_first = _pad(p_start, blank_prompts)[:, None]
+    prompt_index = torch.where(p_real, p_first + slot, p_first)
     causal = torch.ones(Lp, Lp, dtype=torch.bool).tril()
     p_attn_mask = (causal[None] & p_real[:, None, :])[:, None]
     # completions: all tokens but the last are inputs
@@ -102,16 +109,18 @@ def build_plan(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, 
     order = torch.argsort(n_in, descending=True, stable=True)
     order = order[n_in[order] > 0]
     for rows in _length_buckets(order, n_in):
-        lb = int(n_in[rows[0]])
+        lb, blank = size(int(n_in[rows[0]])), size(len(rows)) - len(rows)  # ladder rows: no token, no key
         cslot = torch.arange(lb)
-        c_real = cslot < n_in[rows][:, None]
-        slots.append(torch.where(c_real, c_start[rows][:, None] + cslot, c_start[rows][:, None]).flatten())
+        row_len, row_start, row_group = (_pad(t, blank) for t in (n_in[rows], c_start[rows], group[rows]))
+        c_real = cslot < row_len[:, None]
+        slots.append(torch.where(c_real, row_start[:, None] + cslot, row_start[:, None]).flatten())
         real_slots.append(c_real.flatten())
-        lpb = int(lp[group[rows]].max())
-        prompt_keys = (torch.arange(lpb) < lp[group[rows]][:, None])[:, None, :].expand(-1, lb, -1)
-        own = torch.ones(lb, lb, dtype=torch.bool).tril()[None].expand(len(rows), -1, -1)
+        lpb = size(int(lp[group[rows]].max()))  # <= Lp: the ladder keeps order
+        row_lp = _pad(lp[group[rows]], blank)
+        prompt_keys = (torch.arange(lpb) < row_lp[:, None])[:, None, :].expand(-1, lb, -1)
+        own = torch.ones(lb, lb, dtype=torch.bool).tril()[None] & (row_len > 0)[:, None, None]
         blocked = ~torch.cat([prompt_keys, own], dim=2)[:, None]
-        buckets.append(Bucket(group[rows], blocked, lpb, len(rows), lb))
+        buckets.append(Bucket(row_group, blocked, lpb, len(row_len), lb))
     all_slots, real = torch.cat(slots), torch.cat(real_slots)
     home = torch.empty(n_prompt + c_tokens.numel(), dtype=torch.long)
     home[all_slots[real]] = torch.arange(all_slots.numel())[real]
@@ -130,7 +139,7 @@ def build_plan(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, 
         positions=positions,
         slots=slots,
         home=home,
-        prompt_shape=(len(lp), Lp),
+        prompt_shape=(len(lp) + blank_prompts, Lp),
         prompt_blocked=prompt_blocked,
         buckets=buckets,
         pred_index=pred_index,
@@ -141,6 +150,11 @@ def build_plan(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, 
         output_shape=(valid.shape[0], W),
         output_index=output_index,
     )
+
+
+def _pad(values: Tensor, blank: int) -> Tensor:
+    """`values` and `blank` zeros after them (the ladder's padding rows: no tokens, slots pointing at token 0)."""
+    return torch.cat([values, values.new_zeros(blank)]) if blank else values
 
 
 def distinct_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
