@@ -6,8 +6,8 @@ arithmetic task, 16 kept rollouts each, completions of 10-35 tokens + EOS, micro
 step) at width `--hidden`, float32 on the CPU, and one layer (the shapes depend on none of these: every layer issues
 the same calls, and the heads stay the study's). Each update's micro-batches run their forward as the update does
 (the backward repeats the forward's attention shapes, so it is left out to keep the run short). Attention runs as
-on CUDA (scaled_dot_product_attention with a bool mask, podsrl's `fused_attention`), and each call's (query, key,
-mask) shapes are recorded. `--ladder on` lays the update out as CUDA does (podsrl/models/shape_ladder.py: block
+on CUDA (scaled_dot_product_attention with a bool mask, packed_layout.sdpa_block_attend), and each call's (query,
+key, mask) shapes are recorded. `--ladder on` lays the update out as CUDA does (podsrl/models/shape_ladder.py: block
 sizes rounded up to a fixed ladder), `off` as the CPU does (exact sizes). The last line is the mean number of
 shapes an update brings that no earlier update had, over the updates after `--warmup`, and the distinct shapes of
 the whole run.
@@ -34,7 +34,6 @@ from benchmarks.update_ops import Study  # noqa: E402
 def shapes_per_update(steps: int, ladder: bool, hidden: int = 16, device: str = "cpu") -> list[set[tuple]]:
     """The attention shapes of each of `steps` updates' forwards (a new batch each)."""
     import podsrl.models.packed_layout as packed_layout
-    from podsrl.models.attention import fused_attention
 
     # bfloat16 as the study runs on CUDA; float32 on the CPU (no fast bfloat16 matmul there; shapes are the same)
     study = Study(hidden, device, compute="bfloat16" if device.startswith("cuda") else "float32",
@@ -44,11 +43,11 @@ def shapes_per_update(steps: int, ladder: bool, hidden: int = 16, device: str = 
         shared.ladder = ladder
     seen: list[set[tuple]] = []
 
-    def recorded(q, keys, values, blocked, scaling):
-        seen[-1].add((tuple(q.shape), tuple(keys.shape), tuple(blocked.shape)))
-        return fused_attention(q, keys, values, blocked, scaling)
+    def recorded(q, keys, values, blocked, allowed, scaling):
+        seen[-1].add((tuple(q.shape), tuple(keys.shape), tuple(allowed.shape)))
+        return packed_layout.sdpa_block_attend(q, keys, values, blocked, allowed, scaling)
 
-    original, packed_layout.grouped_attention = packed_layout.grouped_attention, recorded
+    original, packed_layout.block_attend = packed_layout.block_attend, recorded
     try:
         for step in range(steps):
             seen.append(set())
@@ -57,7 +56,7 @@ def shapes_per_update(steps: int, ladder: bool, hidden: int = 16, device: str = 
                 for rows in updater._micro_batches(torch.arange(batch.num_rollouts)):
                     updater._forward(updater.model, batch, rows)
     finally:
-        packed_layout.grouped_attention = original
+        packed_layout.block_attend = original
     return seen
 
 

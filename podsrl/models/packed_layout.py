@@ -24,6 +24,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from podsrl.models.attention import grouped_attention
@@ -40,6 +41,7 @@ class Bucket:
     # [rows, 1, width, prompt_width + width] bool, True where a query may not attend: the prompt's padding, then the
     # completion's later tokens
     blocked: Tensor
+    allowed: Tensor  # ~blocked, but every key for a query with none (padding): what scaled_dot_product_attention reads
     prompt_width: int  # the longest prompt of these rows
     rows: int
     width: int
@@ -56,6 +58,7 @@ class Plan:
     home: Tensor  # [N] each packed token's own (real) slot
     prompt_shape: tuple[int, int]  # (G, Lp)
     prompt_blocked: Tensor  # [G, 1, Lp, Lp] bool, True where a query may not attend (later or padding keys)
+    prompt_allowed: Tensor  # its `allowed` (see Bucket)
     buckets: list[Bucket]
     pred_index: Tensor  # [T] packed positions whose output predicts a completion token, row-major
     row_group: Tensor  # [B] each row's distinct prompt (CPU)
@@ -120,7 +123,7 @@ def build_plan(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, 
         prompt_keys = (torch.arange(lpb) < row_lp[:, None])[:, None, :].expand(-1, lb, -1)
         own = torch.ones(lb, lb, dtype=torch.bool).tril()[None] & (row_len > 0)[:, None, None]
         blocked = ~torch.cat([prompt_keys, own], dim=2)[:, None]
-        buckets.append(Bucket(row_group, blocked, lpb, len(row_len), lb))
+        buckets.append(Bucket(row_group, blocked, _allowed(blocked), lpb, len(row_len), lb))
     all_slots, real = torch.cat(slots), torch.cat(real_slots)
     home = torch.empty(n_prompt + c_tokens.numel(), dtype=torch.long)
     home[all_slots[real]] = torch.arange(all_slots.numel())[real]
@@ -128,12 +131,13 @@ def build_plan(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, 
     grid = c_start[:, None] + col - 1
     grid[:, 0] = (p_start + lp - 1)[group]
     pred_index = grid[valid]
-    host = [torch.cat([p_tokens, c_tokens]), torch.cat([p_pos, c_pos]), all_slots, home, ~p_attn_mask, pred_index,
-            completion_ids[valid], valid.flatten().nonzero()[:, 0]]
-    host += [t for b in buckets for t in (b.group, b.blocked)]
-    ids, positions, slots, home, prompt_blocked, pred_index, targets, output_index, *per_bucket = to_device(host, device)
-    for b, group_d, blocked_d in zip(buckets, per_bucket[::2], per_bucket[1::2]):
-        b.group, b.blocked = group_d, blocked_d
+    host = [torch.cat([p_tokens, c_tokens]), torch.cat([p_pos, c_pos]), all_slots, home, ~p_attn_mask,
+            _allowed(~p_attn_mask), pred_index, completion_ids[valid], valid.flatten().nonzero()[:, 0]]
+    host += [t for b in buckets for t in (b.group, b.blocked, b.allowed)]
+    ids, positions, slots, home, prompt_blocked, prompt_allowed, pred_index, targets, output_index, *per_bucket = (
+        to_device(host, device))
+    for b, i in zip(buckets, range(0, len(per_bucket), 3)):
+        b.group, b.blocked, b.allowed = per_bucket[i:i + 3]
     return Plan(
         ids=ids,
         positions=positions,
@@ -141,6 +145,7 @@ def build_plan(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, 
         home=home,
         prompt_shape=(len(lp) + blank_prompts, Lp),
         prompt_blocked=prompt_blocked,
+        prompt_allowed=prompt_allowed,
         buckets=buckets,
         pred_index=pred_index,
         row_group=group,
@@ -150,6 +155,13 @@ def build_plan(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, 
         output_shape=(valid.shape[0], W),
         output_index=output_index,
     )
+
+
+def _allowed(blocked: Tensor) -> Tensor:
+    """The 'may attend' mask scaled_dot_product_attention reads: ~blocked, and every key for a query with none (a
+    padding slot, which no real position reads: its output only has to stay finite). Made on the host once per
+    micro-batch, not in every layer's call (four launches each)."""
+    return ~blocked | blocked.all(dim=-1, keepdim=True)
 
 
 def _pad(values: Tensor, blank: int) -> Tensor:
@@ -191,6 +203,22 @@ def _length_buckets(order: Tensor, n_in: Tensor, keep: float = 0.75, min_saving:
     return buckets
 
 
+def block_attend(q: Tensor, keys: Tensor, values: Tensor, blocked: Tensor, allowed: Tensor, scaling: float) -> Tensor:
+    """One block's attention: on the CPU grouped_attention's matmuls (reading `blocked`), elsewhere
+    `sdpa_block_attend`."""
+    if q.device.type == "cpu":
+        return grouped_attention(q, keys, values, blocked, scaling)
+    return sdpa_block_attend(q, keys, values, blocked, allowed, scaling)
+
+
+def sdpa_block_attend(q: Tensor, keys: Tensor, values: Tensor, blocked: Tensor, allowed: Tensor,
+                      scaling: float) -> Tensor:
+    """scaled_dot_product_attention over the plan's `allowed` mask (no mask work per call). Unlike fused_attention
+    a query with every key blocked is not zeroed (its output is a padding slot's, never read, so 0 gradient)."""
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scaling,
+                                          enable_gqa=q.shape[1] != keys.shape[1])
+
+
 def block_attention(q: Tensor, k: Tensor, v: Tensor, plan: Plan, scaling: float) -> Tensor:
     """Attention of packed queries [N, H, d] over packed keys/values [N, Hkv, d] as the plan lays them out: prompts
     as a [G, Lp] causal block, each length bucket's completions over their prompt's keys (index-expanded, so the
@@ -203,10 +231,10 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, plan: Plan, scaling: float)
         return t.view(rows, width, *t.shape[1:]).transpose(1, 2)
 
     kp, vp = block(ks[0], groups, prompt_len), block(vs[0], groups, prompt_len)
-    out = [grouped_attention(block(qs[0], groups, prompt_len), kp, vp, plan.prompt_blocked, scaling)]
+    out = [block_attend(block(qs[0], groups, prompt_len), kp, vp, plan.prompt_blocked, plan.prompt_allowed, scaling)]
     for i, b in enumerate(plan.buckets, start=1):
         keys = torch.cat([kp[b.group, :, : b.prompt_width], block(ks[i], b.rows, b.width)], dim=2)
         values = torch.cat([vp[b.group, :, : b.prompt_width], block(vs[i], b.rows, b.width)], dim=2)
-        out.append(grouped_attention(block(qs[i], b.rows, b.width), keys, values, b.blocked, scaling))
+        out.append(block_attend(block(qs[i], b.rows, b.width), keys, values, b.blocked, b.allowed, scaling))
     # [rows, H, width, d] -> [rows * width, H * d] slots, then each token's own slot
     return packed_order(torch.cat([o.transpose(1, 2).flatten(0, 1).flatten(1) for o in out]), plan.home)

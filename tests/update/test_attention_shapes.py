@@ -11,7 +11,6 @@ import torch
 
 from benchmarks.update_shapes import new_per_update, shapes_per_update
 from podsrl.models import packed_layout
-from podsrl.models.attention import fused_attention
 from podsrl.models.packed_layout import build_plan
 from podsrl.models.shape_ladder import ladder_default, rung
 from tests.update.test_shared_prompt import grads, hf_model, make_batch, make_updater, rel, tiny_model
@@ -44,7 +43,7 @@ def test_laddered_plan_pads_every_block_to_a_rung():
 def test_laddered_path_equals_plain_path(monkeypatch, attention, kind):
     """Metrics and gradients of a whole update, laddered shared-prompt path vs plain path."""
     if attention == "sdpa":
-        monkeypatch.setattr(packed_layout, "grouped_attention", fused_attention)
+        monkeypatch.setattr(packed_layout, "block_attend", packed_layout.sdpa_block_attend)
     make = tiny_model if kind == "tiny" else functools.partial(hf_model, "llama", vocab=300, hidden=64)
     batch = make_batch([4, 3, 2, 1], 128 if kind == "tiny" else 300, seed=7, max_len=18)
     out = {}
