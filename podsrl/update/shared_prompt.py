@@ -16,8 +16,8 @@ class SharedPromptForward:
     """Log-probs and entropies of rows of a batch under a model it can drive (see packed_forward_problem)."""
 
     def __init__(self, model: torch.nn.Module, logits_chunk: int, activation_checkpointing: bool = False,
-                 ladder: bool | None = None) -> None:
-        self.forward = PackedForward(model, logits_chunk, activation_checkpointing)
+                 ladder: bool | None = None, keep_plans: bool = False) -> None:
+        self.forward = PackedForward(model, logits_chunk, activation_checkpointing, keep_plans)
         self.window = sliding_window(model)
         self.ladder = ladder  # attention blocks rounded up to the shape ladder (None: on CUDA only; build_plan)
 
