@@ -92,7 +92,7 @@ machine() {
 
 update() {
     local args=(--device cuda --repeats 3 --child-timeout 40 --shapes-steps 20)
-    [ "$smoke" = 1 ] && args=(--device cpu --smoke --hidden 16 --repeats 1 --child-timeout 120 --shapes-steps 12)
+    [ "$smoke" = 1 ] && args=(--device cpu --smoke --hidden 16 --repeats 1 --child-timeout 120 --shapes-steps 3)
     part update 100 "$py" benchmarks/update_diagnosis.py "${args[@]}" --json "$out/update.json"
 }
 

@@ -145,6 +145,7 @@ def attention_shapes(opts) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "shapes.json"
         cmd = [sys.executable, str(SHAPES_SCRIPT), "--device", opts.device, "--steps", str(opts.shapes_steps),
+               "--warmup", str(min(10, opts.shapes_steps - 1)),
                "--out", str(path)]
         try:
             run = subprocess.run(cmd, capture_output=True, text=True, timeout=opts.child_timeout)

@@ -161,21 +161,20 @@ def count(study: Study, batch, next_batch) -> dict:
     """Launches, syncs and transfers per phase of one update (after a warm-up one), attention as on CUDA; and how
     many of the next step's matmul and attention shapes (another batch of the same workload) this one had."""
     import podsrl.models.packed_layout as packed_layout
-    from podsrl.models.attention import fused_attention
 
     updater, engine = study.updater, study.engine
     study.update(batch, 0)
     state = [t for s in updater.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     device_tensors = [*updater.model.parameters(), *updater.model.buffers(), *engine.model.parameters(),
                       *engine.model.buffers(), *state]
-    original, packed_layout.grouped_attention = packed_layout.grouped_attention, fused_attention
+    original, packed_layout.block_attend = packed_layout.block_attend, packed_layout.sdpa_block_attend
     try:
         with DeviceOps(device_tensors) as ops, phases(ops, updater, engine):
             study.update(batch, 1)
         with DeviceOps(device_tensors) as following:
             study.update(next_batch, 2)
     finally:
-        packed_layout.grouped_attention = original
+        packed_layout.block_attend = original
     return {"dispatches": dict(ops.dispatches), "launches": dict(ops.launches), "syncs": dict(ops.syncs),
             "transfers": dict(ops.transfers),
             "sync_sites": {f"{p}: {n}": c for (p, n), c in ops.sync_names.items()},

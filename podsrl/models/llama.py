@@ -129,12 +129,17 @@ class LayerPlan(NamedTuple):
     gate_up: Tensor | None = None  # the fused gate/up weight `mlp` reads (None: the MLP runs as its module)
 
 
-def layer_plan(layer: torch.nn.Module, index: int, config, autograd: bool, heads_first: bool = False) -> LayerPlan:
+def layer_plan(layer: torch.nn.Module, index: int, config, autograd: bool, heads_first: bool = False,
+               cast: torch.dtype | None = None) -> LayerPlan:
     """The layer's plan: q/k/v and gate/up each one matmul (instead of three and two) where they are plain Linear
-    (not LoRA-wrapped) and the MLP is the gated down(act(gate(x)) * up(x)). Bind it where the weights are what the
-    forward must use (under FSDP2, inside the layer's own call, while its parameters are gathered)."""
+    (not LoRA-wrapped) and the MLP is the gated down(act(gate(x)) * up(x)); `cast`: those fused weights made in that
+    dtype (autocast's, so no matmul casts them again). Bind it where the weights are what the forward must use (under
+    FSDP2, inside the layer's own call, while its parameters are gathered)."""
     attn = layer.self_attn
-    qk_norms, gate_up = None, fused_gate_up(layer.mlp)
+    qk_norms, gate_up, qkv = None, fused_gate_up(layer.mlp), fused_qkv(attn)
+    if cast is not None:
+        gate_up = None if gate_up is None else gate_up.to(cast)
+        qkv = None if qkv is None else (qkv[0].to(cast), None if qkv[1] is None else qkv[1].to(cast))
     if hasattr(attn, "q_norm"):
         qk_norms = (norm_function(attn.q_norm, autograd), norm_function(attn.k_norm, autograd))
     return LayerPlan(
@@ -146,7 +151,7 @@ def layer_plan(layer: torch.nn.Module, index: int, config, autograd: bool, heads
         head_dim=attn.head_dim,
         scaling=attn.scaling,
         input_norm=norm_function(layer.input_layernorm, autograd),
-        qkv=fused_qkv(attn),
+        qkv=qkv,
         rotate_qkv=rotate_qkv if autograd else rotate_fused,
         qk_norms=qk_norms,
         o_proj=attn.o_proj,

@@ -81,7 +81,8 @@ def _other_fsdp_unit(model: torch.nn.Module, layers: torch.nn.ModuleList) -> str
 class PackedForward:
     """([B, W] log-probs, [B, W] entropies) of a packed plan's rows under a model `packed_forward_problem` accepts."""
 
-    def __init__(self, model: torch.nn.Module, logits_chunk: int, activation_checkpointing: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, logits_chunk: int, activation_checkpointing: bool = False,
+                 keep_plans: bool = False) -> None:
         self.root = model  # called as a whole: its hooks (FSDP2's root unit) run around the computation
         self.base = base_model(model)
         self.body = self.base.model
@@ -89,6 +90,9 @@ class PackedForward:
         self.layers = list(self.body.layers[: self.base.config.num_hidden_layers])
         self.chunk = logits_chunk
         self.checkpointing = activation_checkpointing
+        # with keep_plans, each layer's plan and the (grad mode, cast) it was made for, until forget_weights (see
+        # _layer_plan); none kept under FSDP2
+        self.plans: dict[int, tuple[tuple, LayerPlan]] | None = {} if keep_plans and not _sharded(model) else None
 
     def __call__(self, plan: Plan, temperature: float) -> tuple[Tensor, Tensor]:
         """0 outside the plan's completion mask."""
@@ -136,8 +140,39 @@ class PackedForward:
         return self._layer(index, x, cos, signed, plan, keep)
 
     def _layer(self, index: int, x: Tensor, cos: Tensor, signed: Tensor, plan: Plan, keep: Tensor | None) -> Tensor:
-        lp = layer_plan(self.layers[index], index, self.base.config, autograd=True)
-        return decoder_layer(lp, x, cos, signed, functools.partial(_block_attend, plan), keep)
+        return decoder_layer(self._layer_plan(index), x, cos, signed, functools.partial(_block_attend, plan), keep)
+
+    def forget_weights(self) -> None:
+        """Drops the kept plans: the weights changed (an optimiser step; the fused AdamW step changes them without
+        bumping their version counters, so the caller says so) or the update is over (their memory freed)."""
+        if self.plans is not None:
+            self.plans.clear()
+
+    def _layer_plan(self, index: int) -> LayerPlan:
+        """The layer's plan, its fused q/k/v and gate/up weights concatenated and cast to autocast's dtype; with
+        keep_plans made once until forget_weights, not in every micro-batch: each micro-batch's backward runs back
+        through the same concatenation and cast (which save no tensors), and a forward keeps the fused weights for
+        its backward anyway, so the peak memory is the same. Under FSDP2 the parameters are gathered anew for each
+        call, so the plan is made each time."""
+        layer = self.layers[index]
+        kind = layer.self_attn.o_proj.weight.device.type
+        cast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+        if self.plans is None:
+            return layer_plan(layer, index, self.base.config, autograd=True, cast=cast)
+        state = (torch.is_grad_enabled(), cast)
+        kept = self.plans.get(index)
+        if kept is None or kept[0] != state:
+            kept = self.plans[index] = (state, layer_plan(layer, index, self.base.config, autograd=True, cast=cast))
+        return kept[1]
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    """Whether some module of `model` is an FSDP2 unit."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch builds without distributed
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _rows(values: Tensor, plan: Plan) -> Tensor:

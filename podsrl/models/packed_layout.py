@@ -8,7 +8,9 @@ is the real tokens, each prompt counted once. Attention runs in padded blocks (`
 - completions: rows bucketed by length (sorted, each bucket padded to its own longest), each row's queries
   attending to its prompt's keys/values (index-expanded from the prompt block, so the prompt's gradient collects
   every row's) and causally to its own completion.
-Positions and masks are those of the plain path.
+Positions and masks are those of the plain path. With `ladder` (CUDA's default) each block's row and token counts
+are rounded up to podsrl/models/shape_ladder.py's sizes, so attention's shapes repeat across batches: the extra rows
+and slots are padding, fully blocked as keys and never read as queries.
 
 Measured choice (`python benchmarks/update_speed.py --attention`, one GSM8K-shaped group of a 200-token prompt and
 16 completions of 50-400 tokens, attention forward + backward on one CPU thread, the same attention kernel in both):
@@ -22,10 +24,12 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from podsrl.models.attention import grouped_attention
 from podsrl.models.kernels import gather_slots, packed_order
+from podsrl.models.shape_ladder import ladder_default, rung
 from podsrl.models.transfer import to_device
 
 
@@ -37,6 +41,7 @@ class Bucket:
     # [rows, 1, width, prompt_width + width] bool, True where a query may not attend: the prompt's padding, then the
     # completion's later tokens
     blocked: Tensor
+    allowed: Tensor  # ~blocked, but every key for a query with none (padding): what scaled_dot_product_attention reads
     prompt_width: int  # the longest prompt of these rows
     rows: int
     width: int
@@ -53,6 +58,7 @@ class Plan:
     home: Tensor  # [N] each packed token's own (real) slot
     prompt_shape: tuple[int, int]  # (G, Lp)
     prompt_blocked: Tensor  # [G, 1, Lp, Lp] bool, True where a query may not attend (later or padding keys)
+    prompt_allowed: Tensor  # its `allowed` (see Bucket)
     buckets: list[Bucket]
     pred_index: Tensor  # [T] packed positions whose output predicts a completion token, row-major
     row_group: Tensor  # [B] each row's distinct prompt (CPU)
@@ -64,10 +70,12 @@ class Plan:
 
 
 def build_plan(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
-               device: torch.device) -> Plan | None:
+               device: torch.device, ladder: bool | None = None) -> Plan | None:
     """The plan of rows given as left-padded prompts and right-padded completions; None when a row has an empty
     prompt or a completion mask with holes (the plain path handles those). Built on the host from host tensors; its
-    device tensors arrive in two copies (podsrl/models/transfer.py), not one per tensor."""
+    device tensors arrive in two copies (podsrl/models/transfer.py), not one per tensor. `ladder` (None: on CUDA
+    only) rounds the attention blocks' sizes up to the shape ladder."""
+    size = rung if (ladder_default(device) if ladder is None else ladder) else int
     W = completion_ids.shape[1]
     lengths = completion_mask.sum(dim=1).long()
     col = torch.arange(W)
@@ -80,15 +88,17 @@ def build_plan(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, 
     lp = real.sum(dim=1)
     if bool((lp == 0).any()):
         return None
-    Lp = int(lp.max())
+    Lp = size(int(lp.max()))
     # prompts: real tokens packed in group order (left padding is a prefix, so row-major order is token order)
     p_start = lp.cumsum(0) - lp
     n_prompt = int(lp.sum())
     p_tokens = distinct[real]
     p_pos = torch.arange(n_prompt) - p_start.repeat_interleave(lp)
     slot = torch.arange(Lp)
-    p_real = slot < lp[:, None]
-    prompt_index = torch.where(p_real, p_start[:, None] + slot, p_start[:, None])
+    blank_prompts = size(len(lp)) - len(lp)  # ladder rows of no prompt: every slot padding (token 0)
+    p_real = slot < _pad(lp, blank_prompts)[:, None]
+    p_first = _pad(p_start, blank_prompts)[:, None]
+    prompt_index = torch.where(p_real, p_first + slot, p_first)
     causal = torch.ones(Lp, Lp, dtype=torch.bool).tril()
     p_attn_mask = (causal[None] & p_real[:, None, :])[:, None]
     # completions: all tokens but the last are inputs
@@ -102,16 +112,18 @@ def build_plan(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, 
     order = torch.argsort(n_in, descending=True, stable=True)
     order = order[n_in[order] > 0]
     for rows in _length_buckets(order, n_in):
-        lb = int(n_in[rows[0]])
+        lb, blank = size(int(n_in[rows[0]])), size(len(rows)) - len(rows)  # ladder rows: no token, no key
         cslot = torch.arange(lb)
-        c_real = cslot < n_in[rows][:, None]
-        slots.append(torch.where(c_real, c_start[rows][:, None] + cslot, c_start[rows][:, None]).flatten())
+        row_len, row_start, row_group = (_pad(t, blank) for t in (n_in[rows], c_start[rows], group[rows]))
+        c_real = cslot < row_len[:, None]
+        slots.append(torch.where(c_real, row_start[:, None] + cslot, row_start[:, None]).flatten())
         real_slots.append(c_real.flatten())
-        lpb = int(lp[group[rows]].max())
-        prompt_keys = (torch.arange(lpb) < lp[group[rows]][:, None])[:, None, :].expand(-1, lb, -1)
-        own = torch.ones(lb, lb, dtype=torch.bool).tril()[None].expand(len(rows), -1, -1)
+        lpb = size(int(lp[group[rows]].max()))  # <= Lp: the ladder keeps order
+        row_lp = _pad(lp[group[rows]], blank)
+        prompt_keys = (torch.arange(lpb) < row_lp[:, None])[:, None, :].expand(-1, lb, -1)
+        own = torch.ones(lb, lb, dtype=torch.bool).tril()[None] & (row_len > 0)[:, None, None]
         blocked = ~torch.cat([prompt_keys, own], dim=2)[:, None]
-        buckets.append(Bucket(group[rows], blocked, lpb, len(rows), lb))
+        buckets.append(Bucket(row_group, blocked, _allowed(blocked), lpb, len(row_len), lb))
     all_slots, real = torch.cat(slots), torch.cat(real_slots)
     home = torch.empty(n_prompt + c_tokens.numel(), dtype=torch.long)
     home[all_slots[real]] = torch.arange(all_slots.numel())[real]
@@ -119,19 +131,21 @@ def build_plan(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, 
     grid = c_start[:, None] + col - 1
     grid[:, 0] = (p_start + lp - 1)[group]
     pred_index = grid[valid]
-    host = [torch.cat([p_tokens, c_tokens]), torch.cat([p_pos, c_pos]), all_slots, home, ~p_attn_mask, pred_index,
-            completion_ids[valid], valid.flatten().nonzero()[:, 0]]
-    host += [t for b in buckets for t in (b.group, b.blocked)]
-    ids, positions, slots, home, prompt_blocked, pred_index, targets, output_index, *per_bucket = to_device(host, device)
-    for b, group_d, blocked_d in zip(buckets, per_bucket[::2], per_bucket[1::2]):
-        b.group, b.blocked = group_d, blocked_d
+    host = [torch.cat([p_tokens, c_tokens]), torch.cat([p_pos, c_pos]), all_slots, home, ~p_attn_mask,
+            _allowed(~p_attn_mask), pred_index, completion_ids[valid], valid.flatten().nonzero()[:, 0]]
+    host += [t for b in buckets for t in (b.group, b.blocked, b.allowed)]
+    ids, positions, slots, home, prompt_blocked, prompt_allowed, pred_index, targets, output_index, *per_bucket = (
+        to_device(host, device))
+    for b, i in zip(buckets, range(0, len(per_bucket), 3)):
+        b.group, b.blocked, b.allowed = per_bucket[i:i + 3]
     return Plan(
         ids=ids,
         positions=positions,
         slots=slots,
         home=home,
-        prompt_shape=(len(lp), Lp),
+        prompt_shape=(len(lp) + blank_prompts, Lp),
         prompt_blocked=prompt_blocked,
+        prompt_allowed=prompt_allowed,
         buckets=buckets,
         pred_index=pred_index,
         row_group=group,
@@ -141,6 +155,18 @@ def build_plan(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, 
         output_shape=(valid.shape[0], W),
         output_index=output_index,
     )
+
+
+def _allowed(blocked: Tensor) -> Tensor:
+    """The 'may attend' mask scaled_dot_product_attention reads: ~blocked, and every key for a query with none (a
+    padding slot, which no real position reads: its output only has to stay finite). Made on the host once per
+    micro-batch, not in every layer's call (four launches each)."""
+    return ~blocked | blocked.all(dim=-1, keepdim=True)
+
+
+def _pad(values: Tensor, blank: int) -> Tensor:
+    """`values` and `blank` zeros after them (the ladder's padding rows: no tokens, slots pointing at token 0)."""
+    return torch.cat([values, values.new_zeros(blank)]) if blank else values
 
 
 def distinct_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
@@ -177,6 +203,22 @@ def _length_buckets(order: Tensor, n_in: Tensor, keep: float = 0.75, min_saving:
     return buckets
 
 
+def block_attend(q: Tensor, keys: Tensor, values: Tensor, blocked: Tensor, allowed: Tensor, scaling: float) -> Tensor:
+    """One block's attention: on the CPU grouped_attention's matmuls (reading `blocked`), elsewhere
+    `sdpa_block_attend`."""
+    if q.device.type == "cpu":
+        return grouped_attention(q, keys, values, blocked, scaling)
+    return sdpa_block_attend(q, keys, values, blocked, allowed, scaling)
+
+
+def sdpa_block_attend(q: Tensor, keys: Tensor, values: Tensor, blocked: Tensor, allowed: Tensor,
+                      scaling: float) -> Tensor:
+    """scaled_dot_product_attention over the plan's `allowed` mask (no mask work per call). Unlike fused_attention
+    a query with every key blocked is not zeroed (its output is a padding slot's, never read, so 0 gradient)."""
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scaling,
+                                          enable_gqa=q.shape[1] != keys.shape[1])
+
+
 def block_attention(q: Tensor, k: Tensor, v: Tensor, plan: Plan, scaling: float) -> Tensor:
     """Attention of packed queries [N, H, d] over packed keys/values [N, Hkv, d] as the plan lays them out: prompts
     as a [G, Lp] causal block, each length bucket's completions over their prompt's keys (index-expanded, so the
@@ -189,10 +231,10 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, plan: Plan, scaling: float)
         return t.view(rows, width, *t.shape[1:]).transpose(1, 2)
 
     kp, vp = block(ks[0], groups, prompt_len), block(vs[0], groups, prompt_len)
-    out = [grouped_attention(block(qs[0], groups, prompt_len), kp, vp, plan.prompt_blocked, scaling)]
+    out = [block_attend(block(qs[0], groups, prompt_len), kp, vp, plan.prompt_blocked, plan.prompt_allowed, scaling)]
     for i, b in enumerate(plan.buckets, start=1):
         keys = torch.cat([kp[b.group, :, : b.prompt_width], block(ks[i], b.rows, b.width)], dim=2)
         values = torch.cat([vp[b.group, :, : b.prompt_width], block(vs[i], b.rows, b.width)], dim=2)
-        out.append(grouped_attention(block(qs[i], b.rows, b.width), keys, values, b.blocked, scaling))
+        out.append(block_attend(block(qs[i], b.rows, b.width), keys, values, b.blocked, b.allowed, scaling))
     # [rows, H, width, d] -> [rows * width, H * d] slots, then each token's own slot
     return packed_order(torch.cat([o.transpose(1, 2).flatten(0, 1).flatten(1) for o in out]), plan.home)

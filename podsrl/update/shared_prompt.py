@@ -15,9 +15,11 @@ from podsrl.models.transformers_api import sliding_window
 class SharedPromptForward:
     """Log-probs and entropies of rows of a batch under a model it can drive (see packed_forward_problem)."""
 
-    def __init__(self, model: torch.nn.Module, logits_chunk: int, activation_checkpointing: bool = False) -> None:
-        self.forward = PackedForward(model, logits_chunk, activation_checkpointing)
+    def __init__(self, model: torch.nn.Module, logits_chunk: int, activation_checkpointing: bool = False,
+                 ladder: bool | None = None, keep_plans: bool = False) -> None:
+        self.forward = PackedForward(model, logits_chunk, activation_checkpointing, keep_plans)
         self.window = sliding_window(model)
+        self.ladder = ladder  # attention blocks rounded up to the shape ladder (None: on CUDA only; build_plan)
 
     def fits(self, batch: RolloutBatch, rows: Tensor, width: int) -> bool:
         """False when some row is longer than a sliding window (then windowed attention would differ)."""
@@ -31,7 +33,7 @@ class SharedPromptForward:
         """([B, width] log-probs, [B, width] entropies; 0 outside the completion mask), or None when this
         micro-batch has rows the plan cannot express."""
         plan = build_plan(batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows, :width],
-                          batch.completion_mask[rows, :width], device)
+                          batch.completion_mask[rows, :width], device, self.ladder)
         if plan is None:
             return None
         return self.forward(plan, temperature)

@@ -93,7 +93,14 @@ class PolicyUpdater:
             log.warning("update: the shared-prompt path cannot drive the %s model (%s); using the plain path",
                         role, reason)
             return None
-        return SharedPromptForward(model, self.cfg.update.logits_chunk, self.cfg.update.activation_checkpointing)
+        return SharedPromptForward(model, self.cfg.update.logits_chunk, self.cfg.update.activation_checkpointing,
+                                   keep_plans=True)
+
+    def _weights_changed(self) -> None:
+        """The shared-prompt forwards make their fused weights again (kept across micro-batches until now)."""
+        for shared in self.shared.values():
+            if shared is not None:
+                shared.forward.forget_weights()
 
     def _forward(self, model, batch: RolloutBatch, rows: torch.Tensor):
         """(([B, W] log-probs, [B, W] entropies), W), W: the longest completion of these rows."""
@@ -132,6 +139,7 @@ class PolicyUpdater:
         cfg, model = self.cfg, self.model
         passes = cfg.optim.epochs * cfg.optim.mini_batches
         model.train()
+        self._weights_changed()  # changed since the last update, perhaps (a checkpoint load)
         old_logprobs = None  # None: the current log-probs, detached (one pass: ratio = 1 exactly)
         correction = None  # over the whole batch, when the trainer's log-probs are known before the first pass
         if self.rollout_correction == "none":
@@ -182,6 +190,7 @@ class PolicyUpdater:
                     self.optimizer.zero_grad(set_to_none=True)
                     continue
                 self.optimizer.step()
+                self._weights_changed()
                 self.scheduler.step()
                 sums["grad_norm"] += grad_norm
                 weight_sums["grad_norm"] += 1
@@ -198,6 +207,7 @@ class PolicyUpdater:
                 correction = self._correction(self._trainer_logprobs, sampler, mask)
                 self._trainer_logprobs = None
             metrics.update(correction.metric_values())
+        self._weights_changed()  # and the kept fused weights freed
         metrics["train/nonfinite_skipped"] = float(skipped)
         metrics["learning_rate"] = self.scheduler.get_last_lr()[0]
         return metrics
