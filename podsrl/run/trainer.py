@@ -57,7 +57,7 @@ from podsrl.run.log import RankLog
 from podsrl.run.producer import BatchProducer, ProducedBatch, StepRecord
 from podsrl.run.warmup import base_weights
 from podsrl.tasks.prompt_length import model_context
-from podsrl.update import PolicyUpdater
+from podsrl.update import PolicyUpdater, UpdateSettings
 from podsrl.update.optimizer import build_optimizer
 
 log = logging.getLogger("podsrl")
@@ -140,7 +140,8 @@ class Trainer:
         method = METHODS[cfg.method](cfg)
         sharded = self.data_parallel is not None and self.data_parallel.sharded
         self.optimizer, self.scheduler = build_optimizer(cfg, self.model, sharded)
-        self.updater = PolicyUpdater(self.model, self.optimizer, self.scheduler, cfg, self.facts, self.ref_model,
+        self.updater = PolicyUpdater(self.model, self.optimizer, self.scheduler, UpdateSettings.of(cfg),
+                                     self.facts, self.ref_model,
                                      modulation=method.token_modulation(), data_parallel=self.data_parallel)
         self.producer = BatchProducer(cfg, self.task, self.tokenizer, self.engine, rewards, method,
                                       sampler_logprobs=self.updater.needs_sampler_logprobs, context=context)
