@@ -79,7 +79,7 @@ def measure_update(name: str, length: int, checkpointing: bool, compute: str, de
     from podsrl.config.facts import run_facts
     from podsrl.distributed import init_distributed
     from podsrl.fsdp import build_data_parallel
-    from podsrl.update import PolicyUpdater
+    from podsrl.update import PolicyUpdater, UpdateSettings
 
     prompts, m = UPDATE["prompts"], UPDATE["m"]
     rows = prompts * m
@@ -109,7 +109,7 @@ def measure_update(name: str, length: int, checkpointing: bool, compute: str, de
     data_parallel = build_data_parallel(ctx, model, None, cfg)  # FSDP2 shards `model` in place
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    updater = PolicyUpdater(model, optimizer, scheduler, cfg, run_facts(cfg, torch.device(device)),
+    updater = PolicyUpdater(model, optimizer, scheduler, UpdateSettings.of(cfg), run_facts(cfg, torch.device(device)),
                             data_parallel=data_parallel)
     updater.update(batch, torch.Generator().manual_seed(0))  # AdamW's state exists from here on
     before = _level(device)

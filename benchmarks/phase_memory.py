@@ -42,7 +42,7 @@ def run_sequence(args, checkpointing: bool) -> list[dict]:
     from podsrl.config.facts import run_facts
     from podsrl.engines.base import SamplingParams
     from podsrl.engines.fast import FastEngine
-    from podsrl.update import PolicyUpdater
+    from podsrl.update import PolicyUpdater, UpdateSettings
 
     device, compute = args.device, getattr(torch, args.compute_dtype)
     zero = memory_levels(lambda: None, device)["before"]
@@ -58,7 +58,7 @@ def run_sequence(args, checkpointing: bool) -> list[dict]:
     cfg = load_config(None, overrides)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    updater = PolicyUpdater(model, optimizer, scheduler, cfg, run_facts(cfg, torch.device(device)))
+    updater = PolicyUpdater(model, optimizer, scheduler, UpdateSettings.of(cfg), run_facts(cfg, torch.device(device)))
     gen = torch.Generator().manual_seed(0)
     eval_prompts = [torch.randint(2, vocab, (PROMPT,), generator=gen).tolist() for _ in range(args.eval_rows)]
     prompts = eval_prompts[: args.prompts]

@@ -34,7 +34,7 @@ from podsrl.engines.base import SamplingParams
 from podsrl.engines.fast import FastEngine
 from podsrl.fsdp import build_data_parallel
 from podsrl.models.loading import build_char_tokenizer, build_tiny_model, count_parameters
-from podsrl.update import PolicyUpdater
+from podsrl.update import PolicyUpdater, UpdateSettings
 
 
 def make_model(args):
@@ -159,7 +159,8 @@ def run_update_bench(args, ctx=None) -> dict:
             sync_times.append(time.perf_counter() - t0)
 
         dp.grad_sync = grad_sync
-    updater = PolicyUpdater(model, optimizer, scheduler, cfg, run_facts(cfg, torch.device("cpu")), data_parallel=dp)
+    updater = PolicyUpdater(model, optimizer, scheduler, UpdateSettings.of(cfg),
+                            run_facts(cfg, torch.device("cpu")), data_parallel=dp)
     batch = make_batch(args)
     updater.update(batch, torch.Generator().manual_seed(0))  # warm-up
     sync_times.clear()
@@ -240,7 +241,8 @@ def _fsdp_rank(rank: int, world: int, init: str, out: str, args) -> None:
                                                                   cfg if name.startswith("fsdp") else None)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-        updater = PolicyUpdater(model, optimizer, scheduler, cfg, run_facts(cfg, torch.device("cpu")),
+        updater = PolicyUpdater(model, optimizer, scheduler, UpdateSettings.of(cfg),
+                                run_facts(cfg, torch.device("cpu")),
                                 data_parallel=dp)
         arms[name] = (updater, model, optimizer, dp)
     batch = make_batch(args)

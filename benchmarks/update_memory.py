@@ -36,7 +36,7 @@ def measure(n: int, m: int, checkpointing: bool, prompts: int, length: int, laye
     from podsrl.config.facts import run_facts
     from podsrl.methods import METHODS, offline_context
     from podsrl.models.loading import build_char_tokenizer, build_tiny_model
-    from podsrl.update import PolicyUpdater
+    from podsrl.update import PolicyUpdater, UpdateSettings
 
     torch.manual_seed(0)
     rows = prompts * n
@@ -50,7 +50,7 @@ def measure(n: int, m: int, checkpointing: bool, prompts: int, length: int, laye
     model = build_tiny_model(cfg.model.tiny, tokenizer).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    updater = PolicyUpdater(model, optimizer, scheduler, cfg, run_facts(cfg, torch.device(device)))
+    updater = PolicyUpdater(model, optimizer, scheduler, UpdateSettings.of(cfg), run_facts(cfg, torch.device(device)))
     problems = [Problem(uid=str(i), prompt="", answer="") for i in range(prompts)]
     batch = RolloutBatch(
         problems=problems, group_index=torch.arange(prompts).repeat_interleave(n),

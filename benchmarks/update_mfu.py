@@ -65,7 +65,7 @@ def flops(model, length: int) -> dict:
 def make_updaters(model, lengths: list[int], opts) -> dict:
     from podsrl.config import load_config
     from podsrl.config.facts import run_facts
-    from podsrl.update import PolicyUpdater
+    from podsrl.update import PolicyUpdater, UpdateSettings
     from podsrl.update.optimizer import build_optimizer
 
     updaters, optimizer = {}, None
@@ -76,7 +76,8 @@ def make_updaters(model, lengths: list[int], opts) -> dict:
                                  f"optim.micro_batch_size={max(micro, 1)}", "algo.rollout_correction=none"])
         if optimizer is None:  # one model, one optimiser: the lengths train the same weights in turn
             optimizer, scheduler = build_optimizer(cfg, model, sharded=False)
-        updaters[length] = PolicyUpdater(model, optimizer, scheduler, cfg, run_facts(cfg, torch.device(opts.device)))
+        updaters[length] = PolicyUpdater(model, optimizer, scheduler, UpdateSettings.of(cfg),
+                                         run_facts(cfg, torch.device(opts.device)))
     return updaters
 
 

@@ -65,7 +65,7 @@ class Study:
         from podsrl.methods import METHODS
         from podsrl.models.loading import build_char_tokenizer, build_tiny_model
         from podsrl.tasks import build_task
-        from podsrl.update import PolicyUpdater
+        from podsrl.update import PolicyUpdater, UpdateSettings
         from podsrl.update.optimizer import build_optimizer
 
         self.cfg = cfg = load_config(CONFIG, [f"model.device={device}", f"model.compute_dtype={compute}",
@@ -74,7 +74,8 @@ class Study:
         self.tokenizer = build_char_tokenizer()
         model = build_tiny_model(cfg.model.tiny, self.tokenizer, seed=seed).to(device)
         optimizer, scheduler = build_optimizer(cfg, model, sharded=False)
-        self.updater = PolicyUpdater(model, optimizer, scheduler, cfg, run_facts(cfg, torch.device(device)),
+        self.updater = PolicyUpdater(model, optimizer, scheduler, UpdateSettings.of(cfg),
+                                     run_facts(cfg, torch.device(device)),
                                      modulation=METHODS[cfg.method](cfg).token_modulation())
         self.engine = rollout_engine(cfg, model, self.tokenizer, run_facts(cfg, torch.device(device)).compute_dtype)
         self.task = build_task(cfg.task, self.tokenizer)

@@ -49,7 +49,7 @@ from benchmarks.timing import Spread, machine_line, peak_memory_during  # noqa: 
 from podsrl.batch import Problem, RolloutBatch  # noqa: E402
 from podsrl.config import load_config  # noqa: E402
 from podsrl.config.facts import run_facts
-from podsrl.update import PolicyUpdater  # noqa: E402
+from podsrl.update import PolicyUpdater, UpdateSettings  # noqa: E402
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parents[1] / "podsrl/configs/default.yaml")
 KEPT = 16  # rollouts kept per prompt by the default PODS 64 -> 16
@@ -127,7 +127,7 @@ def make_updater(model, config: str | None, overrides: list[str], shared: bool, 
     model = model.to(device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    return PolicyUpdater(model, optimizer, scheduler, cfg, run_facts(cfg, torch.device(device)))
+    return PolicyUpdater(model, optimizer, scheduler, UpdateSettings.of(cfg), run_facts(cfg, torch.device(device)))
 
 
 def useful_flops(model, batch: RolloutBatch, cfg) -> float:

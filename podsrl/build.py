@@ -74,13 +74,6 @@ def rollout_engine(cfg: Config, model: torch.nn.Module, tokenizer, compute_dtype
     return build_engine(cfg.rollout.engine, model, tokenizer, **options)
 
 
-def generation_device(cfg: Config) -> torch.device | None:
-    """Where the engine's unsharded copy of the policy lives under FSDP (its `generation_device`; None: the run's
-    device)."""
-    device = engine_class(cfg.rollout.engine).generation_device
-    return torch.device(device) if device is not None else None
-
-
 def sampling_dtype(cfg: Config, model: torch.nn.Module, compute_dtype: torch.dtype) -> torch.dtype | str | None:
     """The dtype an engine with a `compute_dtype_option` samples `model` in: that option if rollout.engine_options
     sets it, else `compute_dtype` (the run's, resolved once in RunFacts; such an engine's copy lives on the training

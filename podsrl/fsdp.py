@@ -36,17 +36,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from podsrl.config.facts import RunFacts, run_facts
 from podsrl.distributed import DataParallel, DistContext, log
 from podsrl.engines import engine_class
 from podsrl.models.decode import share_fused_weights
-from podsrl.models.precision import resolve_compute_dtype
 
 
 def build_data_parallel(ctx: DistContext, model: torch.nn.Module, ref_model: torch.nn.Module | None = None,
-                        cfg=None, generation_device: torch.device | None = None,
+                        cfg=None, facts: RunFacts | None = None,
                         sharding: Sharding | None = None) -> DataParallel | None:
     """The update's data-parallel object: DataParallel, or FSDP2 with `train.strategy: fsdp` (over the modules
     `sharding` sharded as they were loaded, or sharding `model` and `ref_model` in place); None in one process.
+    FSDP2 reads its dtypes and the generation copy's device from `facts` (the run's; `cfg`'s on this rank's device
+    when none is given).
     Lives here, not in podsrl/distributed.py, so that this module builds on that one and not the other way round."""
     fsdp = cfg is not None and cfg.train.strategy == "fsdp"
     if not ctx.enabled:
@@ -54,13 +56,14 @@ def build_data_parallel(ctx: DistContext, model: torch.nn.Module, ref_model: tor
             log.info("train.strategy=fsdp: one process, nothing to shard; training the whole model here")
         return None
     if fsdp:
-        return FullyShardedDataParallel(ctx, cfg, model, ref_model, generation_device, sharding)
+        return FullyShardedDataParallel(ctx, cfg, model, ref_model, facts or run_facts(cfg, ctx.device), sharding)
     return DataParallel(ctx, model)
 
 
-def fsdp_sharding(ctx: DistContext, cfg) -> Sharding | None:
-    """How this run shards its models as it loads them: under torchrun with train.strategy=fsdp, else None."""
-    return Sharding(ctx, cfg) if ctx.enabled and cfg.train.strategy == "fsdp" else None
+def fsdp_sharding(ctx: DistContext, cfg, compute_dtype: torch.dtype) -> Sharding | None:
+    """How this run shards its models as it loads them (computing in `compute_dtype`, the run's): under torchrun
+    with train.strategy=fsdp, else None."""
+    return Sharding(ctx, cfg, compute_dtype) if ctx.enabled and cfg.train.strategy == "fsdp" else None
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -101,16 +104,16 @@ class Sharding:
     """FSDP2's layout over the ranks (the mesh, the mixed-precision and offload policies) and, for each module it
     sharded, that module's unsharded skeleton on the meta device (no memory): what the generation copy is built on."""
 
-    def __init__(self, ctx: DistContext, cfg: Any) -> None:
+    def __init__(self, ctx: DistContext, cfg: Any, compute_dtype: torch.dtype) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
         train_cfg = cfg.train
         self.mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-        # the compute dtype (model.compute_dtype and train.fsdp_param_dtype are one setting: podsrl/models/precision.py)
+        # the run's compute dtype (model.compute_dtype and train.fsdp_param_dtype are one setting, resolved in RunFacts)
         self.options: dict[str, Any] = {
             "mesh": self.mesh,
-            "mp_policy": MixedPrecisionPolicy(param_dtype=resolve_compute_dtype(cfg, ctx.device),
+            "mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype,
                                               reduce_dtype=getattr(torch, train_cfg.fsdp_reduce_dtype)),
         }
         offload = train_cfg.cpu_offload and ctx.device.type == "cuda"  # on CPU the shards are in host memory anyway
@@ -146,11 +149,10 @@ class FullyShardedDataParallel(DataParallel):
     lockstep = True  # every forward/backward is collective: empty micro-batches are run, not dropped
 
     def __init__(self, ctx: DistContext, cfg: Any, model: torch.nn.Module,
-                 ref_model: torch.nn.Module | None = None, generation_device: torch.device | None = None,
-                 sharding: Sharding | None = None) -> None:
+                 ref_model: torch.nn.Module | None, facts: RunFacts, sharding: Sharding | None = None) -> None:
         self.ctx, self.model = ctx, model
         if sharding is None:  # whole models on every rank: rank 0's values everywhere, then sharded in place
-            sharding = Sharding(ctx, cfg)
+            sharding = Sharding(ctx, cfg, facts.compute_dtype)
             with torch.no_grad():
                 for p in model.parameters():
                     dist.broadcast(p.data, src=0)
@@ -159,8 +161,8 @@ class FullyShardedDataParallel(DataParallel):
                     sharding.shard(module)
         self.mesh = sharding.mesh
         # One unsharded copy for the engines (see sync_generation_model); on CPU (the Ray pool's) in float32.
-        device = generation_device or ctx.device
-        self.generation_model = generation_copy(sharding.skeleton(model), resolve_compute_dtype(cfg, device), device)
+        self.generation_model = generation_copy(sharding.skeleton(model), facts.generation_dtype,
+                                                facts.generation_device)
         self.sync_generation_model(frozen_too=True)
         if engine_class(cfg.rollout.engine).in_process:  # pickled to workers, views of one tensor would each carry it all
             share_fused_weights(self.generation_model)

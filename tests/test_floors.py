@@ -18,9 +18,11 @@ FLOORS = [  # the top floor first
     ("experiments/",),  # what runs the loop to measure it: compare and its report, plan's step costs
     ("run/",),  # the loop: trainer, producer, train.async's generator, eval, warm-up, checkpoints
     ("build.py",),  # the parts of a run that train and eval build alike
-    ("fsdp.py", "tasks/"),
-    ("distributed.py", "episodes/", "update/", "planning/", "rewards.py"),
-    ("config/",),  # the typed config, checked against the registries of engines and methods; RunFacts
+    ("fsdp.py",),
+    ("distributed.py", "update/", "planning/"),
+    ("config/",),  # the typed config, checked against the registries of tasks, engines and methods; RunFacts
+    ("tasks/",),  # the task registry and the tasks: problems, verifiers, environments
+    ("episodes/", "rewards.py"),
     ("engines/", "methods/", "integrations/"),
     ("prompt_stats.py", "lora.py", "math_verify_pool.py"),
     ("algo/", "reporting/"),  # the maths; where a run's metrics, progress and plot go
@@ -31,7 +33,6 @@ FLOORS = [  # the top floor first
 # The arrows that still run back up, each with the import that draws it. No other may; fewer is better.
 BACK_UP = {
     ("engines/", "planning/"): "engines/fast.py sizes its KV cache with planning/memory.py's model of a step",
-    ("planning/", "tasks/"): "planning/memory_report.py asks tasks/ for episodes and prompt lengths (plan --memory)",
 }
 MOST_BACK_UP = 11
 # the loop's package is the top of the library: besides the tests and benchmarks, only these import it

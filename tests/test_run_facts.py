@@ -39,6 +39,17 @@ def test_the_facts_of_a_config():
     assert not lockstep.overlap
 
 
+def test_the_generation_copy_is_resolved_where_it_lives():
+    """FSDP's copy of the policy for the engines is in the compute dtype of the device it lives on: the training
+    device's by default, the CPU's (float32) for an engine whose copy lives there, whatever the training device."""
+    cuda = torch.device("cuda")  # only the device's type is read: no GPU needed
+    here = run_facts(load_config(None), cuda)
+    assert (here.generation_device, here.generation_dtype) == (cuda, here.compute_dtype) == (cuda, torch.bfloat16)
+    pool = run_facts(load_config(None, ["rollout.engine=ray"]), cuda)
+    assert pool.compute_dtype == torch.bfloat16
+    assert (pool.generation_device, pool.generation_dtype) == (torch.device("cpu"), torch.float32)
+
+
 def test_settings_of_a_method_not_chosen_are_named_in_one_startup_warning(tmp_path, warmup_cache, caplog):
     overrides = {"pods.m": 4, "aero.k": 3, "train.max_steps": 1}
     cfg = load_config("podsrl/configs/grpo.yaml", tiny_overrides(tmp_path / "run", warmup_cache, **overrides))

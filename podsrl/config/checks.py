@@ -8,12 +8,10 @@ from typing import TYPE_CHECKING
 from podsrl.config.method_checks import check_choices
 from podsrl.engines import ENGINES, engine_class
 from podsrl.errors import ConfigError
+from podsrl.tasks import task_class
 
 if TYPE_CHECKING:
     from podsrl.config import Config
-
-NO_REFERENCES = ("dataset", "trl_environment", "environment")  # tasks without reference completions to warm up on
-
 
 def validate(cfg: Config) -> None:
     """Cross-field checks, each naming the offending key."""
@@ -93,7 +91,8 @@ def validate(cfg: Config) -> None:
     t = cfg.model.tiny
     need(t.hidden_size % t.num_heads == 0, "model.tiny.hidden_size", "must be divisible by model.tiny.num_heads")
     need(t.num_heads % 2 == 0 or t.num_heads == 1, "model.tiny.num_heads", "must be even (or 1)")
-    need(not (cfg.model.name_or_path == "tiny" and cfg.warmup.steps > 0 and cfg.task.name in NO_REFERENCES),
+    need(not (cfg.model.name_or_path == "tiny" and cfg.warmup.steps > 0
+             and not task_class(cfg.task.name).gives_references()),
          "warmup.steps", f"the built-in model's warm-up needs reference completions, which a {cfg.task.name} task "
          "does not have: set warmup.steps=0, or give model.name_or_path")
     # bring-your-own data, rewards and logging

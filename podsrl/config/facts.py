@@ -25,6 +25,10 @@ class RunFacts:
     device: torch.device  # this process's training device
     master_dtype: torch.dtype  # parameters and optimiser state (model.dtype)
     compute_dtype: torch.dtype  # forward/backward matmuls on `device` (model.compute_dtype, `auto` resolved)
+    # the engine's unsharded copy of the policy under FSDP: where it lives (the engine's, else `device`) and its dtype
+    # (the compute dtype resolved there: float32 for the Ray pool's CPU copy)
+    generation_device: torch.device
+    generation_dtype: torch.dtype
     overlap: bool  # generation runs ahead of the learner (train.async with max_staleness > 0)
     rollout_correction: str  # the mode algo.rollout_correction means here (`auto` resolved)
     mismatch: tuple[str, ...]  # how the sampler's log-probs differ from the trainer's (rollout_correction.py)
@@ -33,10 +37,20 @@ class RunFacts:
 def run_facts(cfg: Config, device: torch.device) -> RunFacts:
     compute = resolve_compute_dtype(cfg, device)  # the one resolution of the compute dtype for this run's device
     mismatch = mismatch_kinds(cfg, compute)
+    elsewhere = generation_device(cfg)
     return RunFacts(
         device=device, master_dtype=getattr(torch, cfg.model.dtype), compute_dtype=compute,
+        generation_device=elsewhere or device,
+        generation_dtype=compute if elsewhere is None else resolve_compute_dtype(cfg, elsewhere),
         overlap=cfg.train.asynchronous.runs_ahead,
         rollout_correction=resolve_rollout_correction(cfg, mismatch), mismatch=mismatch)
+
+
+def generation_device(cfg: Config) -> torch.device | None:
+    """Where the engine's unsharded copy of the policy lives under FSDP (its `generation_device`; None: the run's
+    device)."""
+    device = engine_class(cfg.rollout.engine).generation_device
+    return torch.device(device) if device is not None else None
 
 
 PRECISION_MODE = "token_tis"  # `auto`'s mode for a sampler that differs from the trainer in precision alone

@@ -14,14 +14,16 @@ from podsrl.errors import ConfigError
 from podsrl.methods import METHODS
 from podsrl.models.precision import check_precision
 from podsrl.reporting.tracking import normalize_report_to
+from podsrl.tasks import task_class
 
 if TYPE_CHECKING:
     from podsrl.config import Config
 
 
 def check_choices(cfg: Config) -> None:
-    """Raise ConfigError naming the key of a bad method, method option, engine option, tracker or dtype pair.
-    Reads only: the config is as loaded afterwards."""
+    """Raise ConfigError naming the key of a bad task name, method, method option, engine option, tracker or dtype
+    pair. Reads only: the config is as loaded afterwards."""
+    task_class(cfg.task.name)  # an unknown task: one line naming task.name and the registered tasks
     normalize_report_to(cfg.log.report_to, cfg.log.tensorboard)
     check_engine_options(cfg.rollout.engine, cfg.rollout.engine_options)
     check_engine_option_values(cfg.rollout.engine, cfg.rollout.engine_options)

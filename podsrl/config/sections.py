@@ -14,6 +14,7 @@ from typing import Any, Literal
 from podsrl.engines import DEFAULT_ENGINE, ENGINES
 from podsrl.methods import METHODS
 from podsrl.options import option
+from podsrl.tasks import DEFAULT_TASK, TASKS
 
 _f = option
 
@@ -49,10 +50,9 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = _f("arithmetic", "'arithmetic' (built-in), 'arithmetic_tool' (built-in, episodes with a calculator tool: "
-                   "docs/episodes.md), 'dataset' (jsonl/csv/parquet/HF), 'reasoning_gym', 'trl_environment' "
-                   "(episodes in a TRL environment class), 'environment' (episodes in your podsrl environment class, "
-                   "task.args.factory: 'my_env.py:MyEnv'; docs/episodes.md).")
+    # the names are the task registry's, checked when the config is loaded (a task registered later counts)
+    name: str = _f(DEFAULT_TASK, "Task (podsrl.tasks.TASKS): " + ", ".join(
+        f"'{name}' ({about})" for name, (_, about) in TASKS.items()) + ".")
     args: dict[str, Any] = _f({}, "Task-specific arguments (e.g. operands/digits/train_size/solution for arithmetic, "
                               "dataset path and columns).")
     eval_size: int = _f(2000, "Held-out problems; fixed by the task seed (0 = no eval set: trains, says so).")

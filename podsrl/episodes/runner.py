@@ -31,11 +31,11 @@ import logging
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from podsrl.batch import Problem
-from podsrl.config import EpisodeConfig
 from podsrl.engines.base import EpisodeSession, GenerationOutput, RolloutEngine, SamplingParams, left_pad
 from podsrl.engines.sampling import splitmix64
 from podsrl.episodes.calls import CALLS, STOP, Call, Interrupted, Outcome
@@ -45,6 +45,9 @@ from podsrl.episodes.render import EpisodeRenderer
 from podsrl.episodes.stats import EpisodeStats
 from podsrl.episodes.tools import ResponseLimit
 from podsrl.errors import UserError
+
+if TYPE_CHECKING:
+    from podsrl.config import EpisodeConfig
 
 log = logging.getLogger("podsrl")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from podsrl.batch import RolloutBatch
-from podsrl.build import generation_device, load_model, load_task, reward_manager, rollout_engine, verifier
+from podsrl.build import load_model, load_task, reward_manager, rollout_engine, verifier
 from podsrl.config import Config, dump_config
 from podsrl.config.facts import run_facts, unread_settings
 from podsrl.distributed import NullLogger, init_distributed
@@ -57,7 +57,7 @@ from podsrl.run.log import RankLog
 from podsrl.run.producer import BatchProducer, ProducedBatch, StepRecord
 from podsrl.run.warmup import base_weights
 from podsrl.tasks.prompt_length import model_context
-from podsrl.update import PolicyUpdater
+from podsrl.update import PolicyUpdater, UpdateSettings
 from podsrl.update.optimizer import build_optimizer
 
 log = logging.getLogger("podsrl")
@@ -97,7 +97,7 @@ class Trainer:
             self.base_path = base_weights(cfg, progress=cfg.log.progress)
         # FSDP2 under torchrun: policy and reference go straight into their shards as they load (no rank holds
         # either whole), the reference before anything else is built
-        sharding = fsdp_sharding(self.dist, cfg)
+        sharding = fsdp_sharding(self.dist, cfg, self.facts.compute_dtype)
         self.model, self.tokenizer = load_model(cfg, checkpoint / "model" if checkpoint else None, self.base_path,
                                                 trainable=True, ctx=self.dist,
                                                 shard=sharding.shard if sharding else None)
@@ -116,7 +116,7 @@ class Trainer:
         # torchrun: DDP-style, or FSDP2 over the shards (so before the optimiser), which keeps an unsharded copy for
         # the engines; in one process the engines use the policy itself.
         self.data_parallel = build_data_parallel(
-            self.dist, self.model, self.ref_model, cfg, generation_device(cfg), sharding)
+            self.dist, self.model, self.ref_model, cfg, self.facts, sharding)
         self.generation_model = self.data_parallel.generation_model if self.data_parallel else self.model
         self.task, self.eval_problems = load_task(cfg, self.tokenizer, self.model)
         if not self.eval_problems:
@@ -140,7 +140,8 @@ class Trainer:
         method = METHODS[cfg.method](cfg)
         sharded = self.data_parallel is not None and self.data_parallel.sharded
         self.optimizer, self.scheduler = build_optimizer(cfg, self.model, sharded)
-        self.updater = PolicyUpdater(self.model, self.optimizer, self.scheduler, cfg, self.facts, self.ref_model,
+        self.updater = PolicyUpdater(self.model, self.optimizer, self.scheduler, UpdateSettings.of(cfg),
+                                     self.facts, self.ref_model,
                                      modulation=method.token_modulation(), data_parallel=self.data_parallel)
         self.producer = BatchProducer(cfg, self.task, self.tokenizer, self.engine, rewards, method,
                                       sampler_logprobs=self.updater.needs_sampler_logprobs, context=context)

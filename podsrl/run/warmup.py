@@ -20,19 +20,15 @@ import torch
 from podsrl.config import Config, EpisodeConfig, TaskConfig, TinyModelConfig, to_dict
 from podsrl.models.loading import build_char_tokenizer, build_tiny_model, load_tiny_at_context, resolve_device
 from podsrl.reporting.tracking import build_progress
-from podsrl.tasks import build_task
+from podsrl.tasks import build_task, task_class
 
 log = logging.getLogger("podsrl")
 
 
 # Bumped whenever the built-in task or warm-up code changes what a given config produces, so stale caches are ignored.
 WARMUP_VERSION = 2
-# Built-in tasks whose warm-up changed since, by version: in their key alone, so other keys (the shipped warm-up's)
-# stay. arithmetic_tool 1: reference episodes with calculator calls, validated on episodes (so episode.* counts).
-TASK_VERSIONS = {"arithmetic_tool": 1}
-# Built-in episode tasks and the single-turn task of the same prompts whose warm-up theirs continues: the sums are
-# learned on bare answers (short rows), then warmup.episode_steps on reference episodes teach the calls.
-PLAIN_TASKS = {"arithmetic_tool": "arithmetic"}
+# A task whose warm-up changed since has a version of its own (Task.warmup_version): in its key alone, so other keys
+# (the shipped warm-up's) stay. An episode task may continue the warm-up of a single-turn task (Task.plain_task).
 EPISODE_KEYS = ("episode_steps", "episode_batch_size")  # warmup.* read by the episode phase alone
 # episode.* keys newer than arithmetic_tool 1: in its key only when set away from their defaults, so caches stay
 LATER_EPISODE_KEYS = ("env_timeout_s", "timeout_s", "max_hung_calls", "max_parallel_calls", "max_response_chars",
@@ -53,9 +49,10 @@ def warmup_key(cfg: Config) -> str:
     shaping = {"version": WARMUP_VERSION, "tiny": to_dict(cfg.model.tiny), "task": task, "warmup": to_dict(cfg.warmup)}
     for key in ("cache_dir", "shipped"):  # where the weights are found, not what they are
         shaping["warmup"].pop(key)
-    if cfg.task.name in TASK_VERSIONS:
+    version = task_class(cfg.task.name).warmup_version
+    if version is not None:
         episode, defaults = to_dict(cfg.episode), to_dict(EpisodeConfig())
-        shaping.update(task_version=TASK_VERSIONS[cfg.task.name],
+        shaping.update(task_version=version,
                        episode={k: v for k, v in episode.items() if k not in RL_EPISODE_KEYS
                                 and (k not in LATER_EPISODE_KEYS or v != defaults[k])})
     else:
@@ -73,7 +70,7 @@ def plain_warmup_config(cfg: Config) -> Config | None:
     """The config of the single-turn warm-up an episode task's warm-up starts from (its task's plain twin, without
     the episode task's own arguments, at the default context), or None for a task whose warm-up starts from fresh
     weights."""
-    plain = PLAIN_TASKS.get(cfg.task.name)
+    plain = task_class(cfg.task.name).plain_task
     if plain is None:
         return None
     args = {k: v for k, v in cfg.task.args.items() if k != "tool_share"}

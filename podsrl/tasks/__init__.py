@@ -1,35 +1,43 @@
 """Task registry: built-in arithmetic (plain, or with a calculator tool: episodes), datasets (jsonl/csv/parquet/HF),
 reasoning-gym, a user's TRL environment or podsrl environment class over a dataset (episodes).
 
-`task.args` holds each task's own arguments; prompt formatting keys (prompt_mode, system_prompt, template) apply to
-dataset and reasoning-gym tasks, which ask a real model in its chat template by default.
+TASKS is the one list of task names: the config's help for `task.name` and its check of the name come from it, and a
+task's class says how the config builds it (`Task.from_config`) and what the warm-up reads of it (class attributes),
+so adding a task is one entry here. `task.args` holds each task's own arguments; prompt formatting keys
+(prompt_mode, system_prompt, template) apply to dataset and reasoning-gym tasks, which ask a real model in its chat
+template by default.
 """
 
 from __future__ import annotations
 
 import importlib
-import inspect
+from typing import TYPE_CHECKING
 
-from podsrl.config import TaskConfig
 from podsrl.errors import ConfigError
 from podsrl.tasks.base import Task
 
-PROMPT_KEYS = ("prompt_mode", "system_prompt", "template")
-CLASSES = {  # task.name -> (module, class), imported when asked for
-    "arithmetic": ("podsrl.tasks.arithmetic", "ArithmeticTask"),
-    "arithmetic_tool": ("podsrl.tasks.arithmetic_tool", "ArithmeticToolTask"),
-    "dataset": ("podsrl.tasks.datasets", "DatasetTask"),
-    "reasoning_gym": ("podsrl.tasks.reasoning_gym", "ReasoningGymTask"),
-    "trl_environment": ("podsrl.tasks.trl_environment", "TRLEnvironmentTask"),
-    "environment": ("podsrl.tasks.environment_task", "EnvironmentTask"),
+if TYPE_CHECKING:
+    from podsrl.config import TaskConfig
+
+TASKS: dict[str, tuple[str, str]] = {  # task.name -> ("module:class", imported when asked for; what it is)
+    "arithmetic": ("podsrl.tasks.arithmetic:ArithmeticTask", "built-in"),
+    "arithmetic_tool": ("podsrl.tasks.arithmetic_tool:ArithmeticToolTask",
+                        "built-in, episodes with a calculator tool: docs/episodes.md"),
+    "dataset": ("podsrl.tasks.datasets:DatasetTask", "jsonl/csv/parquet/HF"),
+    "reasoning_gym": ("podsrl.tasks.reasoning_gym:ReasoningGymTask", "reasoning-gym's generators"),
+    "trl_environment": ("podsrl.tasks.trl_environment:TRLEnvironmentTask",
+                        "episodes in a TRL environment class"),
+    "environment": ("podsrl.tasks.environment_task:EnvironmentTask",
+                    "episodes in your podsrl environment class, task.args.factory: 'my_env.py:MyEnv'; "
+                    "docs/episodes.md"),
 }
-ENVIRONMENT_KEYS = {"trl_environment": "environment", "environment": "factory"}  # the class each names
+DEFAULT_TASK = "arithmetic"
 
 
 def task_class(name: str) -> type[Task]:
-    if name not in CLASSES:
-        raise ConfigError(f"task.name: unknown task {name!r} (choose from {', '.join(CLASSES)})")
-    module, cls = CLASSES[name]
+    if name not in TASKS:
+        raise ConfigError(f"task.name: unknown task {name!r} (choose from {', '.join(TASKS)})")
+    module, _, cls = TASKS[name][0].partition(":")
     return getattr(importlib.import_module(module), cls)
 
 
@@ -38,56 +46,8 @@ def has_episodes(name: str) -> bool:
     return task_class(name).environment is not Task.environment
 
 
-def _construct(cls, key: str, *args, **kwargs):
-    """Call a task constructor, turning unknown/missing arguments into an error naming task.args."""
-    try:
-        inspect.signature(cls).bind(*args, **kwargs)
-    except TypeError as e:
-        raise ConfigError(f"task.args ({key}): {e}") from None
-    return cls(*args, **kwargs)
-
-
-def _with_eval_set(args: dict, cfg: TaskConfig) -> dict:
-    """A dataset's task args with its eval set's size (task.eval_size) and, where no eval split or file is given,
-    the share of its questions held out (task.eval_fraction, unless the args say)."""
-    args.setdefault("eval_limit", cfg.eval_size)
-    if args.get("eval_split") is None and args.get("eval_path") is None:
-        args.setdefault("eval_fraction", cfg.eval_fraction if cfg.eval_size else 0.0)
-    return args
-
-
 def build_task(cfg: TaskConfig, tokenizer=None) -> Task:
-    args = dict(cfg.args)
-    if cfg.name == "arithmetic":
-        return _construct(task_class("arithmetic"), "arithmetic", seed=cfg.seed, eval_size=cfg.eval_size, **args)
-    if cfg.name == "arithmetic_tool":
-        return _construct(task_class("arithmetic_tool"), "arithmetic_tool", seed=cfg.seed, eval_size=cfg.eval_size,
-                          **args)
-    if cfg.name in ENVIRONMENT_KEYS:
-        key = ENVIRONMENT_KEYS[cfg.name]
-        for needed in ("path", key):
-            if needed not in args:
-                raise ConfigError(f"task.args.{needed}: a {cfg.name} task needs its dataset (path) and its "
-                                  f"environment class ({key}: 'my_env.py:MyEnv' or 'module:MyEnv')")
-        return _construct(task_class(cfg.name), cfg.name, args.pop("path"), seed=cfg.seed,
-                          **_with_eval_set(args, cfg))
-    prompt_args = {k: args.pop(k) for k in PROMPT_KEYS if k in args}
-    from podsrl.tasks.templates import prompt_formatter
+    return task_class(cfg.name).from_config(cfg, tokenizer)
 
-    mode = prompt_args.get("prompt_mode", "chat" if getattr(tokenizer, "chat_template", None) else "plain")
-    formatter = prompt_formatter(tokenizer, mode, prompt_args.get("system_prompt"),
-                                 prompt_args.get("template", "{question}"))
-    if cfg.name == "dataset":
-        if "path" not in args:
-            raise ConfigError("task.args.path: a dataset task needs a file path or a Hugging Face dataset name")
-        source = args.pop("path")
-        return _construct(task_class("dataset"), "dataset", source, seed=cfg.seed, format_prompt=formatter,
-                          **_with_eval_set(args, cfg))
-    if cfg.name == "reasoning_gym":
-        if "name" not in args:
-            raise ConfigError("task.args.name: a reasoning_gym task needs a dataset name (e.g. chain_sum)")
-        name = args.pop("name")
-        return _construct(task_class("reasoning_gym"), "reasoning_gym", name, seed=cfg.seed, eval_size=cfg.eval_size,
-                          format_prompt=formatter, **args)
-    task_class(cfg.name)  # an unknown name: its ConfigError naming task.name
-    raise AssertionError(f"task {cfg.name!r} is in CLASSES but not built here")
+
+__all__ = ["DEFAULT_TASK", "TASKS", "Task", "build_task", "has_episodes", "task_class"]

@@ -53,6 +53,11 @@ def _evaluate(node: ast.AST) -> int:
 
 class ArithmeticToolTask(ArithmeticTask):
     name = "arithmetic_tool"
+    # 1: reference episodes with calculator calls, validated on episodes (so episode.* counts in its warm-up key)
+    warmup_version = 1
+    # its sums are learned on bare answers (short rows) first; warmup.episode_steps on reference episodes then teach
+    # the calls
+    plain_task = "arithmetic"
 
     def __init__(self, tool_share: float = 0.5, **args) -> None:
         if isinstance(tool_share, bool) or not isinstance(tool_share, (int, float)) or not 0 <= tool_share <= 1:

@@ -6,19 +6,41 @@ seed, so the data position of a run is a single integer that a checkpoint stores
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from podsrl.batch import Problem
+from podsrl.errors import ConfigError
+from podsrl.tasks.templates import prompt_formatter
 
 if TYPE_CHECKING:
+    from podsrl.config import TaskConfig
     from podsrl.episodes.environment import Environment
+
+PROMPT_KEYS = ("prompt_mode", "system_prompt", "template")  # task.args that format a dataset's questions
 
 
 class Task(ABC):
     name: str = "task"
     # Reward functions (names in podsrl.rewards' registry, or "module:function") used when the config lists none.
     default_rewards: tuple[str, ...] = ("correct",)
+    # The warm-up's version of this task, in its cache key (bumped when the task's warm-up changes), or None.
+    warmup_version: int | None = None
+    # The registered single-turn task of the same prompts whose warm-up this episode task's continues, or None.
+    plain_task: str | None = None
+
+    @classmethod
+    def from_config(cls, cfg: TaskConfig, tokenizer: Any = None) -> Task:
+        """The task of the config's task section (task.name registers this class in podsrl.tasks.TASKS): by
+        default its constructor with the problem seed, the eval set's size and task.args."""
+        return construct(cls, cfg.name, seed=cfg.seed, eval_size=cfg.eval_size, **cfg.args)
+
+    @classmethod
+    def gives_references(cls) -> bool:
+        """True when the task has reference completions, which the built-in model's warm-up trains on."""
+        return cls.reference_completion is not Task.reference_completion or \
+            cls.reference_turns is not Task.reference_turns
 
     @abstractmethod
     def problem(self, index: int) -> Problem:
@@ -67,3 +89,39 @@ class Task(ABC):
         model reads before that turn (the prompt, earlier turns and the environment's answers), on which there is
         no loss. A single-turn task's is its prompt and reference completion."""
         return [(problem.prompt, self.reference_completion(problem))]
+
+
+def construct(cls: type[Task], name: str, *args: Any, **kwargs: Any) -> Task:
+    """Call a task constructor, turning unknown/missing arguments into an error naming task.args."""
+    try:
+        inspect.signature(cls).bind(*args, **kwargs)
+    except TypeError as e:
+        raise ConfigError(f"task.args ({name}): {e}") from None
+    return cls(*args, **kwargs)
+
+
+def with_eval_set(args: dict, cfg: TaskConfig) -> dict:
+    """A dataset's task args with its eval set's size (task.eval_size) and, where no eval split or file is given,
+    the share of its questions held out (task.eval_fraction, unless the args say)."""
+    args.setdefault("eval_limit", cfg.eval_size)
+    if args.get("eval_split") is None and args.get("eval_path") is None:
+        args.setdefault("eval_fraction", cfg.eval_fraction if cfg.eval_size else 0.0)
+    return args
+
+
+def pop_prompt_formatter(args: dict, tokenizer: Any):
+    """The question formatter task.args' prompt keys (PROMPT_KEYS, popped from `args`) ask for: the model's chat
+    template by default where it has one."""
+    prompt_args = {k: args.pop(k) for k in PROMPT_KEYS if k in args}
+    mode = prompt_args.get("prompt_mode", "chat" if getattr(tokenizer, "chat_template", None) else "plain")
+    return prompt_formatter(tokenizer, mode, prompt_args.get("system_prompt"), prompt_args.get("template", "{question}"))
+
+
+def environment_task(cls: type[Task], cfg: TaskConfig, key: str) -> Task:
+    """An episode task over a dataset: task.args.path, and the environment class task.args.<key> names."""
+    args = dict(cfg.args)
+    for needed in ("path", key):
+        if needed not in args:
+            raise ConfigError(f"task.args.{needed}: a {cfg.name} task needs its dataset (path) and its "
+                              f"environment class ({key}: 'my_env.py:MyEnv' or 'module:MyEnv')")
+    return construct(cls, cfg.name, args.pop("path"), seed=cfg.seed, **with_eval_set(args, cfg))

@@ -19,8 +19,8 @@ import torch
 
 from podsrl.answers import extract_boxed
 from podsrl.batch import Problem
-from podsrl.errors import DataError
-from podsrl.tasks.base import Task
+from podsrl.errors import ConfigError, DataError
+from podsrl.tasks.base import Task, construct, pop_prompt_formatter, with_eval_set
 from podsrl.tasks.data_files import MAX_LINE_BYTES, read_rows
 
 log = logging.getLogger("podsrl")
@@ -107,6 +107,15 @@ class DatasetTask(Task):
     """
 
     default_rewards = ("correct",)
+
+    @classmethod
+    def from_config(cls, cfg, tokenizer=None) -> DatasetTask:
+        args = dict(cfg.args)
+        formatter = pop_prompt_formatter(args, tokenizer)
+        if "path" not in args:
+            raise ConfigError("task.args.path: a dataset task needs a file path or a Hugging Face dataset name")
+        return construct(cls, cfg.name, args.pop("path"), seed=cfg.seed, format_prompt=formatter,
+                         **with_eval_set(args, cfg))
 
     def __init__(
         self,

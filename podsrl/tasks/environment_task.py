@@ -20,6 +20,7 @@ import numbers
 from podsrl.batch import Problem
 from podsrl.episodes.environment import ToolEnvironment
 from podsrl.errors import ConfigError
+from podsrl.tasks.base import environment_task
 from podsrl.tasks.datasets import DatasetTask
 
 
@@ -58,6 +59,10 @@ class CustomEnvironment:
 
 
 class EnvironmentTask(DatasetTask):
+    @classmethod
+    def from_config(cls, cfg, tokenizer=None) -> EnvironmentTask:
+        return environment_task(cls, cfg, "factory")
+
     def __init__(self, source: str, *, factory: str, env_args: dict | None = None, seed: int = 0,
                  config: str | None = None, split: str = "train", prompt_column: str | None = None,
                  answer_column: str | None = None, id_column: str | None = None, answer_format: str = "auto",

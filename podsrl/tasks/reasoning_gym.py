@@ -19,7 +19,7 @@ from typing import Any
 from podsrl.batch import Problem
 from podsrl.errors import ConfigError
 from podsrl.extras import require
-from podsrl.tasks.base import Task
+from podsrl.tasks.base import Task, construct, pop_prompt_formatter
 from podsrl.tasks.datasets import epoch_permutation
 
 logger = logging.getLogger("podsrl")
@@ -65,6 +65,15 @@ class ReasoningGymTask(Task):
     """
 
     default_rewards = ("correct",)
+
+    @classmethod
+    def from_config(cls, cfg, tokenizer=None) -> ReasoningGymTask:
+        args = dict(cfg.args)
+        formatter = pop_prompt_formatter(args, tokenizer)
+        if "name" not in args:
+            raise ConfigError("task.args.name: a reasoning_gym task needs a dataset name (e.g. chain_sum)")
+        return construct(cls, cfg.name, args.pop("name"), seed=cfg.seed, eval_size=cfg.eval_size,
+                         format_prompt=formatter, **args)
 
     def __init__(
         self,

@@ -16,10 +16,15 @@ from __future__ import annotations
 from podsrl.batch import Problem
 from podsrl.episodes.adapters.trl import TRLEnvironment
 from podsrl.errors import ConfigError
+from podsrl.tasks.base import environment_task
 from podsrl.tasks.datasets import DatasetTask
 
 
 class TRLEnvironmentTask(DatasetTask):
+    @classmethod
+    def from_config(cls, cfg, tokenizer=None) -> TRLEnvironmentTask:
+        return environment_task(cls, cfg, "environment")
+
     def __init__(self, source: str, *, environment: str, seed: int = 0, config: str | None = None,
                  split: str = "train", prompt_column: str | None = None, answer_column: str | None = None,
                  id_column: str | None = None, answer_format: str = "auto", eval_split: str | None = None,

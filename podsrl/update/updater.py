@@ -15,19 +15,15 @@ import torch
 from podsrl.algo.grad_noise import make_probe
 from podsrl.algo.loss import LOSS_AGGREGATIONS, aggregation_stats, clipped_policy_loss, k3_kl
 from podsrl.algo.micro_batches import row_tokens, split_rows
-from podsrl.algo.rollout_correction import (
-    RolloutCorrection,
-    rollout_correction,
-    uncorrected_staleness,
-)
+from podsrl.algo.rollout_correction import RolloutCorrection, rollout_correction
 from podsrl.batch import RolloutBatch
-from podsrl.config import Config
 from podsrl.config.facts import RunFacts
 from podsrl.models.packed import packed_forward_problem
 from podsrl.models.precision import compute_autocast, describe_precision
 from podsrl.models.transfer import host_values, to_device
 from podsrl.models.transformers_api import adapters_disabled, has_adapters
 from podsrl.update.plain import enable_activation_checkpointing, plain_logprobs
+from podsrl.update.settings import UpdateSettings
 from podsrl.update.shared_prompt import SharedPromptForward
 
 log = logging.getLogger("podsrl")
@@ -36,7 +32,7 @@ log = logging.getLogger("podsrl")
 class PolicyUpdater:
     """Owns the optimiser step; the trainer hands it a batch with advantages and gets metrics back."""
 
-    def __init__(self, model, optimizer, scheduler, cfg: Config, facts: RunFacts, ref_model=None,
+    def __init__(self, model, optimizer, scheduler, cfg: UpdateSettings, facts: RunFacts, ref_model=None,
                  modulation: Callable | None = None, data_parallel=None) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.cfg, self.device, self.ref_model = cfg, facts.device, ref_model
@@ -51,7 +47,7 @@ class PolicyUpdater:
         sharded = data_parallel is not None and getattr(data_parallel, "sharded", False)
         self.compute_dtype = self.param_dtype if sharded else facts.compute_dtype
         log.info("precision: %s", describe_precision(facts.master_dtype, facts.compute_dtype,
-                                                          lora=cfg.model.lora_rank > 0))
+                                                          lora=cfg.lora))
         if cfg.update.activation_checkpointing:  # the plain path's layers (HF's own checkpointing)
             enable_activation_checkpointing(model)
         self.shared = {id(m): self._shared_forward(m, role) for m, role in ((model, "policy"), (ref_model, "reference"))
@@ -63,9 +59,8 @@ class PolicyUpdater:
         log.info("update: rollout correction %s (algo.rollout_correction: %s; sampler/trainer mismatch: %s)",
                  self.rollout_correction, cfg.algo.rollout_correction,
                  ", ".join(facts.mismatch) or "none")
-        unchecked = uncorrected_staleness(cfg)
-        if unchecked is not None:
-            log.warning("update: %s", unchecked)
+        if cfg.unchecked_staleness is not None:
+            log.warning("update: %s", cfg.unchecked_staleness)
 
     @property
     def needs_sampler_logprobs(self) -> bool:
@@ -106,7 +101,7 @@ class PolicyUpdater:
         """(([B, W] log-probs, [B, W] entropies), W), W: the longest completion of these rows."""
         # trim right padding of this slice (FSDP runs empty micro-batches too, to keep ranks in lockstep)
         width = max(1, int(batch.completion_mask[rows].sum(dim=1).max())) if rows.numel() else 1
-        temperature, shared = self.cfg.rollout.temperature, self.shared.get(id(model))
+        temperature, shared = self.cfg.temperature, self.shared.get(id(model))
         with compute_autocast(self.device, self.compute_dtype, self.param_dtype):
             if shared is not None and rows.numel() and shared.fits(batch, rows, width):
                 out = shared(batch, rows, width, self.device, temperature)
@@ -162,7 +157,7 @@ class PolicyUpdater:
         skipped = 0
         R = batch.num_rollouts
         noise_metrics: dict[str, float] = {}
-        probe_pending = cfg.log.grad_noise  # once a step: the first mini-batch of the first pass
+        probe_pending = cfg.grad_noise  # once a step: the first mini-batch of the first pass
         for _ in range(cfg.optim.epochs):
             order = torch.randperm(R, generator=generator) if cfg.optim.mini_batches > 1 else torch.arange(R)
             for mini in order.tensor_split(cfg.optim.mini_batches):
@@ -170,7 +165,7 @@ class PolicyUpdater:
                     continue
                 probe = self._probe(batch, mini, generator) if probe_pending else None
                 probe_pending = False
-                stats = aggregation_stats(batch.trained_mask[mini], cfg.rollout.max_new_tokens)
+                stats = aggregation_stats(batch.trained_mask[mini], cfg.max_new_tokens)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss_total = self._accumulate(batch, mini, stats, old_logprobs, ref_logprobs, correction, sums,
                                               weight_sums, probe)

@@ -17,7 +17,7 @@ from podsrl.config.facts import run_facts
 from podsrl.methods import METHODS, offline_context
 from podsrl.reporting.tracking import read_metrics
 from podsrl.run.trainer import Trainer
-from podsrl.update import PolicyUpdater
+from podsrl.update import PolicyUpdater, UpdateSettings
 from tests.conftest import device_under_test, tiny_overrides
 from tests.distributed.test_distributed import make_batch, make_model
 
@@ -31,7 +31,7 @@ def setup(*overrides: str):
     model = make_model().to(device_under_test())
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # params move by exactly -g
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    return cfg, kept.trim_padding(), model, PolicyUpdater(model, optimizer, scheduler, cfg,
+    return cfg, kept.trim_padding(), model, PolicyUpdater(model, optimizer, scheduler, UpdateSettings.of(cfg),
                                                                  run_facts(cfg, device_under_test()))
 
 
@@ -46,7 +46,7 @@ def flat_grad(model) -> torch.Tensor:
 def group_contributions(updater, model, batch) -> torch.Tensor:
     """[K, D]: each group's gradient alone, with the token weights normalised over the whole mini-batch."""
     rows = torch.arange(batch.num_rollouts)
-    stats = aggregation_stats(batch.completion_mask, updater.cfg.rollout.max_new_tokens)
+    stats = aggregation_stats(batch.completion_mask, updater.cfg.max_new_tokens)
     out = []
     for k in range(batch.num_groups):
         model.zero_grad(set_to_none=True)

@@ -22,7 +22,7 @@ from podsrl.config.facts import run_facts
 from podsrl.engines.base import SamplingParams
 from podsrl.engines.fast import FastEngine
 from podsrl.methods import METHODS, offline_context
-from podsrl.update import PolicyUpdater
+from podsrl.update import PolicyUpdater, UpdateSettings
 from tests.tiny_lm import TokStub as Tok
 from tests.tiny_lm import tiny_causal_lm
 
@@ -86,7 +86,8 @@ def run_scenario(name: str, data_parallel_for=None) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     dp = data_parallel_for(model) if data_parallel_for else None
     initial = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
-    updater = PolicyUpdater(model, optimizer, scheduler, cfg, run_facts(cfg, torch.device("cpu")), ref,
+    updater = PolicyUpdater(model, optimizer, scheduler, UpdateSettings.of(cfg),
+                            run_facts(cfg, torch.device("cpu")), ref,
                             data_parallel=dp)
     metrics = updater.update(kept.trim_padding(), torch.Generator().manual_seed(2))
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])

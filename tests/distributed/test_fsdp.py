@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from podsrl.config import load_config
 from podsrl.config.facts import run_facts
 from podsrl.methods import METHODS, offline_context
-from podsrl.update import PolicyUpdater
+from podsrl.update import PolicyUpdater, UpdateSettings
 from tests.distributed.test_distributed import generation_request, make_batch, make_model
 from tests.tiny_lm import TokStub
 
@@ -74,7 +74,8 @@ def run_scenario(name: str, ctx=None, shared: bool = True) -> dict:
     dp = build_data_parallel(ctx, model, ref, cfg) if ctx is not None else None
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    updater = PolicyUpdater(model, optimizer, scheduler, cfg, run_facts(cfg, torch.device("cpu")), ref,
+    updater = PolicyUpdater(model, optimizer, scheduler, UpdateSettings.of(cfg),
+                            run_facts(cfg, torch.device("cpu")), ref,
                             modulation=method.token_modulation(),
                             data_parallel=dp)
     metrics = updater.update(kept.trim_padding(), torch.Generator().manual_seed(2))
@@ -154,8 +155,8 @@ def _other_unit_reason(ctx) -> dict:
     try:
         cfg = load_config(None, STRATEGY)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        updater = PolicyUpdater(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), cfg,
-                                run_facts(cfg, torch.device("cpu")))
+        updater = PolicyUpdater(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+                                UpdateSettings.of(cfg), run_facts(cfg, torch.device("cpu")))
     finally:
         logging.getLogger("podsrl").removeHandler(handler)
     return {"drives": updater.shared[id(model)] is not None, "warnings": warnings}

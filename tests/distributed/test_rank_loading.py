@@ -118,14 +118,16 @@ def _rank_main(rank: int, world: int, tmp: str, directory: str) -> None:
 
 def sharded_load(name: str, directory: str, ctx) -> dict:
     """The case loaded into FSDP2's shards as the trainer loads it; its snapshot and its generation copy's."""
-    from podsrl.fsdp import Sharding, build_data_parallel
+    from podsrl.config.facts import run_facts
+    from podsrl.fsdp import build_data_parallel, fsdp_sharding
 
     cfg = case_config(name, directory, **{"train.strategy": "fsdp"})
     torch.manual_seed(cfg.seed)
-    sharding = Sharding(ctx, cfg)
+    facts = run_facts(cfg, ctx.device)
+    sharding = fsdp_sharding(ctx, cfg, facts.compute_dtype)
     model = load_model(cfg, None, None, trainable=True, ctx=ctx, shard=sharding.shard)[0]
     sharded = [isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters()]
-    copy = build_data_parallel(ctx, model, None, cfg, sharding=sharding).generation_model
+    copy = build_data_parallel(ctx, model, None, cfg, facts, sharding).generation_model
     layer = (copy.get_base_model() if hasattr(copy, "get_base_model") else copy).model.layers[0]
     fused = [layer.self_attn.q_proj.weight.untyped_storage().data_ptr() ==
              layer.self_attn.v_proj.weight.untyped_storage().data_ptr(),

@@ -103,8 +103,7 @@ def test_option_values_of_other_types_pass_at_load():
 
 
 def test_what_the_loop_and_the_planner_read_follows_the_traits():
-    from podsrl.build import generation_device
-    from podsrl.config.facts import async_generator, rows_in_flight
+    from podsrl.config.facts import async_generator, generation_device, rows_in_flight
 
     pool, default = (load_config(None, ["rollout.engine=ray", "train.async.enabled=true"]),
                      load_config(None, ["train.async.enabled=true", "rollout.engine_options.max_rows=12"]))

@@ -66,21 +66,10 @@ class HangingTask(ArithmeticToolTask):
         return HangingEnvironment(self, tool_timeout_s)
 
 
-def build_task(cfg, tokenizer=None):
-    """podsrl's build_task, and the task `hanging`."""
-    import podsrl.tasks
-
-    if cfg.name != "hanging":
-        return podsrl.tasks.build_task(cfg, tokenizer)
-    return HangingTask(seed=cfg.seed, eval_size=cfg.eval_size, **cfg.args)
-
-
 def register() -> None:
-    import podsrl.build
     import podsrl.tasks
 
-    podsrl.tasks.CLASSES["hanging"] = ("tests.faults.hanging_envs", "HangingTask")
-    podsrl.build.build_task = build_task
+    podsrl.tasks.TASKS["hanging"] = ("tests.faults.hanging_envs:HangingTask", "a test's hanging environment")
 
 
 def main() -> None:

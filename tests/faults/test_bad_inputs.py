@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from podsrl.tasks import TASKS
 from tests.faults.common import error_line, tiny
 
 ENVS = Path(__file__).resolve().parents[1] / "fixtures" / "countdown_env.py"
@@ -109,7 +110,7 @@ CASES: dict[str, Case] = {
     "reward_syntax_error": _reward_file("def mine(:\n", "importing", "SyntaxError"),
     "reward_not_callable": _reward_file("mine = 3\n", "is not callable"),
     "reward_no_function": _reward_file("def other(p, c, **k):\n    return []\n", "has no attribute 'mine'"),
-    "task_unknown": _override("task.name=bogus", "task.name: unknown task 'bogus'"),
+    "task_unknown": _override("task.name=bogus", f"task.name: unknown task 'bogus' (choose from {', '.join(TASKS)})"),
     "task_argument_unknown": _override("task.args={colour: red}", "task.args (arithmetic)", "'colour'"),
     "dataset_with_warmup": lambda tmp, cache: (
         _train(tmp, cache, **{"task.name": "dataset", "task.args": "{path: x.jsonl}"}),

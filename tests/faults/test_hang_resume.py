@@ -13,12 +13,10 @@ from pathlib import Path
 
 import pytest
 
-import podsrl.build
 import podsrl.tasks
 from podsrl.config import load_config
 from podsrl.run.checkpoint import latest_checkpoint
 from podsrl.run.trainer import Trainer
-from tests.faults import hanging_envs
 from tests.faults.common import assert_same_run, last_step
 
 STEP = 4  # episodes a step
@@ -28,8 +26,8 @@ ASYNC = {"train.async.enabled": True, "train.async.max_staleness": 1, "train.asy
 
 @pytest.fixture(autouse=True)
 def hanging_task(monkeypatch):
-    monkeypatch.setitem(podsrl.tasks.CLASSES, "hanging", ("tests.faults.hanging_envs", "HangingTask"))
-    monkeypatch.setattr(podsrl.build, "build_task", hanging_envs.build_task)
+    monkeypatch.setitem(podsrl.tasks.TASKS, "hanging", ("tests.faults.hanging_envs:HangingTask",
+                                                       "a test's hanging environment"))
 
 
 def config(run: Path, hang_after: int, **extra):

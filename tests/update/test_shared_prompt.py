@@ -31,7 +31,7 @@ from podsrl.models.packed import packed_forward_problem
 from podsrl.models.packed_layout import build_plan, distinct_rows
 from podsrl.reporting.tracking import read_metrics
 from podsrl.run.trainer import Trainer
-from podsrl.update import PolicyUpdater
+from podsrl.update import PolicyUpdater, UpdateSettings
 from tests.conftest import device_under_test, tiny_overrides
 
 TOL = 1e-5
@@ -90,7 +90,7 @@ def make_updater(model, shared: bool, *overrides: str, ref=None, modulation=None
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=0.05)  # no Adam: its normalisation would amplify rounding noise
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    return PolicyUpdater(model, optimizer, scheduler, cfg, run_facts(cfg, device), ref, modulation)
+    return PolicyUpdater(model, optimizer, scheduler, UpdateSettings.of(cfg), run_facts(cfg, device), ref, modulation)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,0 +1,27 @@
+"""What the policy update reads of the run configuration, and nothing else: PolicyUpdater is handed these rather
+than the whole config, so what can change an update is listed here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from podsrl.algo.rollout_correction import uncorrected_staleness
+from podsrl.config import AlgoConfig, Config, OptimConfig, UpdateConfig
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    optim: OptimConfig  # passes, mini-batches, micro-batch size, clipping
+    update: UpdateConfig  # the forward's path: shared prompts, logits chunks, activation checkpointing
+    algo: AlgoConfig  # the loss: clip range, KL, loss aggregation, rollout correction
+    temperature: float  # rollout.temperature: log-probs are of the temperature-scaled policy
+    max_new_tokens: int  # rollout.max_new_tokens: the length the loss aggregations normalise by
+    grad_noise: bool  # log.grad_noise: probe the gradient noise on the first mini-batch of a step
+    lora: bool  # model.lora_rank > 0: adapters over a frozen base (the precision log line says so)
+    unchecked_staleness: str | None  # the warning for stale batches trained unchecked (train.async), or None
+
+    @classmethod
+    def of(cls, cfg: Config) -> UpdateSettings:
+        return cls(optim=cfg.optim, update=cfg.update, algo=cfg.algo, temperature=cfg.rollout.temperature,
+                   max_new_tokens=cfg.rollout.max_new_tokens, grad_noise=cfg.log.grad_noise,
+                   lora=cfg.model.lora_rank > 0, unchecked_staleness=uncorrected_staleness(cfg))
