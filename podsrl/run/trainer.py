@@ -50,6 +50,7 @@ from podsrl.run.checkpoint import (
 )
 from podsrl.run.description import describe_checkpoint_size, describe_run, world_size_change
 from podsrl.run.engine_state import keeps_engine_state
+from podsrl.run.micro_batch import resolve_micro_batch
 from podsrl.run.evaluation import evaluate
 from podsrl.run.health import HealthMonitor
 from podsrl.run.lock import RunLock
@@ -129,6 +130,8 @@ class Trainer:
         else:
             self.generator_model, self.engine, self.eval_engine, self.eval_tokenizer = async_engines(
                 cfg, self.generation_model, self.tokenizer, self.dist.enabled, self.facts.compute_dtype)
+        cfg = self.cfg = resolve_micro_batch(cfg, self.generation_model, self.task, self.tokenizer, self.device,
+                                             self.dist.world_size, self.dist.is_main)
         self.keep_engine_state = keeps_engine_state(cfg, self.engine, self.generation_model, self.task,
                                                     self.tokenizer, self.device, self.dist.world_size,
                                                     self.dist.is_main)
