@@ -2,9 +2,9 @@
 
 The workload is the update of a step of configs/gpu_pods_study.yaml (the 25.2M-parameter built-in model's study): 32
 prompts of the arithmetic task with worked solutions (at most 12 characters), 16 kept rollouts each (512 rows),
-completions of 10-35 characters + EOS, the study's micro-batches (optim.micro_batch_size: auto, which on a CUDA
-device of `--device-gib` (default 139, an H200) the memory plan decides as one micro-batch of all 512 rows;
-`--micro-batch ROWS` sets it, e.g. 256 for the two micro-batches the study ran before auto), mixed precision
+completions of 10-35 characters + EOS, micro-batches of 256 (optim.micro_batch_size's default: two; `--micro-batch
+ROWS` sets it, `--micro-batch auto` as optim.micro_batch_size=auto decides it on a CUDA device of `--device-gib`
+GiB, default 139, an H200: one micro-batch of all 512 rows), mixed precision
 (float32 masters, bfloat16 autocast) and the rollout correction that precision-only mismatch gets (token_tis), then
 the weight sync into the fast engine's bfloat16 sampling copy, as `Trainer.train_step` times them as time/update.
 The model keeps the study's op structure (8 layers, 8 heads, the rows and micro-batches) at a width of `--hidden`
@@ -20,7 +20,7 @@ Time: median and [min-max] of `--repeats` timed updates (after one untimed), flo
 on the CPU, one torch thread. With `--baseline REV` the same counts and times are taken of podsrl at git revision
 REV (extracted to a temporary directory) in child processes, the two arms interleaved round by round.
 
-    python benchmarks/update_ops.py [--hidden 64] [--repeats 5] [--micro-batch ROWS] [--baseline REV]
+    python benchmarks/update_ops.py [--hidden 64] [--repeats 5] [--micro-batch ROWS|auto] [--baseline REV]
     python benchmarks/update_ops.py --diagnose cuda [--repeats 5]
 
 `--diagnose DEVICE` runs benchmarks/update_diagnosis.py's arms on DEVICE (for a GPU: the update at the study's width
@@ -61,7 +61,7 @@ class Study:
     the fast engine over the policy, and batches (`batch(seed)`: the task's problems seed x P on, P the config's
     rollout.prompts_per_step (32), pods.m (16) completions each); `overrides` go to the study's config last. The
     study's optim.micro_batch_size=auto is decided as a run on CUDA would: on this CUDA device, or off CUDA on one of
-    `device_gib` GiB (`micro_why` says how)."""
+    `device_gib` GiB (`micro_why` says how; "set" when the config sets it)."""
 
     def __init__(self, hidden: int, device: str = "cpu", seed: int = 0, compute: str = "bfloat16",
                  overrides: tuple[str, ...] = (), device_gib: float = H200_GIB) -> None:
@@ -218,8 +218,8 @@ def study_micro_batch(device_gib: float) -> tuple[int, str]:
     return auto_micro_batch(cfg, transformers_config(cfg, "tiny"), prompt, "cuda", 1, int(device_gib * 2**30))
 
 
-def arm(hidden: int, repeats: int, with_counts: bool, micro_batch: int) -> dict:
-    study = Study(hidden, overrides=(f"optim.micro_batch_size={micro_batch}",))
+def arm(hidden: int, repeats: int, with_counts: bool, micro_batch: int | None) -> dict:
+    study = Study(hidden, overrides=(f"optim.micro_batch_size={micro_batch}",) if micro_batch else ())
     batch, updater = study.batch(0), study.updater
     result = {"rows": batch.num_rollouts, "micro_batches": -(-batch.num_rollouts // updater.cfg.optim.micro_batch_size),
               "correction": updater.rollout_correction, "times": times(study, batch, repeats)}
@@ -228,11 +228,12 @@ def arm(hidden: int, repeats: int, with_counts: bool, micro_batch: int) -> dict:
     return result
 
 
-def child(source: Path, hidden: int, repeats: int, with_counts: bool, micro_batch: int) -> dict:
+def child(source: Path, hidden: int, repeats: int, with_counts: bool, micro_batch: int | None) -> dict:
     """One arm in a fresh process, with podsrl from `source`."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, __file__, "--child", str(int(with_counts)), "--source", str(source),
-                          "--hidden", str(hidden), "--repeats", str(repeats), "--micro-batch", str(micro_batch)],
+                          "--hidden", str(hidden), "--repeats", str(repeats),
+                          *(["--micro-batch", str(micro_batch)] if micro_batch else [])],
                          capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise SystemExit(f"arm at {source} failed:\n{out.stderr[-3000:]}")
@@ -266,8 +267,8 @@ def main() -> None:
                         help="benchmarks/update_diagnosis.py on DEVICE (cuda: the study's width 512 unless --hidden): "
                              "the arms that separate what the count cannot (shape reuse, cuDNN attention, the "
                              "engine's release, precision)")
-    parser.add_argument("--micro-batch", type=int, help="optim.micro_batch_size (default: the study's auto, as the "
-                        "memory plan decides it on a CUDA device of --device-gib)")
+    parser.add_argument("--micro-batch", help="optim.micro_batch_size: rows, or auto as the memory plan decides it "
+                        "on a CUDA device of --device-gib (default: the study config's, 256)")
     parser.add_argument("--device-gib", type=float, default=H200_GIB,
                         help="the CUDA device's memory for the study's auto micro-batch (default: an H200's)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -277,7 +278,8 @@ def main() -> None:
     torch.set_num_threads(1)
     if opts.child is not None:
         sys.path.insert(0, opts.source)  # this arm's podsrl, before any is imported
-        print(json.dumps(arm(opts.hidden, opts.repeats, opts.child == "1", opts.micro_batch)))
+        print(json.dumps(arm(opts.hidden, opts.repeats, opts.child == "1",
+                             int(opts.micro_batch) if opts.micro_batch else None)))
         return
     if opts.diagnose:
         from benchmarks.update_diagnosis import main as diagnose
@@ -287,12 +289,12 @@ def main() -> None:
         return
     print(machine_line())
     micro = opts.micro_batch
-    if micro is None:
+    if micro == "auto":  # decided here: a baseline's podsrl may not know auto
         micro, why = study_micro_batch(opts.device_gib)
         print(f"micro-batch: {micro} rows (optim.micro_batch_size=auto on a CUDA device of {opts.device_gib:g} GiB: "
               f"{why})")
-    else:
-        print(f"micro-batch: {micro} rows (--micro-batch)")
+    elif micro is not None:
+        micro = int(micro)
     if opts.baseline is None:
         res = arm(opts.hidden, opts.repeats, True, micro)
         report("this tree", res)
