@@ -50,11 +50,11 @@ from podsrl.run.checkpoint import (
 )
 from podsrl.run.description import describe_checkpoint_size, describe_run, world_size_change
 from podsrl.run.engine_state import keeps_engine_state
-from podsrl.run.micro_batch import resolve_micro_batch
 from podsrl.run.evaluation import evaluate
 from podsrl.run.health import HealthMonitor
 from podsrl.run.lock import RunLock
 from podsrl.run.log import RankLog
+from podsrl.run.micro_batch import resolve_micro_batch
 from podsrl.run.producer import BatchProducer, ProducedBatch, StepRecord
 from podsrl.run.warmup import base_weights
 from podsrl.tasks.prompt_length import model_context
