@@ -2,7 +2,9 @@
 
 The workload is the update of a step of configs/gpu_pods_study.yaml (the 25.2M-parameter built-in model's study): 32
 prompts of the arithmetic task with worked solutions (at most 12 characters), 16 kept rollouts each (512 rows),
-completions of 10-35 characters + EOS, micro-batches of 256 (optim.micro_batch_size's default), mixed precision
+completions of 10-35 characters + EOS, micro-batches of 256 (optim.micro_batch_size's default: two; `--micro-batch
+ROWS` sets it, `--micro-batch auto` as optim.micro_batch_size=auto decides it on a CUDA device of `--device-gib`
+GiB, default 139, an H200: one micro-batch of all 512 rows), mixed precision
 (float32 masters, bfloat16 autocast) and the rollout correction that precision-only mismatch gets (token_tis), then
 the weight sync into the fast engine's bfloat16 sampling copy, as `Trainer.train_step` times them as time/update.
 The model keeps the study's op structure (8 layers, 8 heads, the rows and micro-batches) at a width of `--hidden`
@@ -18,7 +20,7 @@ Time: median and [min-max] of `--repeats` timed updates (after one untimed), flo
 on the CPU, one torch thread. With `--baseline REV` the same counts and times are taken of podsrl at git revision
 REV (extracted to a temporary directory) in child processes, the two arms interleaved round by round.
 
-    python benchmarks/update_ops.py [--hidden 64] [--repeats 5] [--baseline REV]
+    python benchmarks/update_ops.py [--hidden 64] [--repeats 5] [--micro-batch ROWS|auto] [--baseline REV]
     python benchmarks/update_ops.py --diagnose cuda [--repeats 5]
 
 `--diagnose DEVICE` runs benchmarks/update_diagnosis.py's arms on DEVICE (for a GPU: the update at the study's width
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -49,16 +52,19 @@ from benchmarks.device_ops import DeviceOps  # noqa: E402
 from benchmarks.timing import Spread, machine_line  # noqa: E402
 
 CONFIG = ROOT / "configs/gpu_pods_study.yaml"
+H200_GIB = 139.0  # an H200's memory as torch reports it
 PHASES = ("plan", "forward", "backward", "loss and metrics", "clip", "optimiser", "weight sync")
 
 
 class Study:
     """The study's update at width `hidden` on `device` (autocast to `compute` over float32 masters): its updater,
     the fast engine over the policy, and batches (`batch(seed)`: the task's problems seed x P on, P the config's
-    rollout.prompts_per_step (32), pods.m (16) completions each); `overrides` go to the study's config last."""
+    rollout.prompts_per_step (32), pods.m (16) completions each); `overrides` go to the study's config last. The
+    study's optim.micro_batch_size=auto is decided as a run on CUDA would: on this CUDA device, or off CUDA on one of
+    `device_gib` GiB (`micro_why` says how; "set" when the config sets it)."""
 
     def __init__(self, hidden: int, device: str = "cpu", seed: int = 0, compute: str = "bfloat16",
-                 overrides: tuple[str, ...] = ()) -> None:
+                 overrides: tuple[str, ...] = (), device_gib: float = H200_GIB) -> None:
         from podsrl.build import rollout_engine
         from podsrl.config import load_config
         from podsrl.config.facts import run_facts
@@ -71,6 +77,12 @@ class Study:
         self.cfg = cfg = load_config(CONFIG, [f"model.device={device}", f"model.compute_dtype={compute}",
                                               f"model.tiny.hidden_size={hidden}",
                                               f"model.tiny.intermediate_size={3 * hidden}", *overrides])
+        self.micro_why = "set"
+        if cfg.optim.micro_batch_size == 0:
+            if device.startswith("cuda"):
+                device_gib = torch.cuda.get_device_properties(torch.device(device)).total_memory / 2**30
+            rows, self.micro_why = study_micro_batch(device_gib)
+            self.cfg = cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, micro_batch_size=rows))
         self.tokenizer = build_char_tokenizer()
         model = build_tiny_model(cfg.model.tiny, self.tokenizer, seed=seed).to(device)
         optimizer, scheduler = build_optimizer(cfg, model, sharded=False)
@@ -192,8 +204,23 @@ def times(study: Study, batch, repeats: int) -> list[float]:
     return out
 
 
-def arm(hidden: int, repeats: int, with_counts: bool) -> dict:
-    study = Study(hidden)
+def study_micro_batch(device_gib: float) -> tuple[int, str]:
+    """(rows, why): optim.micro_batch_size=auto as a run of the study (at its own width) decides it at start-up on
+    a CUDA device of `device_gib` GiB (podsrl/run/micro_batch.py)."""
+    from podsrl.config import load_config
+    from podsrl.models.loading import build_char_tokenizer
+    from podsrl.planning.memory_report import auto_micro_batch, transformers_config
+    from podsrl.tasks import build_task
+    from podsrl.tasks.prompt_length import longest_prompt
+
+    cfg = load_config(CONFIG)
+    prompt = cfg.task.max_prompt_length or longest_prompt(build_task(cfg.task, build_char_tokenizer()),
+                                                          build_char_tokenizer())
+    return auto_micro_batch(cfg, transformers_config(cfg, "tiny"), prompt, "cuda", 1, int(device_gib * 2**30))
+
+
+def arm(hidden: int, repeats: int, with_counts: bool, micro_batch: int | None) -> dict:
+    study = Study(hidden, overrides=(f"optim.micro_batch_size={micro_batch}",) if micro_batch else ())
     batch, updater = study.batch(0), study.updater
     result = {"rows": batch.num_rollouts, "micro_batches": -(-batch.num_rollouts // updater.cfg.optim.micro_batch_size),
               "correction": updater.rollout_correction, "times": times(study, batch, repeats)}
@@ -202,11 +229,13 @@ def arm(hidden: int, repeats: int, with_counts: bool) -> dict:
     return result
 
 
-def child(source: Path, hidden: int, repeats: int, with_counts: bool) -> dict:
+def child(source: Path, hidden: int, repeats: int, with_counts: bool, micro_batch: int | None) -> dict:
     """One arm in a fresh process, with podsrl from `source`."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, __file__, "--child", str(int(with_counts)), "--source", str(source),
-                          "--hidden", str(hidden), "--repeats", str(repeats)], capture_output=True, text=True, env=env)
+                          "--hidden", str(hidden), "--repeats", str(repeats),
+                          *(["--micro-batch", str(micro_batch)] if micro_batch else [])],
+                         capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise SystemExit(f"arm at {source} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -239,6 +268,10 @@ def main() -> None:
                         help="benchmarks/update_diagnosis.py on DEVICE (cuda: the study's width 512 unless --hidden): "
                              "the arms that separate what the count cannot (shape reuse, cuDNN attention, the "
                              "engine's release, precision)")
+    parser.add_argument("--micro-batch", help="optim.micro_batch_size: rows, or auto as the memory plan decides it "
+                        "on a CUDA device of --device-gib (default: the study config's, 256)")
+    parser.add_argument("--device-gib", type=float, default=H200_GIB,
+                        help="the CUDA device's memory for the study's auto micro-batch (default: an H200's)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--source", help=argparse.SUPPRESS)
     opts = parser.parse_args()
@@ -246,7 +279,8 @@ def main() -> None:
     torch.set_num_threads(1)
     if opts.child is not None:
         sys.path.insert(0, opts.source)  # this arm's podsrl, before any is imported
-        print(json.dumps(arm(opts.hidden, opts.repeats, opts.child == "1")))
+        print(json.dumps(arm(opts.hidden, opts.repeats, opts.child == "1",
+                             int(opts.micro_batch) if opts.micro_batch else None)))
         return
     if opts.diagnose:
         from benchmarks.update_diagnosis import main as diagnose
@@ -255,8 +289,15 @@ def main() -> None:
         diagnose(["--device", opts.diagnose, "--hidden", str(hidden), "--repeats", str(opts.repeats), "--no-children"])
         return
     print(machine_line())
+    micro = opts.micro_batch
+    if micro == "auto":  # decided here: a baseline's podsrl may not know auto
+        micro, why = study_micro_batch(opts.device_gib)
+        print(f"micro-batch: {micro} rows (optim.micro_batch_size=auto on a CUDA device of {opts.device_gib:g} GiB: "
+              f"{why})")
+    elif micro is not None:
+        micro = int(micro)
     if opts.baseline is None:
-        res = arm(opts.hidden, opts.repeats, True)
+        res = arm(opts.hidden, opts.repeats, True, micro)
         report("this tree", res)
         print(f"  CPU time per update: {Spread.of(res['times']).text(digits=3, unit=' s')}")
         return
@@ -266,11 +307,11 @@ def main() -> None:
                                  check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
         arms = {f"baseline {opts.baseline}": old, "this tree": ROOT}
-        results = {k: child(src, opts.hidden, 0, True) for k, src in arms.items()}
+        results = {k: child(src, opts.hidden, 0, True, micro) for k, src in arms.items()}
         runs: dict[str, list[float]] = {k: [] for k in arms}
         for r in range(opts.repeats):  # one timed update per arm and round (after one untimed), order alternating
             for k in list(arms) if r % 2 == 0 else list(arms)[::-1]:
-                runs[k] += child(arms[k], opts.hidden, 1, False)["times"]
+                runs[k] += child(arms[k], opts.hidden, 1, False, micro)["times"]
     for k, res in results.items():
         report(k, res)
     print(f"\n== CPU time per update ({opts.repeats} interleaved rounds, a fresh process per arm and round, "

@@ -2,8 +2,8 @@
 built per new shape on CUDA in bfloat16) would set up again, counted on any device.
 
 `--steps` updates of configs/gpu_pods_study.yaml's workload (benchmarks/update_ops.py's `Study`: 32 prompts of the
-arithmetic task, 16 kept rollouts each, completions of 10-35 tokens + EOS, micro-batches of 256; a new batch each
-step) at width `--hidden`, float32 on the CPU, and one layer (the shapes depend on none of these: every layer issues
+arithmetic task, 16 kept rollouts each, completions of 10-35 tokens + EOS, micro-batches of 256, `--micro-batch
+ROWS|auto` to change them; a new batch each step) at width `--hidden`, float32 on the CPU, and one layer (the shapes depend on none of these: every layer issues
 the same calls, and the heads stay the study's). Each update's micro-batches run their forward as the update does
 (the backward repeats the forward's attention shapes, so it is left out to keep the run short). Attention runs as
 on CUDA (scaled_dot_product_attention with a bool mask, packed_layout.sdpa_block_attend), and each call's (query,
@@ -31,13 +31,15 @@ from benchmarks.timing import machine_line  # noqa: E402
 from benchmarks.update_ops import Study  # noqa: E402
 
 
-def shapes_per_update(steps: int, ladder: bool, hidden: int = 16, device: str = "cpu") -> list[set[tuple]]:
+def shapes_per_update(steps: int, ladder: bool, hidden: int = 16, device: str = "cpu",
+                      micro_batch: str | None = None) -> list[set[tuple]]:
     """The attention shapes of each of `steps` updates' forwards (a new batch each)."""
     import podsrl.models.packed_layout as packed_layout
 
     # bfloat16 as the study runs on CUDA; float32 on the CPU (no fast bfloat16 matmul there; shapes are the same)
     study = Study(hidden, device, compute="bfloat16" if device.startswith("cuda") else "float32",
-                  overrides=("model.tiny.num_layers=1",))
+                  overrides=("model.tiny.num_layers=1",
+                             *((f"optim.micro_batch_size={micro_batch}",) if micro_batch else ())))
     updater = study.updater
     for shared in study.updater.shared.values():
         shared.ladder = ladder
@@ -53,11 +55,20 @@ def shapes_per_update(steps: int, ladder: bool, hidden: int = 16, device: str = 
             seen.append(set())
             batch = study.batch(step)
             with torch.no_grad():
-                for rows in updater._micro_batches(torch.arange(batch.num_rollouts)):
+                for rows in updater._micro_batches(batch, torch.arange(batch.num_rollouts)):
                     updater._forward(updater.model, batch, rows)
     finally:
         packed_layout.block_attend = original
     return seen
+
+
+def study_micro(micro_batch: str | None) -> str:
+    """The micro-batch's rows as `Study` sets them (auto: as a run on an H200 decides it)."""
+    if micro_batch != "auto":
+        return micro_batch or "256 (the config's)"
+    from benchmarks.update_ops import H200_GIB, study_micro_batch
+
+    return f"auto: {study_micro_batch(H200_GIB)[0]} rows, as on an H200"
 
 
 def new_per_update(seen: list[set[tuple]]) -> list[int]:
@@ -77,6 +88,8 @@ def main() -> None:
     parser.add_argument("--ladder", choices=("on", "off"), default="on", help="on: the layout CUDA runs")
     parser.add_argument("--hidden", type=int, default=16)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--micro-batch", help="optim.micro_batch_size: rows, or auto as a run decides it on CUDA "
+                        "(off CUDA: on an H200's 139 GiB; default: the study config's, 256)")
     parser.add_argument("--out", help="a JSON file for the per-update counts")
     opts = parser.parse_args()
     if opts.steps <= opts.warmup:
@@ -84,11 +97,12 @@ def main() -> None:
         raise SystemExit(2)
     torch.set_num_threads(1)
     print(machine_line())
-    seen = shapes_per_update(opts.steps, opts.ladder == "on", opts.hidden, opts.device)
+    seen = shapes_per_update(opts.steps, opts.ladder == "on", opts.hidden, opts.device, opts.micro_batch)
     new = new_per_update(seen)
     after = new[opts.warmup:]
     distinct = len(set().union(*seen))
-    print(f"ladder {opts.ladder}, {opts.steps} updates at hidden {opts.hidden} on {opts.device}")
+    print(f"ladder {opts.ladder}, {opts.steps} updates at hidden {opts.hidden} on {opts.device}, "
+          f"optim.micro_batch_size={study_micro(opts.micro_batch)}")
     print("new attention shapes per update: " + " ".join(map(str, new)))
     print(f"attention shapes per update: {min(map(len, seen))}-{max(map(len, seen))}")
     if opts.out:

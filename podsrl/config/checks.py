@@ -47,7 +47,7 @@ def validate(cfg: Config) -> None:
     need(len(cfg.optim.betas) == 2, "optim.betas", "needs two values")
     need(cfg.optim.epochs >= 1, "optim.epochs", "must be >= 1")
     need(cfg.optim.mini_batches >= 1, "optim.mini_batches", "must be >= 1")
-    need(cfg.optim.micro_batch_size >= 1, "optim.micro_batch_size", "must be >= 1")
+    need(cfg.optim.micro_batch_size >= 0, "optim.micro_batch_size", "must be >= 1, or 0 (auto)")
     need(cfg.optim.micro_batch_tokens >= 0, "optim.micro_batch_tokens", "must be >= 0 (0 = rows only)")
     need(cfg.update.logits_chunk >= 1, "update.logits_chunk", "must be >= 1")
     need(cfg.optim.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")

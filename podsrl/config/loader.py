@@ -67,6 +67,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             source["model"] = {"name_or_path": source["model"]}
     tree = translate_trl_names(tree, command_line)
     reject_removed_keys(tree)
+    optim = tree.get("optim")
+    if isinstance(optim, dict) and optim.get("micro_batch_size") == "auto":  # 0 as DeepSpeed configs spell it
+        tree["optim"] = {**optim, "micro_batch_size": 0}
     cfg = build(Config, tree)
     if not cfg.name and path is not None:
         cfg.name = Path(path).stem

@@ -16,6 +16,7 @@ from podsrl.planning.memory import (
     MemoryPlan,
     MicroBatch,
     decode_state_fits,
+    largest_micro_batch,
     make_plan,
     with_rows_in_flight,
 )
@@ -249,6 +250,33 @@ def run_keeps_decode_state(cfg, model_config, prompt_length: int, device: str, w
     budget = int(memory * (1 - RESERVE))
     work = with_rows_in_flight(shape, work, budget)
     return decode_state_fits(shape, work, budget, cfg.optim.micro_batch_size, cfg.update.activation_checkpointing)
+
+
+AUTO_MICRO_BATCH_CPU = 256  # optim.micro_batch_size=0 off CUDA: the default's rows, so the run keeps its bits
+
+
+def auto_micro_batch(cfg, model_config, prompt_length: int, device: str, world_size: int,
+                     memory: int) -> tuple[int, str]:
+    """optim.micro_batch_size=0 (auto): (rows, why). On CUDA the largest micro-batch the memory plan fits in `memory`
+    bytes less the default reserve (as `podsrl plan --memory` advises it, at update.activation_checkpointing), at
+    most a rank's mini-batch, so where the plan fits the mini-batch the update runs one micro-batch; elsewhere there
+    is no device memory to plan against and it is AUTO_MICRO_BATCH_CPU rows."""
+    if device != "cuda":
+        return AUTO_MICRO_BATCH_CPU, f"the {device} has no device memory to plan against"
+    shape = model_shape(model_config, cfg.model.lora_rank, cfg.model.lora_target_modules)
+    work = replace(workload_from_config(cfg, prompt_length, device, world_size), kept_decode_state=False)
+    budget = int(memory * (1 - RESERVE))
+    work = with_rows_in_flight(shape, work, budget)
+    checkpointing = cfg.update.activation_checkpointing
+    mini = -(-work.trained_rows // cfg.optim.mini_batches)
+    rows = min(largest_micro_batch(shape, work, budget, checkpointing), mini)
+    where = (f"in {_gib(budget)} GiB of this device's {_gib(memory)} GiB (update.activation_checkpointing="
+             f"{str(checkpointing).lower()})")
+    if rows == 0:
+        return 1, f"the memory plan fits not even one row {where}: the update may run out of memory"
+    if rows == mini:
+        return rows, f"the memory plan fits a rank's whole mini-batch ({mini} rows) {where}: one micro-batch"
+    return rows, f"the largest micro-batch the memory plan fits {where}, of a {mini}-row mini-batch"
 
 
 def transformers_config(cfg, model: str):

@@ -54,6 +54,7 @@ from podsrl.run.evaluation import evaluate
 from podsrl.run.health import HealthMonitor
 from podsrl.run.lock import RunLock
 from podsrl.run.log import RankLog
+from podsrl.run.micro_batch import resolve_micro_batch
 from podsrl.run.producer import BatchProducer, ProducedBatch, StepRecord
 from podsrl.run.warmup import base_weights
 from podsrl.tasks.prompt_length import model_context
@@ -129,6 +130,8 @@ class Trainer:
         else:
             self.generator_model, self.engine, self.eval_engine, self.eval_tokenizer = async_engines(
                 cfg, self.generation_model, self.tokenizer, self.dist.enabled, self.facts.compute_dtype)
+        cfg = self.cfg = resolve_micro_batch(cfg, self.generation_model, self.task, self.tokenizer, self.device,
+                                             self.dist.world_size, self.dist.is_main)
         self.keep_engine_state = keeps_engine_state(cfg, self.engine, self.generation_model, self.task,
                                                     self.tokenizer, self.device, self.dist.world_size,
                                                     self.dist.is_main)

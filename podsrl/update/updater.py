@@ -38,6 +38,9 @@ class PolicyUpdater:
         self.cfg, self.device, self.ref_model = cfg, facts.device, ref_model
         if cfg.algo.beta > 0 and ref_model is None and not has_adapters(model):
             raise ValueError("algo.beta > 0: a reference model, or LoRA adapters to disable for one")
+        if cfg.optim.micro_batch_size < 1:
+            raise ValueError("optim.micro_batch_size=0 (auto) is decided at start-up: pass the config through "
+                             "podsrl.run.micro_batch.resolve_micro_batch first")
         self.modulation = modulation  # f(advantages, log_ratio, logprobs, entropy, mask) -> (factor, metrics)
         # podsrl.distributed.DataParallel (or any implementation of its interface): splits each mini-batch across
         # ranks, sums what they computed; None in one process
