@@ -191,9 +191,11 @@ def _mlp_function(mlp: torch.nn.Module, gate_up: Tensor | None, autograd: bool) 
     return gated
 
 
-def project_qkv(plan: LayerPlan, x: Tensor, cos: Tensor, signed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Rotated queries, rotated keys and values of normed hidden states x [..., D]: [..., heads, d] or with
-    `heads_first` [B, heads, W, d]; cos and signed sin broadcast over the heads ([..., 1, d] or [B, 1, W, d])."""
+def project_qkv(plan: LayerPlan, x: Tensor, cos: Tensor, signed: Tensor) -> tuple[Tensor, ...]:
+    """Rotated queries, rotated keys and values of normed hidden states x [..., D]: (q, k, v) [..., heads, d], or
+    with `heads_first` (q [B, heads, W, d], keys stacked over values [B, 2 kv_heads, W, d]: what the KV cache stores
+    in one write); cos and signed sin broadcast over the heads ([..., 1, d] or [B, 1, W, d]), or with `heads_first`
+    given per head (kernels.rotate_fused)."""
     shape = (*x.shape[:-1], -1, plan.head_dim)
     if plan.qkv is not None:
         qkv = F.linear(x, *plan.qkv).view(shape)
@@ -209,19 +211,21 @@ def project_qkv(plan: LayerPlan, x: Tensor, cos: Tensor, signed: Tensor) -> tupl
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if plan.qk_norms is not None:  # Qwen3: per-head RMSNorm before the rotation
         q, k = plan.qk_norms[0](q), plan.qk_norms[1](k)
+    if plan.heads_first:
+        cos, signed = cos[:, :1], signed[:, :1]  # the query heads' tables hold for every rotated head
+        return rotate(q, cos, signed), torch.cat((rotate(k, cos, signed), v), dim=1)
     return rotate(q, cos, signed), rotate(k, cos, signed), v
 
 
-# attention as a caller reads it: (plan, q, k, v as project_qkv lays them out) -> [..., H * d] like the hidden states
-Attend = Callable[[LayerPlan, Tensor, Tensor, Tensor], Tensor]
+# attention as a caller reads it: (plan, what project_qkv returns) -> [..., H * d] like the hidden states
+Attend = Callable[..., Tensor]
 
 
 def decoder_layer(plan: LayerPlan, hidden: Tensor, cos: Tensor, signed: Tensor, attend: Attend,
                   keep: Tensor | None = None) -> Tensor:
     """One pre-norm decoder layer: hidden + attention, then + MLP. `keep` (index of positions): only those go on
     through the MLP (the last layer of a forward whose other positions nobody reads)."""
-    q, k, v = project_qkv(plan, plan.input_norm(hidden), cos, signed)
-    hidden = hidden + plan.o_proj(attend(plan, q, k, v))
+    hidden = hidden + plan.o_proj(attend(plan, *project_qkv(plan, plan.input_norm(hidden), cos, signed)))
     if keep is not None:
         hidden = hidden[keep]
     return hidden + plan.mlp(plan.post_norm(hidden))
