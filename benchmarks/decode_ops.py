@@ -4,8 +4,8 @@ The model is Qwen2.5-0.5B's layout (GQA 14/2 heads, q/k/v bias, tied embeddings,
 step is the one CUDA graphs capture (engines/decode_step.py `decode_step` at a bucket: 64 rows, the cache read to a
 multiple of 64 columns), run eagerly here and counted by benchmarks/device_ops.py (the model's parameters and
 buffers, the step state, the KV cache, the fused weights and the rotary table as device tensors), with the attention
-CUDA runs (`DecodeStack.fused_attention`: one scaled_dot_product_attention a layer, which a CPU engine replaces by
-grouped matmuls; that path's count is printed too). A layer's share is the difference between stacks of 4 and 2
+CUDA runs (`DecodeStack.fused_attention`: one scaled_dot_product_attention a layer, the rotation and residual adds
+rounded once, where a CPU engine keeps grouped matmuls and transformers' bits; that path's count is printed too). A layer's share is the difference between stacks of 4 and 2
 layers, halved; the rest (embedding, final norm, head, sampling, the mask, the rotary tables) is per step.
 
     python benchmarks/decode_ops.py

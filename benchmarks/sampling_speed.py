@@ -60,9 +60,9 @@ def main() -> None:
     uniforms = torch.rand(args.rows, generator=generator)
     keys = torch.randint(0, 1 << 62, (args.rows,), generator=generator)
     for temperature in (1.0, 0.7):
-        arms = {"softmax_cdf": lambda: sample_with_uniforms(logits, uniforms, temperature),
-                "shifted_cdf": lambda: shifted_cdf(logits, uniforms, temperature),
-                "gumbel_hash": lambda: gumbel_hash(logits, keys, temperature)}
+        arms = {"softmax_cdf": lambda t=temperature: sample_with_uniforms(logits, uniforms, t),
+                "shifted_cdf": lambda t=temperature: shifted_cdf(logits, uniforms, t),
+                "gumbel_hash": lambda t=temperature: gumbel_hash(logits, keys, t)}
         times: dict[str, list[float]] = {name: [] for name in arms}
         for arm in arms.values():
             arm()  # warm-up

@@ -5,8 +5,10 @@ with attention as grouped matmuls over the cache (on CPU, SDPA's flash kernel an
 cost more than a decode step's matmuls at RL batch sizes); at those sizes a CPU decode step's other cost is per-op
 dispatch, so the stack binds its layers' plans and a rotary cos/sin table once (kept across generate calls while the
 parameters keep their addresses, the fused weights refreshed in place), and spends as few ops per layer as give the
-same bits. The same forward serves the engine's static-shape decode step (podsrl/engines/decode_step.py), whose
-cache writes at a column given as a tensor. Other models run their own forward (`ModelForward`) with
+same bits. Off the CPU (`fused_attention`) a one-query step's attention is one SDPA a layer and its rotation and
+residual adds round once (13 ops a layer: benchmarks/decode_ops.py). The same forward serves the engine's
+static-shape decode step (podsrl/engines/decode_step.py), whose cache (keys and values in one buffer a layer) is
+written in one op at a column given as a tensor. Other models run their own forward (`ModelForward`) with
 masks and position ids built as `generate` builds them. `cached_forward_problem` says why a model can take neither.
 """
 
@@ -147,10 +149,11 @@ class DecodeStack:
                 refresh_fused(plan, layer)
             return
         config = self.model.config
-        # off the CPU the one-query attention is SDPA's, not transformers' bits, and the rotation rounds once too
+        # off the CPU the one-query attention is SDPA's, not transformers' bits, and the rotation and the residual
+        # adds (inside the matmuls) round once too
         rotation = functools.partial(rotate_fused, fma=fused)
-        self.plans = [layer_plan(layer, i, config, autograd=False, heads_first=True)._replace(rotate_qkv=rotation)
-                      for i, layer in enumerate(self.layers)]
+        self.plans = [layer_plan(layer, i, config, autograd=False, heads_first=True)._replace(
+            rotate_qkv=rotation, fold_residual=fused) for i, layer in enumerate(self.layers)]
         self.fused = fused
         self.final_norm = norm_function(self.body.norm)
         self.rotary = self.rotary_table(length)

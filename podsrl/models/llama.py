@@ -127,6 +127,8 @@ class LayerPlan(NamedTuple):
     post_norm: Callable[[Tensor], Tensor]
     mlp: Callable[[Tensor], Tensor]
     gate_up: Tensor | None = None  # the fused gate/up weight `mlp` reads (None: the MLP runs as its module)
+    # the residual adds inside the o_proj and down matmuls (addmm: one op, one rounding; the decode step off the CPU)
+    fold_residual: bool = False
 
 
 def layer_plan(layer: torch.nn.Module, index: int, config, autograd: bool, heads_first: bool = False,
@@ -184,9 +186,9 @@ def _mlp_function(mlp: torch.nn.Module, gate_up: Tensor | None, autograd: bool) 
     if autograd and type(act).__name__ in SILU_TYPES:
         return lambda x: down(swiglu(F.linear(x, gate_up)))
 
-    def gated(x: Tensor) -> Tensor:
+    def gated(x: Tensor, residual: Tensor | None = None) -> Tensor:
         gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-        return down(act(gate) * up)
+        return down(act(gate) * up) if residual is None else add_projection(residual, act(gate) * up, down)
 
     return gated
 
@@ -225,7 +227,18 @@ def decoder_layer(plan: LayerPlan, hidden: Tensor, cos: Tensor, signed: Tensor, 
                   keep: Tensor | None = None) -> Tensor:
     """One pre-norm decoder layer: hidden + attention, then + MLP. `keep` (index of positions): only those go on
     through the MLP (the last layer of a forward whose other positions nobody reads)."""
-    hidden = hidden + plan.o_proj(attend(plan, *project_qkv(plan, plan.input_norm(hidden), cos, signed)))
+    attended = attend(plan, *project_qkv(plan, plan.input_norm(hidden), cos, signed))
+    hidden = add_projection(hidden, attended, plan.o_proj) if plan.fold_residual else hidden + plan.o_proj(attended)
     if keep is not None:
         hidden = hidden[keep]
+    if plan.fold_residual and plan.gate_up is not None:
+        return plan.mlp(plan.post_norm(hidden), hidden)
     return hidden + plan.mlp(plan.post_norm(hidden))
+
+
+def add_projection(residual: Tensor, x: Tensor, linear: torch.nn.Module) -> Tensor:
+    """residual + linear(x) as one addmm where `linear` is a plain Linear without bias (the sum rounded once, inside
+    the matmul), else as the two ops."""
+    if type(linear) is not torch.nn.Linear or linear.bias is not None:
+        return residual + linear(x)
+    return torch.addmm(residual.flatten(0, -2), x.flatten(0, -2), linear.weight.t()).view_as(residual)
