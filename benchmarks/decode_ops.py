@@ -3,9 +3,10 @@
 The model is Qwen2.5-0.5B's layout (GQA 14/2 heads, q/k/v bias, tied embeddings, SwiGLU) at a small width; the
 step is the one CUDA graphs capture (engines/decode_step.py `decode_step` at a bucket: 64 rows, the cache read to a
 multiple of 64 columns), run eagerly here and counted by benchmarks/device_ops.py (the model's parameters and
-buffers, the step state, the KV cache, the fused weights and the rotary table as device tensors). A layer's share
-is the difference between stacks of 4 and 2 layers, halved; the rest (embedding, final norm, head, sampling, the
-mask) is per step.
+buffers, the step state, the KV cache, the fused weights and the rotary table as device tensors), with the attention
+CUDA runs (`DecodeStack.fused_attention`: one scaled_dot_product_attention a layer, the rotation and residual adds
+rounded once, where a CPU engine keeps grouped matmuls and transformers' bits; that path's count is printed too). A layer's share is the difference between stacks of 4 and 2
+layers, halved; the rest (embedding, final norm, head, sampling, the mask, the rotary tables) is per step.
 
     python benchmarks/decode_ops.py
 
@@ -44,15 +45,17 @@ def device_tensors(engine: FastEngine) -> list[torch.Tensor]:
     state, stack = engine.state, engine.forward
     tensors = [*engine.model.parameters(), *engine.model.buffers(), stack.rotary]
     tensors += [t for t in vars(state).values() if isinstance(t, torch.Tensor)]
-    tensors += [*state.cache.keys, *state.cache.values]
+    tensors += state.cache.buffers
     for plan in stack.plans:
         tensors += [t for t in (*(plan.qkv or ()), plan.gate_up) if isinstance(t, torch.Tensor)]
     return tensors
 
 
-def step_launches(layers: int) -> tuple[int, dict[str, int]]:
-    """Launches of one bucketed decode step (sampled, no top-k/top-p) over a warm engine of `layers` layers."""
+def step_launches(layers: int, fused: bool = True) -> tuple[int, dict[str, int]]:
+    """Launches of one bucketed decode step (sampled, no top-k/top-p) over a warm engine of `layers` layers, with
+    CUDA's attention (`fused`) or the CPU's."""
     engine = FastEngine(model(layers), compaction=False)
+    engine.forward.fused_attention = fused
     engine.runner, engine.buckets = StepRunner(), Buckets(block=64)
     prompts = [list(range(2 + i, 2 + i + PROMPT)) for i in range(ROWS)]
     params = SamplingParams(max_new_tokens=NEW, temperature=1.0)
@@ -64,6 +67,9 @@ def step_launches(layers: int) -> tuple[int, dict[str, int]]:
 
 
 def main() -> None:
+    cpu_four, _ = step_launches(4, fused=False)
+    cpu_two, _ = step_launches(2, fused=False)
+    print(f"with the CPU's attention (grouped matmuls): {(cpu_four - cpu_two) / 2:g} ops per layer per step")
     four, by_op = step_launches(4)
     two, _ = step_launches(2)
     per_layer = (four - two) / 2

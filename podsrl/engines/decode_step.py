@@ -81,7 +81,7 @@ class StepState:
         """Bytes of the state's tensors, its cache included."""
         tensors = [self.tokens, self.left_pad, self.valid, self.uniforms, self.finished, self.column, self.is_stop]
         if self.cache is not None:
-            tensors += [*self.cache.keys, *self.cache.values]
+            tensors += self.cache.buffers
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def fits(self, rows: int, positions: int, vocab: int, device: torch.device) -> bool:
@@ -139,9 +139,9 @@ def decode_step(stack: DecodeStack, state: StepState, rows: int, length: int,
     column = state.column[:rows]
     allowed = state.valid[:rows, :length] & (torch.arange(length, device=column.device) <= column[:, None])
     positions = column - state.left_pad[:rows]
-    cache = state.cache
+    cache, written = state.cache, torch.arange(rows, device=column.device)
     logits = stack.forward(state.tokens[:rows, None], allowed[:, None, None], positions[:, None],
-                           lambda index, k, v: cache.write(index, k, v, column, length))
+                           lambda index, kv: cache.write(index, kv, written, column, length))
     return sample_next(logits, step_uniforms(state, rows, sampler), state.finished[:rows], state.is_stop,
                        sampler.pad_token_id, sampler.temperature, sampler.top_k, sampler.top_p)
 

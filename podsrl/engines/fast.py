@@ -12,7 +12,7 @@ Where the time goes in GRPO rollouts (many samples of few prompts, varied length
 - counter-based per-row sampling (see sampling.py): no multinomial, no global RNG, and a row's completion depends
   only on (weights, prompt, seed, params).
 - on Llama/Mistral/Qwen2/Qwen3 models, the decoder stack driven layer by layer by podsrl/models/decode.py (q/k/v
-  and gate/up each one matmul, attention as grouped matmuls over the cache, few ops per layer, the same bits).
+  and gate/up each one matmul, few ops per layer; attention as grouped matmuls on the CPU, SDPA off it).
 - on those models, each decode step one function of static shapes with no host synchronisation inside
   (decode_step.py): forward, sampling and stop flags; under `cuda_graphs` one CUDA graph per (rows, cache length)
   bucket is captured and replayed, so a step costs its kernels, not their launches.

@@ -94,27 +94,26 @@ def sample_with_uniforms(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample_rows` with the rows' uniforms [B] given (a decode loop hashes all positions at once); None = greedy.
 
-    The log-prob is the token's logit less the log-softmax's normaliser, max + log(sum of the shifted
-    exponentials): sampling's CDF already holds that sum as its last entry when nothing is truncated, so the
-    sampled path reads the vocabulary in a max, an exp-and-cumsum and the search, with no [B, V] log-softmax
-    written. Top-k and top-p keep the largest logit, so their CDF shifts by the same max."""
-    logits = logits.float()
-    # dividing by 1 is exact, so skipping it changes nothing
-    scaled = logits / temperature if temperature > 0 and temperature != 1.0 else logits
-    top = scaled.amax(dim=-1, keepdim=True)
+    Without top-k/top-p (and greedy) the vocabulary is read in two operations after the temperature: one softmax
+    (float32) and its cumsum, searched by the uniform (greedy: an argmax instead of the cumsum); the log-prob is
+    the log of the token's probability, read from that softmax (its normaliser is the log-softmax's), so no [B, V]
+    log-softmax or shifted exponentials are written. Top-k/top-p search the CDF of the kept logits' exponentials,
+    shifted by the largest logit (which they keep), and take the log-prob before truncation from the same softmax.
+    """
+    # the temperature applies to float32 logits; dividing by 1 is exact, so skipping it changes nothing
+    scaled = logits.float() / temperature if temperature > 0 and temperature != 1.0 else logits.float()
+    probs = scaled.softmax(dim=-1)
     if uniforms is None:
         tokens = logits.argmax(dim=-1)
-        norm = (scaled - top).exp().sum(dim=-1, keepdim=True)
     else:
         kept = filter_logits(scaled, top_k, top_p)
-        cdf = (kept - top).exp().cumsum(dim=-1)
+        cdf = probs.cumsum(dim=-1) if kept is scaled else (kept - scaled.amax(-1, keepdim=True)).exp().cumsum(dim=-1)
         total = cdf[..., -1:]
         target = uniforms.to(cdf.device, cdf.dtype).unsqueeze(-1) * total
         # float rounding must not push the target onto the total (that would pick a trailing zero-mass token)
         target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
         tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-        norm = total if kept is scaled else (scaled - top).exp().sum(dim=-1, keepdim=True)
-    return tokens, (scaled.gather(-1, tokens.unsqueeze(-1)) - top - norm.log()).squeeze(-1)
+    return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log()
 
 
 def sample_next(

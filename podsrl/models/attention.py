@@ -65,3 +65,22 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     scores = scores.mul_(scaling).add_(bias)
     probs = scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(values.dtype)
     return torch.bmm(probs, values.reshape(batch * kv_heads, length, dim)).view(batch, heads, 1, dim)
+
+
+def sdpa_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fused_decode_attention's additive bias [B, 1, 1, K] from the bool 'may attend' mask [B, 1, 1, K]: 0 where
+    allowed, finfo.min where blocked (not -inf: a row with every key blocked, a bucket's padding row, then averages
+    uniformly instead of giving NaN). Built once per step for all layers, in the dtype of the queries as SDPA asks."""
+    return torch.where(mask, 0.0, torch.finfo(dtype).min).to(dtype)
+
+
+def fused_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                           scaling: float) -> torch.Tensor:
+    """`grouped_attention` for one query per row (q [B, H, 1, d]) in one scaled_dot_product_attention: a key/value
+    head's H / Hkv query heads go in as that head's queries ([B, Hkv, H / Hkv, d]: no GQA expansion of the keys,
+    no causal mask), the blocked keys as sdpa_bias's additive bias [B, 1, 1, K] built once per step."""
+    batch, heads, _, dim = q.shape
+    kv_heads = keys.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, heads // kv_heads, dim), keys, values,
+                                         attn_mask=bias, scale=scaling)
+    return out.view(batch, heads, 1, dim)

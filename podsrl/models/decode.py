@@ -5,13 +5,16 @@ with attention as grouped matmuls over the cache (on CPU, SDPA's flash kernel an
 cost more than a decode step's matmuls at RL batch sizes); at those sizes a CPU decode step's other cost is per-op
 dispatch, so the stack binds its layers' plans and a rotary cos/sin table once (kept across generate calls while the
 parameters keep their addresses, the fused weights refreshed in place), and spends as few ops per layer as give the
-same bits. The same forward serves the engine's static-shape decode step (podsrl/engines/decode_step.py), whose
-cache writes at a column given as a tensor. Other models run their own forward (`ModelForward`) with
+same bits. Off the CPU (`fused_attention`) a one-query step's attention is one SDPA a layer and its rotation and
+residual adds round once (13 ops a layer: benchmarks/decode_ops.py). The same forward serves the engine's
+static-shape decode step (podsrl/engines/decode_step.py), whose cache (keys and values in one buffer a layer) is
+written in one op at a column given as a tensor. Other models run their own forward (`ModelForward`) with
 masks and position ids built as `generate` builds them. `cached_forward_problem` says why a model can take neither.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 
@@ -19,8 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from podsrl.models.attention import decode_attention, decode_bias, grouped_attention
-from podsrl.models.kernels import signed_sin
+from podsrl.models.attention import (
+    decode_attention,
+    decode_bias,
+    fused_decode_attention,
+    grouped_attention,
+    sdpa_bias,
+)
+from podsrl.models.kernels import rotate_fused, signed_sin
 from podsrl.models.llama import (
     LayerPlan,
     decoder_layer,
@@ -122,6 +131,9 @@ class DecodeStack:
         self.rotary: Tensor | None = None
         self.bound: tuple[int, ...] | None = None  # the parameters' addresses the plans were bound to
         self.binding = 0  # counts bindings: a captured step graph reads one binding's tensors
+        # one-query steps through scaled_dot_product_attention and the one-rounding rotation (None: off the CPU)
+        self.fused_attention: bool | None = None
+        self.fused = False  # what the binding chose
 
     def begin(self, length: int) -> None:
         """Binds the layers' plans and the rotary table for a generate call of at most `length` positions. A
@@ -129,65 +141,86 @@ class DecodeStack:
         table is long enough: then only the fused q/k/v and gate/up weights are refreshed, in place, so that a
         captured step graph reads today's weights at the addresses it captured."""
         addresses = tuple(p.data_ptr() for p in self.model.parameters())
-        if addresses == self.bound and self.rotary is not None and self.rotary.shape[0] >= length:
+        weight = self.body.embed_tokens.weight
+        fused = self.fused_attention if self.fused_attention is not None else weight.device.type != "cpu"
+        if (addresses == self.bound and fused == self.fused and self.rotary is not None
+                and self.rotary.shape[0] > length):
             for plan, layer in zip(self.plans, self.layers):
                 refresh_fused(plan, layer)
             return
         config = self.model.config
-        self.plans = [layer_plan(layer, i, config, autograd=False, heads_first=True)
-                      for i, layer in enumerate(self.layers)]
+        # off the CPU the one-query attention is SDPA's, not transformers' bits, and the rotation and the residual
+        # adds (inside the matmuls) round once too
+        rotation = functools.partial(rotate_fused, fma=fused)
+        self.plans = [layer_plan(layer, i, config, autograd=False, heads_first=True)._replace(
+            rotate_qkv=rotation, fold_residual=fused) for i, layer in enumerate(self.layers)]
+        self.fused = fused
         self.final_norm = norm_function(self.body.norm)
         self.rotary = self.rotary_table(length)
         self.bound = addresses
         self.binding += 1
 
     def rotary_table(self, length: int) -> Tensor:
-        """[length, 2 d]: per position, the model's rotary cos and signed sin (as `rotate` takes them), computed once
-        per binding and looked up per step (the values are per position)."""
+        """[length + 1, 2 d]: per position, the model's rotary cos and signed sin (as `rotate` takes them), computed
+        once per binding and looked up per step (the values are per position); the last row, cos 1 and sin 0, turns
+        nothing (the value heads' row in `head_tables`)."""
         weight = self.body.embed_tokens.weight
         cos, sin = self.body.rotary_emb(weight[:1], torch.arange(length, device=weight.device)[None])
-        return torch.cat((cos[0], signed_sin(sin[0])), dim=-1)
+        identity = torch.cat((torch.ones_like(cos[0, :1]), torch.zeros_like(sin[0, :1])), dim=-1)
+        return torch.cat((torch.cat((cos[0], signed_sin(sin[0])), dim=-1), identity))
 
     def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and signed sin at `positions` [B, Q] from the table, [B, 1, Q, d] each (broadcast over the heads of
         [B, heads, Q, d])."""
         return F.embedding(positions, self.rotary).unflatten(-1, (2, -1))[:, None].unbind(-2)
 
+    def head_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and signed sin per head for one-query steps, [B, heads + 2 kv_heads, 1, d] each: the row's position
+        for the query and key heads, the table's identity row for the value heads, so that one rotation turns the
+        layer's whole q/k/v projection (kernels.rotate_fused). Built once per step for all layers."""
+        heads = self.plans[0].heads + self.kv_heads
+        index = F.pad(positions.expand(-1, heads), (0, self.kv_heads), value=self.rotary.shape[0] - 1)
+        return F.embedding(index, self.rotary)[:, :, None].unflatten(-1, (2, -1)).unbind(-2)
+
     def logits(self, ids: Tensor, mask: Tensor, positions: Tensor, cache) -> Tensor:
         """`mask` is the bool [B, 1, Q, K] 'may attend' tensor over the cache after this call's keys."""
-        return self.forward(ids, mask, positions, lambda index, k, v: cache.layers[index].update(k, v))
+        return self.forward(ids, mask, positions, lambda index, kv: cache.layers[index].update(*kv.chunk(2, dim=1)))
 
     def forward(self, ids: Tensor, mask: Tensor, positions: Tensor, update: KVUpdate) -> Tensor:
-        """Last-position logits of `ids` [B, Q] at `positions` [B, Q]; `update(layer index, k, v)` stores a layer's
-        new keys and values and returns the keys and values its queries attend over ([B, Hkv, K, d], K the last
-        dimension of the bool 'may attend' `mask` [B, 1, Q, K])."""
+        """Last-position logits of `ids` [B, Q] at `positions` [B, Q]; `update(layer index, kv)` stores a layer's
+        new keys stacked over its values ([B, 2 Hkv, Q, d]) and returns the keys and values its queries attend over
+        ([B, Hkv, K, d], K the last dimension of the bool 'may attend' `mask` [B, 1, Q, K])."""
         hidden = self.body.embed_tokens(ids)
-        cos, sin = self.cos_sin(positions)
-        attend = CacheAttention(update, mask, self.kv_heads, hidden)
+        cos, sin = self.head_tables(positions) if ids.shape[1] == 1 else self.cos_sin(positions)
+        attend = CacheAttention(update, mask, self.kv_heads, hidden, self.fused)
         for plan in self.plans:
             hidden = decoder_layer(plan, hidden, cos, sin, attend)
         # the norm is per position, so normalising only the last one gives the same logits
         return self.model.lm_head(self.final_norm(hidden[:, -1:]))[:, -1]
 
 
-# stores one layer's new keys and values and returns what its queries attend over: (layer index, k, v) -> (keys, values)
-KVUpdate = Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]]
+# stores one layer's new keys and values and returns what its queries attend over: (layer index, keys stacked over
+# values [B, 2 Hkv, Q, d]) -> (keys, values)
+KVUpdate = Callable[[int, Tensor], tuple[Tensor, Tensor]]
 
 
 class CacheAttention:
-    """Attention of one forward call's queries over the KV cache, after storing its keys and values: grouped
-    matmuls (no per-call attention dispatch, no key/value head repeat), through decode_attention for the one-query
-    decode steps on CPU, its additive mask built once for all layers."""
+    """Attention of one forward call's queries over the KV cache, after storing its keys and values: for one-query
+    decode steps, through decode_attention's grouped matmuls on the CPU (no per-call attention dispatch, no
+    key/value head repeat) or, `fused` (off the CPU), one scaled_dot_product_attention a layer (fused_decode_attention),
+    either way with the additive mask built once for all layers; a prefill through grouped_attention."""
 
-    def __init__(self, update: KVUpdate, mask: Tensor, kv_heads: int, hidden: Tensor) -> None:
+    def __init__(self, update: KVUpdate, mask: Tensor, kv_heads: int, hidden: Tensor, fused: bool) -> None:
         self.update = update
-        if hidden.shape[1] == 1 and hidden.device.type == "cpu":
-            self.attend, self.blocked = decode_attention, decode_bias(mask, kv_heads, hidden.dtype)
-        else:
+        if hidden.shape[1] > 1:
             self.attend, self.blocked = grouped_attention, ~mask  # [B, 1, Q, K]
+        elif fused:
+            self.attend, self.blocked = fused_decode_attention, sdpa_bias(mask, hidden.dtype)
+        else:
+            self.attend, self.blocked = decode_attention, decode_bias(mask, kv_heads, hidden.dtype)
 
-    def __call__(self, plan: LayerPlan, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """q [B, H, Q, d], k/v [B, Hkv, Q, d] -> [B, Q, H * d]."""
-        keys, values = self.update(plan.index, k, v)
+    def __call__(self, plan: LayerPlan, q: Tensor, kv: Tensor) -> Tensor:
+        """q [B, H, Q, d], keys stacked over values kv [B, 2 Hkv, Q, d] -> [B, Q, H * d]."""
+        keys, values = self.update(plan.index, kv)
         out = self.attend(q, keys, values, self.blocked, plan.scaling)
         return out.transpose(1, 2).flatten(2)

@@ -44,13 +44,23 @@ def rotate(x: Tensor, cos: Tensor, signed: Tensor) -> Tensor:
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed
 
 
-def rotate_fused(qkv: Tensor, cos: Tensor, signed: Tensor, heads: int, kv_heads: int) -> tuple[Tensor, ...]:
-    """[B, heads + 2 kv_heads, W, d] projections (heads first, as the decode step runs) -> rotated q [B, heads, W, d],
-    rotated k and v [B, kv_heads, W, d]: queries and keys rotated in one pass (`rotate_qkv` is the same, token-major
-    with its own backward)."""
+def rotate_fused(qkv: Tensor, cos: Tensor, signed: Tensor, heads: int, kv_heads: int,
+                 fma: bool = False) -> tuple[Tensor, Tensor]:
+    """[B, heads + 2 kv_heads, W, d] projections (heads first, as the decode step runs) -> rotated q [B, heads, W, d]
+    and the rotated keys stacked over the values, [B, 2 kv_heads, W, d] (one tensor: the KV cache stores them in one
+    write). With cos/signed over every head ([B, heads + 2 kv_heads, W, d], the value heads' cos 1 and sin 0: the
+    decode step's `DecodeStack.head_tables`) the whole tensor turns at once, the values unchanged to the bit
+    (v * 1 + roll(v) * 0); `fma`: its sum as one addcmul (three ops, not four; rounded once, so not transformers'
+    bits: for a path whose attention kernel differs anyway). With tables broadcast over the heads ([B, 1, W, d], a
+    prefill) queries and keys turn by `rotate` and the values join them (`rotate_qkv` is the same, token-major with
+    its own backward)."""
+    if cos.shape[1] == qkv.shape[1]:
+        turned = qkv.roll(qkv.shape[-1] // 2, -1)
+        rotated = torch.addcmul(qkv * cos, turned, signed) if fma else qkv * cos + turned * signed
+        return rotated[:, :heads], rotated[:, heads:]
     qk, v = qkv.split_with_sizes((heads + kv_heads, kv_heads), dim=1)
     q, k = rotate(qk, cos, signed).split_with_sizes((heads, kv_heads), dim=1)
-    return q, k, v
+    return q, torch.cat((k, v), dim=1)
 
 
 class _RMSNorm(torch.autograd.Function):

@@ -127,6 +127,8 @@ class LayerPlan(NamedTuple):
     post_norm: Callable[[Tensor], Tensor]
     mlp: Callable[[Tensor], Tensor]
     gate_up: Tensor | None = None  # the fused gate/up weight `mlp` reads (None: the MLP runs as its module)
+    # the residual adds inside the o_proj and down matmuls (addmm: one op, one rounding; the decode step off the CPU)
+    fold_residual: bool = False
 
 
 def layer_plan(layer: torch.nn.Module, index: int, config, autograd: bool, heads_first: bool = False,
@@ -184,16 +186,18 @@ def _mlp_function(mlp: torch.nn.Module, gate_up: Tensor | None, autograd: bool) 
     if autograd and type(act).__name__ in SILU_TYPES:
         return lambda x: down(swiglu(F.linear(x, gate_up)))
 
-    def gated(x: Tensor) -> Tensor:
+    def gated(x: Tensor, residual: Tensor | None = None) -> Tensor:
         gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-        return down(act(gate) * up)
+        return down(act(gate) * up) if residual is None else add_projection(residual, act(gate) * up, down)
 
     return gated
 
 
-def project_qkv(plan: LayerPlan, x: Tensor, cos: Tensor, signed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Rotated queries, rotated keys and values of normed hidden states x [..., D]: [..., heads, d] or with
-    `heads_first` [B, heads, W, d]; cos and signed sin broadcast over the heads ([..., 1, d] or [B, 1, W, d])."""
+def project_qkv(plan: LayerPlan, x: Tensor, cos: Tensor, signed: Tensor) -> tuple[Tensor, ...]:
+    """Rotated queries, rotated keys and values of normed hidden states x [..., D]: (q, k, v) [..., heads, d], or
+    with `heads_first` (q [B, heads, W, d], keys stacked over values [B, 2 kv_heads, W, d]: what the KV cache stores
+    in one write); cos and signed sin broadcast over the heads ([..., 1, d] or [B, 1, W, d]), or with `heads_first`
+    given per head (kernels.rotate_fused)."""
     shape = (*x.shape[:-1], -1, plan.head_dim)
     if plan.qkv is not None:
         qkv = F.linear(x, *plan.qkv).view(shape)
@@ -209,19 +213,32 @@ def project_qkv(plan: LayerPlan, x: Tensor, cos: Tensor, signed: Tensor) -> tupl
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if plan.qk_norms is not None:  # Qwen3: per-head RMSNorm before the rotation
         q, k = plan.qk_norms[0](q), plan.qk_norms[1](k)
+    if plan.heads_first:
+        cos, signed = cos[:, :1], signed[:, :1]  # the query heads' tables hold for every rotated head
+        return rotate(q, cos, signed), torch.cat((rotate(k, cos, signed), v), dim=1)
     return rotate(q, cos, signed), rotate(k, cos, signed), v
 
 
-# attention as a caller reads it: (plan, q, k, v as project_qkv lays them out) -> [..., H * d] like the hidden states
-Attend = Callable[[LayerPlan, Tensor, Tensor, Tensor], Tensor]
+# attention as a caller reads it: (plan, what project_qkv returns) -> [..., H * d] like the hidden states
+Attend = Callable[..., Tensor]
 
 
 def decoder_layer(plan: LayerPlan, hidden: Tensor, cos: Tensor, signed: Tensor, attend: Attend,
                   keep: Tensor | None = None) -> Tensor:
     """One pre-norm decoder layer: hidden + attention, then + MLP. `keep` (index of positions): only those go on
     through the MLP (the last layer of a forward whose other positions nobody reads)."""
-    q, k, v = project_qkv(plan, plan.input_norm(hidden), cos, signed)
-    hidden = hidden + plan.o_proj(attend(plan, q, k, v))
+    attended = attend(plan, *project_qkv(plan, plan.input_norm(hidden), cos, signed))
+    hidden = add_projection(hidden, attended, plan.o_proj) if plan.fold_residual else hidden + plan.o_proj(attended)
     if keep is not None:
         hidden = hidden[keep]
+    if plan.fold_residual and plan.gate_up is not None:
+        return plan.mlp(plan.post_norm(hidden), hidden)
     return hidden + plan.mlp(plan.post_norm(hidden))
+
+
+def add_projection(residual: Tensor, x: Tensor, linear: torch.nn.Module) -> Tensor:
+    """residual + linear(x) as one addmm where `linear` is a plain Linear without bias (the sum rounded once, inside
+    the matmul), else as the two ops."""
+    if type(linear) is not torch.nn.Linear or linear.bias is not None:
+        return residual + linear(x)
+    return torch.addmm(residual.flatten(0, -2), x.flatten(0, -2), linear.weight.t()).view_as(residual)

@@ -107,15 +107,17 @@ def compact(cache, holes: torch.Tensor, sources: torch.Tensor, order: torch.Tens
 
 
 class StepCache:
-    """Every layer's keys and values [rows, kv_heads, positions, d] for the static-shape decode step, allocated once
-    and zero-filled (a bucket's padding rows then compute on finite values); a step writes one column, given as a
-    tensor, in place and reads the leading rows and columns of its bucket."""
+    """Every layer's keys and values for the static-shape decode step, allocated once and zero-filled (a bucket's
+    padding rows then compute on finite values): per layer one buffer [2, rows, kv_heads, positions, d], keys over
+    values, so that a step writes both at its column, given as a tensor, in one op; `keys`/`values` are its halves.
+    A step reads the leading rows and columns of its bucket."""
 
     def __init__(self, layers: int, rows: int, positions: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        shape = (rows, kv_heads, positions, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        shape = (2, rows, kv_heads, positions, head_dim)
+        self.buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.keys = [buffer[0] for buffer in self.buffers]
+        self.values = [buffer[1] for buffer in self.buffers]
 
     def load(self, prefill, expand: torch.Tensor | None, rows: int, start: int = 0) -> None:
         """Copies a prefill cache's layers (`SlotLayer`s) into rows [start:start + rows], prefill row `expand[r]`
@@ -133,16 +135,15 @@ class StepCache:
         return torch.stack([torch.stack((k[row, :, start:end], v[row, :, start:end]))
                             for k, v in zip(self.keys, self.values)])
 
-    def write(self, index: int, k: torch.Tensor, v: torch.Tensor, column: torch.Tensor,
+    def write(self, index: int, kv: torch.Tensor, rows: torch.Tensor, column: torch.Tensor,
               length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes layer `index`'s k/v [B, kv_heads, 1, d] of rows [:B], each at its `column` ([B] long); returns
-        their keys and values over columns [:length]."""
-        rows = k.shape[0]
-        keys, values = self.keys[index][:rows], self.values[index][:rows]
-        at = column[:, None, None, None].expand_as(k)
-        keys.scatter_(2, at, k)
-        values.scatter_(2, at, v)
-        return keys[:, :, :length], values[:, :, :length]
+        """Writes layer `index`'s keys stacked over its values kv [B, 2 kv_heads, 1, d] of rows [:B] (`rows`: arange(B)
+        on the device), each at its `column` ([B] long), in one index_put_; returns their keys and values over
+        columns [:length]."""
+        buffer = self.buffers[index]
+        buffer[:, rows, :, column] = kv[:, :, 0].unflatten(1, (2, -1))  # [B, 2, kv_heads, d]
+        batch = kv.shape[0]
+        return buffer[0, :batch, :, :length], buffer[1, :batch, :, :length]
 
     def fill_holes(self, holes: torch.Tensor, sources: torch.Tensor, filled: int) -> None:
         """Rows `sources` into rows `holes` (compaction_moves), their first `filled` columns only."""
