@@ -33,6 +33,15 @@ from podsrl.models.shape_ladder import ladder_default, rung
 from podsrl.models.transfer import to_device
 
 
+# On the ladder a length cut must also save this many padded query slots per row of the micro-batch. Fixed at 512
+# slots, the study's 19 -> 14 cut saved 410-555 at 512 rows (optim.micro_batch_size=auto on an H200): it came and
+# went between batches, and with it new attention shapes (0.50 an update after step 10, 0.07 at 256 rows). Scaled
+# with the rows, the cuts no longer depend on the micro-batch's size; at 4 a row the study's micro-batches are cut
+# twice (new shapes per update after step 10: 0.12 at 512 rows, 0.03 at 256; at 2 a row 0.25 and 0.07), for ~12%
+# more padded attention slots. The CPU keeps the fixed threshold: no per-shape set-up there, and padding is its cost.
+LADDER_CUT_PER_ROW = 4
+
+
 @dataclass
 class Bucket:
     """Completion rows of similar length, padded to the longest of them: a [rows, width] block of attention slots."""
@@ -75,7 +84,8 @@ def build_plan(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, 
     prompt or a completion mask with holes (the plain path handles those). Built on the host from host tensors; its
     device tensors arrive in two copies (podsrl/models/transfer.py), not one per tensor. `ladder` (None: on CUDA
     only) rounds the attention blocks' sizes up to the shape ladder."""
-    size = rung if (ladder_default(device) if ladder is None else ladder) else int
+    laddered = ladder_default(device) if ladder is None else ladder
+    size = rung if laddered else int
     W = completion_ids.shape[1]
     lengths = completion_mask.sum(dim=1).long()
     col = torch.arange(W)
@@ -111,7 +121,7 @@ def build_plan(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, 
     slots, real_slots = [prompt_index.flatten()], [p_real.flatten()]
     order = torch.argsort(n_in, descending=True, stable=True)
     order = order[n_in[order] > 0]
-    for rows in _length_buckets(order, n_in):
+    for rows in _length_buckets(order, n_in, per_row=LADDER_CUT_PER_ROW if laddered else 0):
         lb, blank = size(int(n_in[rows[0]])), size(len(rows)) - len(rows)  # ladder rows: no token, no key
         cslot = torch.arange(lb)
         row_len, row_start, row_group = (_pad(t, blank) for t in (n_in[rows], c_start[rows], group[rows]))
@@ -189,12 +199,14 @@ def _hash_weights(width: int) -> Tensor:
     return torch.randint(1, 2**31, (width,), generator=torch.Generator().manual_seed(width))
 
 
-def _length_buckets(order: Tensor, n_in: Tensor, keep: float = 0.75, min_saving: int = 512) -> list[Tensor]:
+def _length_buckets(order: Tensor, n_in: Tensor, keep: float = 0.75, min_saving: int = 512,
+                    per_row: int = 0) -> list[Tensor]:
     """Rows sorted by length (longest first), cut where a row is shorter than `keep` x its bucket's longest and the
-    cut saves at least `min_saving` padded query slots: padding stays under ~1/keep of the real work, and short
-    completions (where an attention call costs more than the padding) stay in one call."""
+    cut saves at least `min_saving` padded query slots, and `per_row` a row: padding stays under ~1/keep of the real
+    work, and short completions (where an attention call costs more than the padding) stay in one call."""
     buckets, start = [], 0
     lengths = n_in[order].tolist()
+    min_saving = max(min_saving, per_row * len(lengths))
     for i in range(1, len(lengths) + 1):
         if i == len(lengths) or (lengths[i] < keep * lengths[start]
                                  and (lengths[start] - lengths[i]) * (len(lengths) - i) >= min_saving):

@@ -65,3 +65,23 @@ def test_study_updates_bring_no_new_attention_shapes_after_warm_up():
     the first ten had not (the exact layout: ~6 new ones each, as before the ladder)."""
     new = new_per_update(shapes_per_update(12, ladder=True, hidden=16))
     assert sum(new[10:]) == 0, new
+
+
+@pytest.mark.parametrize("rows", [256, 512])
+def test_laddered_length_cuts_do_not_follow_the_batch(rows):
+    """The study's lengths (benchmarks/update_ops.py: completions of 10-35 tokens + EOS) in one micro-batch of 256
+    rows or of 512 (optim.micro_batch_size=auto on an H200): on the ladder every batch is cut at the same lengths.
+    With a cut threshold fixed in slots, 512 rows' 19 -> 14 cut saved ~410-555 slots against 512 and came and went
+    between batches, each time new attention shapes."""
+    layouts = set()
+    for seed in range(10):
+        gen = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(10, 36, (rows,), generator=gen) + 1
+        width = int(lengths.max())
+        completion_mask = (torch.arange(width) < lengths[:, None]).long()
+        completion_ids = torch.randint(1, 20, (rows, width), generator=gen) * completion_mask
+        prompt_ids = torch.randint(1, 20, (rows // 16, 12), generator=gen).repeat_interleave(16, dim=0)
+        plan = build_plan(prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask,
+                          torch.device("cpu"), ladder=True)
+        layouts.add(tuple(b.width for b in plan.buckets))
+    assert len(layouts) == 1, layouts
