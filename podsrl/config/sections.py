@@ -78,8 +78,9 @@ class WarmupConfig:
     )
     check_every: int = _f(50, "Warm-up steps between validation checks.")
     episode_steps: int = _f(
-        800, "Tasks with an environment (arithmetic_tool): supervised steps on reference episodes (tool calls, the "
-        "tools' answers masked from the loss) after the plain warm-up of the same prompts; fixed, no target.")
+        800, "Tasks with an environment (arithmetic_tool, arithmetic_python): supervised steps on reference episodes "
+        "(tool calls, the tools' answers masked from the loss) after the plain warm-up of the same prompts; fixed, no "
+        "target.")
     episode_batch_size: int = _f(32, "Problems per step of the episode warm-up (an episode is ~10x a bare answer's "
                                      "tokens).")
     validation_size: int = _f(500, "Validation problems (from the training stream, never the held-out set).")

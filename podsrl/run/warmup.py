@@ -70,10 +70,10 @@ def plain_warmup_config(cfg: Config) -> Config | None:
     """The config of the single-turn warm-up an episode task's warm-up starts from (its task's plain twin, without
     the episode task's own arguments, at the default context), or None for a task whose warm-up starts from fresh
     weights."""
-    plain = task_class(cfg.task.name).plain_task
-    if plain is None:
+    cls = task_class(cfg.task.name)
+    if cls.plain_task is None:
         return None
-    args = {k: v for k, v in cfg.task.args.items() if k != "tool_share"}
+    plain, args = cls.plain_task, cls.plain_args(cfg.task.args)
     # at the built-in model's own context, which the plain task's rows fit: positions are rotary, not weights, so
     # the weights serve the episodes' longer context, and the default run's warm-up (the shipped one) is shared
     tiny = dataclasses.replace(cfg.model.tiny, max_position_embeddings=TinyModelConfig().max_position_embeddings)

@@ -1,5 +1,6 @@
-"""Task registry: built-in arithmetic (plain, or with a calculator tool: episodes), datasets (jsonl/csv/parquet/HF),
-reasoning-gym, a user's TRL environment or podsrl environment class over a dataset (episodes).
+"""Task registry: built-in arithmetic (plain, or with a calculator or a python tool: episodes), datasets
+(jsonl/csv/parquet/HF), reasoning-gym, a user's TRL environment or podsrl environment class over a dataset
+(episodes).
 
 TASKS is the one list of task names: the config's help for `task.name` and its check of the name come from it, and a
 task's class says how the config builds it (`Task.from_config`) and what the warm-up reads of it (class attributes),
@@ -23,6 +24,8 @@ TASKS: dict[str, tuple[str, str]] = {  # task.name -> ("module:class", imported 
     "arithmetic": ("podsrl.tasks.arithmetic:ArithmeticTask", "built-in"),
     "arithmetic_tool": ("podsrl.tasks.arithmetic_tool:ArithmeticToolTask",
                         "built-in, episodes with a calculator tool: docs/episodes.md"),
+    "arithmetic_python": ("podsrl.tasks.arithmetic_python:ArithmeticPythonTask",
+                          "built-in, sums and products, episodes with a sandboxed python tool: docs/episodes.md"),
     "dataset": ("podsrl.tasks.datasets:DatasetTask", "jsonl/csv/parquet/HF"),
     "reasoning_gym": ("podsrl.tasks.reasoning_gym:ReasoningGymTask", "reasoning-gym's generators"),
     "trl_environment": ("podsrl.tasks.trl_environment:TRLEnvironmentTask",

@@ -1,5 +1,9 @@
 """The built-in task: sums of 2 or 3 integers of 1-2 digits, e.g. "47+8+93=" -> "148".
 
+With `operators: "+*"` (any of + - *) each operator is drawn from those, and the answer is the expression's value
+with the usual precedence: "47*8+93=" -> "469". Products of two-digit numbers are beyond what the tiny model does in
+its head: the problems of `arithmetic_python`, where a program computes them.
+
 With `solution: worked` the completion is a short worked solution, the running sums left to right, then ';' and
 the answer: "47+8+93=" -> "47+8=55,55+93=148;148". Completions are several times longer, and one wrong running
 sum makes the answer wrong: the regime of reasoning chains that rollout-efficiency methods target. The working makes a problem
@@ -25,6 +29,7 @@ import hashlib
 import itertools
 import math
 import random
+import re
 
 from podsrl.batch import Problem
 from podsrl.errors import ConfigError
@@ -32,6 +37,29 @@ from podsrl.tasks.base import Task
 
 SOLUTIONS = ("answer", "worked")
 ANSWER_MARKER = ";"  # ends a worked solution; what follows the last one is the answer that is checked
+OPERATORS = "+-*"
+
+
+def split_expression(prompt: str) -> tuple[list[str], list[str]]:
+    """("47*8+93=") -> (["47", "8", "93"], ["*", "+"]): the operands and the operators between them."""
+    parts = re.split(r"([-+*])", prompt.rstrip("="))
+    return parts[0::2], parts[1::2]
+
+
+def expression_value(prompt: str) -> int:
+    """The value of a prompt's expression, products first: "47*8+93=" -> 469."""
+    operands, operators = split_expression(prompt)
+    total, sign, term = 0, 1, int(operands[0])
+    for op, x in zip(operators, operands[1:]):
+        if op == "*":
+            term *= int(x)
+        else:
+            total, sign, term = total + sign * term, 1 if op == "+" else -1, int(x)
+    return total + sign * term
+
+
+def join_expression(values, ops) -> str:
+    return "".join(f"{v}{op}" for v, op in zip(values, [*ops, "="]))
 
 
 def worked_solution(values: list[int]) -> str:
@@ -48,7 +76,7 @@ class ArithmeticTask(Task):
 
     def __init__(self, seed: int = 1234, eval_size: int = 2000, operands: int = 3, digits: int = 2,
                  min_operands: int = 2, holdout_fraction: float = 0.1, train_size: int = 0,
-                 solution: str = "answer") -> None:
+                 solution: str = "answer", operators: str = "+") -> None:
         if isinstance(train_size, bool) or not isinstance(train_size, int) or train_size < 0:
             raise ConfigError(f"task.args.train_size: must be a whole number >= 0 (0 = an unbounded stream of "
                               f"problems), got {train_size!r}")
@@ -69,6 +97,13 @@ class ArithmeticTask(Task):
             raise ConfigError(f"task.args.solution: must be 'answer' (the sum alone) or 'worked' (running sums, then "
                               f"'{ANSWER_MARKER}' and the sum), got {solution!r}")
         self.solution = solution
+        if not isinstance(operators, str) or not operators or not set(operators) <= set(OPERATORS) \
+                or len(set(operators)) != len(operators):
+            raise ConfigError(f"task.args.operators: must be distinct characters of {OPERATORS!r} (e.g. '+*'), got "
+                              f"{operators!r}")
+        if solution == "worked" and operators != "+":
+            raise ConfigError("task.args.solution: 'worked' solutions are running sums; they need operators '+'")
+        self.operators = operators
         self._small_holdout: dict[tuple[int, ...], frozenset[str]] = {}
         # One stream for the whole eval list; training draws are a pure function of their index instead.
         rng, self._eval = random.Random(f"eval-{seed}"), []
@@ -82,27 +117,32 @@ class ArithmeticTask(Task):
         # Digit count drawn first so short and long operands are equally common (uniform values would be ~90% long).
         values = [rng.randint(0 if d == 1 else 10 ** (d - 1), 10**d - 1)
                   for d in (rng.randint(1, self.digits) for _ in range(k))]
-        return Problem(uid=uid, prompt="+".join(map(str, values)) + "=", answer=str(sum(values)))
+        # drawn after the values, so a sums-only task's problems are those it always had
+        ops = [rng.choice(self.operators) for _ in values[1:]] if len(self.operators) > 1 else self.operators * (k - 1)
+        prompt = join_expression(values, ops)
+        return Problem(uid=uid, prompt=prompt, answer=str(expression_value(prompt)))
 
     def _hash(self, prompt: str) -> int:
         return int.from_bytes(hashlib.blake2b(f"{self.seed}:{prompt}".encode(), digest_size=8).digest(), "big")
 
-    def _small_shape_holdout(self, shape: tuple[int, ...]) -> frozenset[str]:
+    def _small_shape_holdout(self, shape: tuple[tuple[int, ...], tuple[str, ...]]) -> frozenset[str]:
         """Exactly round(fraction * K) held-out prompts of a shape with K <= 10^4 prompts (at least one).
 
         A hash threshold alone leaves a binomial share of a small shape held out (6 of the 100 one-digit pairs, say),
         which would skew the held-out mix; ranking the shape's prompts by hash makes the share exact.
         """
         if shape not in self._small_holdout:
-            ranges = [range(0, 10) if d == 1 else range(10 ** (d - 1), 10**d) for d in shape]
-            prompts = ["+".join(map(str, values)) + "=" for values in itertools.product(*ranges)]
+            digits, ops = shape
+            ranges = [range(0, 10) if d == 1 else range(10 ** (d - 1), 10**d) for d in digits]
+            prompts = [join_expression(values, ops) for values in itertools.product(*ranges)]
             take = max(1, round(self.holdout_fraction * len(prompts)))
             self._small_holdout[shape] = frozenset(sorted(prompts, key=self._hash)[:take])
         return self._small_holdout[shape]
 
     def is_heldout(self, prompt: str) -> bool:
-        shape = tuple(len(x) for x in prompt.rstrip("=").split("+"))
-        if math.prod(10 if d == 1 else 9 * 10 ** (d - 1) for d in shape) <= 10**4:
+        operands, ops = split_expression(prompt)
+        shape = tuple(len(x) for x in operands), tuple(ops)
+        if math.prod(10 if d == 1 else 9 * 10 ** (d - 1) for d in shape[0]) <= 10**4:
             return prompt in self._small_shape_holdout(shape)
         return self._hash(prompt) < int(self.holdout_fraction * 2**64)
 

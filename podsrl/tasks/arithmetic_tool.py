@@ -64,7 +64,14 @@ class ArithmeticToolTask(ArithmeticTask):
             raise ConfigError(f"task.args.tool_share: must be a number in [0, 1] (the share of warm-up reference "
                               f"episodes that call the calculator), got {tool_share!r}")
         super().__init__(**args)
+        if self.operators != "+":
+            raise ConfigError(f"task.args.operators: the calculator's reference calls are sub-sums, so "
+                              f"arithmetic_tool takes sums alone ('+'), got {self.operators!r}")
         self.tool_share = float(tool_share)
+
+    @classmethod
+    def plain_args(cls, args: dict) -> dict:
+        return {k: v for k, v in args.items() if k != "tool_share"}
 
     def reference_turns(self, problem: Problem) -> list[tuple[str, str]]:
         """The answer at once, or (a share `tool_share`, drawn per problem) a calculator call on the sum of the first

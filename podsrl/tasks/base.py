@@ -37,6 +37,11 @@ class Task(ABC):
         return construct(cls, cfg.name, seed=cfg.seed, eval_size=cfg.eval_size, **cfg.args)
 
     @classmethod
+    def plain_args(cls, args: dict) -> dict:
+        """The task.args of `plain_task` for this task's problems (its warm-up's start): `args` less this task's own."""
+        return dict(args)
+
+    @classmethod
     def gives_references(cls) -> bool:
         """True when the task has reference completions, which the built-in model's warm-up trains on."""
         return cls.reference_completion is not Task.reference_completion or \
