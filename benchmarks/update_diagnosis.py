@@ -1,7 +1,8 @@
 """The study's update on a GPU, in arms that separate what the CPU's launch count cannot see.
 
 The workload is benchmarks/update_ops.py's `Study`: the update of a step of configs/gpu_pods_study.yaml (512 rows of
-~20-token completions, micro-batches of 256, the 25.2M-parameter model at width 512), then the weight sync into the
+~20-token completions, micro-batches as optim.micro_batch_size=auto decides them on the device, the
+25.2M-parameter model at width 512), then the weight sync into the
 fast engine's copy, as the trainer times it as time/update. Arms, interleaved round by round (`--repeats` timed
 rounds after one untimed):
   fresh             bfloat16 autocast over float32 masters, a new batch every update (new shapes, as in training)
@@ -146,6 +147,7 @@ def attention_shapes(opts) -> dict:
         path = Path(tmp) / "shapes.json"
         cmd = [sys.executable, str(SHAPES_SCRIPT), "--device", opts.device, "--steps", str(opts.shapes_steps),
                "--warmup", str(min(10, opts.shapes_steps - 1)),
+               "--micro-batch", "auto",  # the micro-batch the arms time: the study's default, auto
                "--out", str(path)]
         try:
             run = subprocess.run(cmd, capture_output=True, text=True, timeout=opts.child_timeout)

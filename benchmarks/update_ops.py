@@ -2,7 +2,7 @@
 
 The workload is the update of a step of configs/gpu_pods_study.yaml (the 25.2M-parameter built-in model's study): 32
 prompts of the arithmetic task with worked solutions (at most 12 characters), 16 kept rollouts each (512 rows),
-completions of 10-35 characters + EOS, micro-batches of 256 (optim.micro_batch_size's default: two; `--micro-batch
+completions of 10-35 characters + EOS, micro-batches of 256 (by default: two, what optim.micro_batch_size=auto is on the CPU; `--micro-batch
 ROWS` sets it, `--micro-batch auto` as optim.micro_batch_size=auto decides it on a CUDA device of `--device-gib`
 GiB, default 139, an H200: one micro-batch of all 512 rows), mixed precision
 (float32 masters, bfloat16 autocast) and the rollout correction that precision-only mismatch gets (token_tis), then
@@ -269,7 +269,8 @@ def main() -> None:
                              "the arms that separate what the count cannot (shape reuse, cuDNN attention, the "
                              "engine's release, precision)")
     parser.add_argument("--micro-batch", help="optim.micro_batch_size: rows, or auto as the memory plan decides it "
-                        "on a CUDA device of --device-gib (default: the study config's, 256)")
+                        "on a CUDA device of --device-gib (default 256: what auto is on the CPU, the rows of the figures "
+                        "quoted before auto became the default)", default="256")
     parser.add_argument("--device-gib", type=float, default=H200_GIB,
                         help="the CUDA device's memory for the study's auto micro-batch (default: an H200's)")
     parser.add_argument("--child", help=argparse.SUPPRESS)

@@ -32,14 +32,14 @@ from benchmarks.update_ops import Study  # noqa: E402
 
 
 def shapes_per_update(steps: int, ladder: bool, hidden: int = 16, device: str = "cpu",
-                      micro_batch: str | None = None) -> list[set[tuple]]:
+                      micro_batch: str = "256") -> list[set[tuple]]:
     """The attention shapes of each of `steps` updates' forwards (a new batch each)."""
     import podsrl.models.packed_layout as packed_layout
 
     # bfloat16 as the study runs on CUDA; float32 on the CPU (no fast bfloat16 matmul there; shapes are the same)
     study = Study(hidden, device, compute="bfloat16" if device.startswith("cuda") else "float32",
                   overrides=("model.tiny.num_layers=1",
-                             *((f"optim.micro_batch_size={micro_batch}",) if micro_batch else ())))
+                             f"optim.micro_batch_size={micro_batch}"))
     updater = study.updater
     for shared in study.updater.shared.values():
         shared.ladder = ladder
@@ -62,10 +62,10 @@ def shapes_per_update(steps: int, ladder: bool, hidden: int = 16, device: str = 
     return seen
 
 
-def study_micro(micro_batch: str | None) -> str:
+def study_micro(micro_batch: str) -> str:
     """The micro-batch's rows as `Study` sets them (auto: as a run on an H200 decides it)."""
     if micro_batch != "auto":
-        return micro_batch or "256 (the config's)"
+        return micro_batch
     from benchmarks.update_ops import H200_GIB, study_micro_batch
 
     return f"auto: {study_micro_batch(H200_GIB)[0]} rows, as on an H200"
@@ -89,7 +89,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=16)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--micro-batch", help="optim.micro_batch_size: rows, or auto as a run decides it on CUDA "
-                        "(off CUDA: on an H200's 139 GiB; default: the study config's, 256)")
+                        "(off CUDA: on an H200's 139 GiB; default 256: what auto is on the CPU, the rows of the "
+                        "figures quoted before auto became the default)", default="256")
     parser.add_argument("--out", help="a JSON file for the per-update counts")
     opts = parser.parse_args()
     if opts.steps <= opts.warmup:

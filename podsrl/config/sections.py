@@ -199,12 +199,13 @@ class OptimConfig:
     warmup_steps: int = _f(0, "Linear LR warm-up steps.")
     epochs: int = _f(1, "Passes over each step's batch (mu; TRL: num_iterations, verl: ppo_epochs).")
     mini_batches: int = _f(1, "Optimiser steps per pass; the batch is split into this many mini-batches.")
-    micro_batch_size: int = _f(256, "Rollouts per forward/backward on each rank (gradient accumulation); memory "
-                               "knob only (`podsrl plan --memory` sizes it per rank). 0 or auto: decided once at "
-                               "start-up (one log line says the size and why) as the largest micro-batch the memory "
-                               "plan fits on the run's CUDA device, at most a rank's mini-batch, so one micro-batch "
-                               "where the plan fits it (each costs the update its kernel launches again); on the CPU "
-                               "256. The run's config.yaml records the size chosen.")
+    micro_batch_size: int = _f(0, "Rollouts per forward/backward on each rank (gradient accumulation); memory knob "
+                               "only, same gradients at any size. Default 0 (auto; `auto` is accepted too): decided "
+                               "once at start-up (one log line says the size and why). On CUDA the largest "
+                               "micro-batch the memory plan fits on the run's device (`podsrl plan --memory` shows "
+                               "it), at most a rank's mini-batch, so one micro-batch where the plan fits it (each "
+                               "costs the update its kernel launches again); on the CPU 256. The run's config.yaml "
+                               "records the size chosen; a number sets it.")
     micro_batch_tokens: int = _f(0, "Tokens (prompt + completion, per row) per micro-batch on each rank, as verl's "
                                  "ppo_max_token_len_per_gpu: rows in their order are cut where the next would pass "
                                  "the budget (a longer row runs alone), still at most optim.micro_batch_size rows; "

@@ -279,6 +279,15 @@ def auto_micro_batch(cfg, model_config, prompt_length: int, device: str, world_s
     return rows, f"the largest micro-batch the memory plan fits {where}, of a {mini}-row mini-batch"
 
 
+def configured_micro_batch(cfg, model_config, prompt_length: int, device: str, world_size: int, memory: int) -> str:
+    """The config's optim.micro_batch_size as a run on this device takes it: set, or what auto decides at start-up
+    (at the default reserve, as the run plans)."""
+    if cfg.optim.micro_batch_size > 0:
+        return f"this config: optim.micro_batch_size={cfg.optim.micro_batch_size} (set)"
+    rows, why = auto_micro_batch(cfg, model_config, prompt_length, device, world_size, memory)
+    return f"this config: optim.micro_batch_size=auto -> {rows} rows per micro-batch on each rank at start-up: {why}"
+
+
 def transformers_config(cfg, model: str):
     """The transformers config of `model` ('tiny': the built-in model as the config sizes it)."""
     if model == "tiny":
@@ -351,6 +360,7 @@ def memory_main(args, config: Path) -> int:
     work = workload_from_config(cfg, prompt_length, args.device, world_size)
     plan = make_plan(shape, work, memory, args.reserve)
     print(render(plan, model), end="")
+    print(configured_micro_batch(cfg, config_obj, prompt_length, args.device, world_size, memory))
     print(describe_checkpoints(planned_checkpoint(shape, work), cfg.train.keep_checkpoints, work.sharded))
     if not plan.fits:
         print(render_advice(advice(config_obj, cfg, work, memory, args.reserve), plan), end="")

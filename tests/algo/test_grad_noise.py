@@ -26,7 +26,8 @@ SIZES = [5, 1, 3, 2, 4]  # odd K = 5 and groups of unequal size
 
 def setup(*overrides: str):
     # float32 compute on every device (`auto` is bfloat16 on CUDA): the gradients are checked against exact formulas
-    cfg = load_config(None, ["optim.max_grad_norm=0", "model.compute_dtype=float32", *overrides])
+    cfg = load_config(None, ["optim.max_grad_norm=0", "model.compute_dtype=float32", "optim.micro_batch_size=256",
+                             *overrides])  # 256: auto as a CPU run decides it
     kept, _ = METHODS[cfg.method](cfg).select(make_batch(SIZES, seed=3), offline_context(cfg, torch.Generator().manual_seed(1)))
     model = make_model().to(device_under_test())
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # params move by exactly -g

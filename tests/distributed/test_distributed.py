@@ -71,7 +71,7 @@ def make_batch(sizes: list[int], seed: int) -> RolloutBatch:
 def run_scenario(name: str, data_parallel_for=None) -> dict:
     """One update of scenario `name`; with `data_parallel_for(model)` it runs as one rank of a group."""
     overrides, sizes, advantages = SCENARIOS[name]
-    cfg = load_config(None, ["optim.max_grad_norm=0.5", *overrides])
+    cfg = load_config(None, ["optim.max_grad_norm=0.5", "optim.micro_batch_size=256", *overrides])  # auto on the CPU
     batch = make_batch(sizes, seed=len(name))
     kept, _ = METHODS[cfg.method](cfg).select(batch, offline_context(cfg, torch.Generator().manual_seed(1)))
     if advantages is not None:

@@ -24,7 +24,7 @@ from tests.tiny_lm import TokStub
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.cpu_only("two gloo ranks on CPU")]
 
-STRATEGY = ["train.strategy=fsdp", "optim.max_grad_norm=0.2"]
+STRATEGY = ["train.strategy=fsdp", "optim.max_grad_norm=0.2", "optim.micro_batch_size=256"]  # auto as on the CPU
 # name -> (config overrides, generated group sizes, fixed advantages or None = from the selection stage)
 SCENARIOS = {
     "grpo": (["algo.beta=0.05", "optim.mini_batches=2", "optim.micro_batch_size=2"], [5, 1, 3, 2], None),

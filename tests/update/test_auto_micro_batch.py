@@ -7,18 +7,28 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from podsrl.algo.micro_batches import row_tokens
-from podsrl.config import load_config
+from podsrl.cli import main
+from podsrl.config import load_config, to_dict
 from podsrl.errors import UserError
 from podsrl.planning.memory import GIB, RESERVE, largest_micro_batch, with_rows_in_flight
-from podsrl.planning.memory_report import AUTO_MICRO_BATCH_CPU, auto_micro_batch, workload_from_config
+from podsrl.models.loading import build_char_tokenizer
+from podsrl.planning.memory_report import (
+    AUTO_MICRO_BATCH_CPU,
+    auto_micro_batch,
+    transformers_config,
+    workload_from_config,
+)
 from podsrl.planning.workload import model_shape
 from podsrl.run import micro_batch
 from podsrl.run.micro_batch import resolve_micro_batch
+from podsrl.tasks import build_task
 from tests.update.test_micro_batch_tokens import count_micro_steps
 from tests.update.test_shared_prompt import grads, hf_model, make_batch, make_updater, rel
 
@@ -106,3 +116,40 @@ def test_auto_gives_the_gradients_of_small_micro_batches(tokens, monkeypatch):
     assert rel(g1, g0) <= TOL, rel(g1, g0)
     for k in m0:
         assert abs(m1[k] - m0[k]) <= TOL * max(1.0, abs(m0[k])), (k, m1[k], m0[k])
+
+
+STUDY = Path(__file__).parents[2] / "configs" / "gpu_pods_study.yaml"
+
+
+def study_run(*overrides: str):
+    """configs/gpu_pods_study.yaml's config, its model's shape (on the meta device) and its task, as a run has them."""
+    cfg = load_config(STUDY, list(overrides))
+    tokenizer = build_char_tokenizer()
+    return cfg, SimpleNamespace(config=transformers_config(cfg, "tiny")), build_task(cfg.task, tokenizer), tokenizer
+
+
+def test_the_default_is_auto_one_micro_batch_of_the_study_on_cuda_and_256_rows_on_the_cpu(monkeypatch):
+    """The default config decides its size at start-up: on a (faked) H200 the plan fits the study's whole step of 512
+    trained rows, so one micro-batch; on the CPU the 256 rows of the default before auto, the rest of the config as
+    an explicit 256 gives it (so every CPU run keeps its bits)."""
+    assert load_config(None).optim.micro_batch_size == 0
+    cfg, model, task, tokenizer = study_run()
+    assert cfg.optim.micro_batch_size == 0
+    monkeypatch.setattr(micro_batch, "device_memory", lambda device: int(139 * GIB))
+    cuda = resolve_micro_batch(cfg, model, task, tokenizer, torch.device("cuda"), 1, speak=False)
+    trained = cfg.rollout.prompts_per_step * cfg.pods.m
+    assert cuda.optim.micro_batch_size == trained == 512
+    cpu = resolve_micro_batch(cfg, model, task, tokenizer, torch.device("cpu"), 1, speak=False)
+    assert to_dict(cpu) == to_dict(study_run("optim.micro_batch_size=256")[0])
+
+
+def test_plan_memory_says_what_the_configs_micro_batch_is_on_the_device(capsys):
+    """`podsrl plan --memory` prints the size a run of the config would take: auto's decision, or the set size."""
+    args = ["plan", str(STUDY), "--memory", "--gpu-memory", "139GiB"]
+    assert main(args) == 0
+    assert ("this config: optim.micro_batch_size=auto -> 512 rows per micro-batch on each rank at start-up: the "
+            "memory plan fits a rank's whole mini-batch (512 rows)") in capsys.readouterr().out
+    assert main([*args, "--device", "cpu"]) == 0
+    assert "optim.micro_batch_size=auto -> 256 rows" in capsys.readouterr().out
+    assert main([*args, "optim.micro_batch_size=64"]) == 0
+    assert "this config: optim.micro_batch_size=64 (set)" in capsys.readouterr().out

@@ -29,6 +29,7 @@ from podsrl.models import packed_layout
 from podsrl.models.loading import build_char_tokenizer, build_tiny_model
 from podsrl.models.packed import packed_forward_problem
 from podsrl.models.packed_layout import build_plan, distinct_rows
+from podsrl.planning.memory_report import AUTO_MICRO_BATCH_CPU
 from podsrl.reporting.tracking import read_metrics
 from podsrl.run.trainer import Trainer
 from podsrl.update import PolicyUpdater, UpdateSettings
@@ -82,7 +83,9 @@ def make_updater(model, shared: bool, *overrides: str, ref=None, modulation=None
     precision = [] if any(o.startswith(("model.dtype=", "model.compute_dtype=")) for o in overrides) else [
         "model.compute_dtype=float32"]
     cfg = load_config(None, [f"update.shared_prompt={str(shared).lower()}", "update.logits_chunk=7",
-                             "rollout.max_new_tokens=12", "rollout.temperature=0.8", *precision, *overrides])
+                             "rollout.max_new_tokens=12", "rollout.temperature=0.8", *precision,
+                             # optim.micro_batch_size=auto as a CPU run decides it, on every device (an override wins)
+                             f"optim.micro_batch_size={AUTO_MICRO_BATCH_CPU}", *overrides])
     device = device_under_test()
     model.to(device)  # in place: the caller's model is the one updated
     if ref is not None:
