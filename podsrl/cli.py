@@ -14,6 +14,7 @@ from pathlib import Path
 from podsrl.config.presets import preset_path, preset_table
 from podsrl.errors import UnhealthyRun, UserError
 from podsrl.exit_codes import ExitCode
+from podsrl.reporting.streams import guard_std_streams
 
 DEFAULT_CONFIG = "default"  # no --config: the built-in task, tuned for a short CPU run (configs/default.yaml)
 
@@ -183,6 +184,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    guard_std_streams()  # before logging's console handler takes sys.stderr: a closed pipe never stops a run
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     # transformers' per-file bars ("Loading weights", "Writing model shards") would interleave with podsrl's own
