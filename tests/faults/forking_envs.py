@@ -58,7 +58,7 @@ def main() -> None:
     from podsrl.cli import main as cli
 
     podsrl.tasks.TASKS["forking"] = ("tests.faults.forking_envs:ForkingTask", "a test's process-starting environment")
-    sys.exit(cli(sys.argv[1:]))
+    sys.exit(cli())  # the process's own command line: supervised, as `podsrl train` is
 
 
 if __name__ == "__main__":

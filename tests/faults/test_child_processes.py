@@ -1,6 +1,7 @@
 """Processes an environment starts are contained: a forked child that calls sys.exit ends (it is not caught as a fault
-and kept alive as a copy of the trainer), and processes a step leaves running are ended when their episodes are
-over, with one warning naming the environment's call and their count at the end of the run."""
+and kept alive as a copy of the trainer), processes a step leaves running are ended when their episodes are over,
+with one warning naming the environment's call and their count at the end of the run, and an os._exit(0) in a step
+ends `podsrl train` with a code a scheduler reads as failure, said in one line on stderr and in run.log."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 from podsrl.episodes.children import process_state
+from podsrl.exit_codes import ExitCode
 
 STEPS = 3
 
@@ -71,3 +73,13 @@ def test_processes_a_step_leaves_running_are_ended_with_one_warning(tmp_path, la
     warned = [line for line in log.splitlines() if "left" in line and "processes running" in line]
     assert len(warned) == 1 and "ForkingEnvironment.step left" in warned[0], log[-3000:]
     assert "ended over the run: ForkingEnvironment.step: 6" in log, log[-3000:]
+
+
+def test_os_exit_0_in_a_step_is_a_failure_not_a_finished_run(tmp_path, launcher):
+    run, record = tmp_path / "run", tmp_path / "pids"
+    result = launcher.run(forking_argv(run, "os_exit", 1, record), module="tests.faults.forking_envs")
+    assert result.code == ExitCode.FAULT, result.stderr[-3000:]
+    assert not (run / "summary.json").exists()
+    said = "ended with exit code 0 outside podsrl's own exit, before the run finished (no summary.json)"
+    assert [line for line in result.stderr.splitlines() if said in line][0].startswith("podsrl: error: ")
+    assert said in (run / "run.log").read_text().splitlines()[-1]
