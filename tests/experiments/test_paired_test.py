@@ -5,6 +5,9 @@ words."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 from statistics import NormalDist
 
 import numpy as np
@@ -220,3 +223,22 @@ def test_verdict_words():
         "all 5 seeds agree, worse: the opposite of the expected better, not tested"
     )
     assert verdict_text("worse", 4, 5, 0.9, 0.9, 0.05, BETTER) == "inconclusive"
+
+
+def test_saved_verdicts_recompute_two_sided():
+    """benchmarks/paired_from_table.py on a saved report (the python tool, 5 seeds that all agree): p = 2 * 2^-5
+    per metric, Holm 0.312 across the five, "all 5 seeds agree", not "better"; as verdicts_2026-12-07 keeps it."""
+    root = Path(__file__).resolve().parents[2]
+    table = "docs/results/python_tool_2026-12-02/comparison/runs.csv"
+    out = subprocess.run([sys.executable, "benchmarks/paired_from_table.py", table], cwd=root, capture_output=True,
+                         text=True, check=True, timeout=120).stdout
+    final = next(line for line in out.splitlines() if line.startswith("| `arithmetic_python` | final |"))
+    assert "| 0.062 (0.312) | 5/5 | all 5 seeds agree, better (p = 0.062, Holm 0.312: not significant at 5%) |" in final
+    assert final in (root / "docs/results/verdicts_2026-12-07/recomputed.txt").read_text()
+
+
+def test_false_positive_benchmark_runs():
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "benchmarks/verdict_false_positives.py", "--draws", "20", "--seeds", "6"],
+                         cwd=root, capture_output=True, text=True, check=True, timeout=120).stdout
+    assert "| normal | 6 |" in out and "| t2 | 6 |" in out
