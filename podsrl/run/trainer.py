@@ -56,7 +56,7 @@ from podsrl.run.lock import RunLock
 from podsrl.run.log import RankLog
 from podsrl.run.micro_batch import resolve_micro_batch
 from podsrl.run.producer import BatchProducer, ProducedBatch, StepRecord
-from podsrl.run.warmup import base_weights
+from podsrl.run.warmup import base_weights, resume_base_weights
 from podsrl.tasks.prompt_length import model_context
 from podsrl.update import PolicyUpdater, UpdateSettings
 from podsrl.update.optimizer import build_optimizer
@@ -93,9 +93,10 @@ class Trainer:
                         cfg.method, ", ".join(unread))
         checkpoint, self.skipped_checkpoints = resume_checkpoint(self.run_dir) if resume else (None, [])
         if resume and checkpoint is None:
-            log.warning("no valid checkpoint in %s: starting from the beginning", self.run_dir)
-        with self.dist.main_first():
-            self.base_path = base_weights(cfg, progress=cfg.log.progress)
+            log.warning("no checkpoint in %s (none saved yet): starting from the beginning", self.run_dir)
+        with self.dist.main_first():  # a resume reads the warm-up only where the checkpoint does not replace it
+            self.base_path = (resume_base_weights(cfg, checkpoint, cfg.log.progress) if checkpoint is not None
+                              else base_weights(cfg, progress=cfg.log.progress))
         # FSDP2 under torchrun: policy and reference go straight into their shards as they load (no rank holds
         # either whole), the reference before anything else is built
         sharding = fsdp_sharding(self.dist, cfg, self.facts.compute_dtype)
