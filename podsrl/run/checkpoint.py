@@ -289,6 +289,31 @@ def load_in_flight(path: Path) -> list[dict]:
                         f"refusing to load it ({first[:200]})") from None
 
 
+def in_flight_on_resume(path: Path, asynchronous: bool, step: int) -> list[dict]:
+    """The batches generated ahead that a resume from `path` continues with (train.async), and one line where the
+    resume toggles train.async (an asynchronous run's checkpoint has in_flight.pt, even an empty one): what becomes
+    of what the checkpoint had in flight. Batches generated ahead cannot be dropped silently: refused."""
+    saved = load_in_flight(path)
+    if (path / "in_flight.pt").is_file() == asynchronous:
+        return saved
+    if asynchronous:
+        log.warning("resume: train.async.enabled=true on %s, a synchronous run's checkpoint: it has no batch in "
+                    "flight; the generator starts at step %d from its weights, as a new asynchronous run does",
+                    path, step + 1)
+    elif saved:
+        raise UserError(f"checkpoint {path} holds {len(saved)} batches generated ahead by an asynchronous run "
+                        "(train.async.enabled=true); resume it with train.async.enabled=true (a synchronous resume "
+                        "would drop them)")
+    elif (path / "generator.pt").is_file():
+        log.warning("resume: train.async.enabled=false on %s, an asynchronous run's checkpoint: the batch it was "
+                    "generating when it stopped is not resumed; step %d's batch is generated afresh from the "
+                    "checkpoint's weights", path, step + 1)
+    else:
+        log.warning("resume: train.async.enabled=false on %s, an asynchronous run's checkpoint: it had no batch in "
+                    "flight, so nothing is dropped; the run goes on synchronously from step %d", path, step + 1)
+    return saved
+
+
 def load_checkpoint_files(path: Path) -> tuple[dict, dict, dict]:
     """(optimizer_state, rng_state, state) of a verified checkpoint; tensors only, no pickled objects.
 

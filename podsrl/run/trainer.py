@@ -40,7 +40,7 @@ from podsrl.run.async_generation import BackgroundGenerator, async_engines, spli
 from podsrl.run.checkpoint import (
     load_checkpoint_files,
     load_generator,
-    load_in_flight,
+    in_flight_on_resume,
     load_sharded_tensors,
     prepare_run_dir,
     python_random_state,
@@ -481,9 +481,6 @@ class Trainer:
         written = state.get("world_size")  # absent from checkpoints of older versions: not known, nothing said
         if written is not None and written != self.dist.world_size and self.dist.is_main:  # one line for the job
             log.warning(world_size_change(written, self.dist.world_size))
-        saved = load_in_flight(path)
+        saved = in_flight_on_resume(path, self.cfg.train.asynchronous.enabled, self.step)
         self.generator_start = load_generator(path)
-        if saved and not self.cfg.train.asynchronous.enabled:
-            raise UserError(f"checkpoint {path} holds {len(saved)} batches generated ahead by an asynchronous run "
-                            "(train.async.enabled=true); resume it with train.async.enabled=true")
         return [ProducedBatch.from_state(b) for b in saved]
