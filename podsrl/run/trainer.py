@@ -48,7 +48,12 @@ from podsrl.run.checkpoint import (
     save_checkpoint,
     set_python_random_state,
 )
-from podsrl.run.description import describe_checkpoint_size, describe_run, world_size_change
+from podsrl.run.description import (
+    describe_checkpoint_size,
+    describe_run,
+    tokenizer_identity,
+    world_size_change,
+)
 from podsrl.run.engine_state import keeps_engine_state
 from podsrl.run.evaluation import evaluate
 from podsrl.run.health import HealthMonitor
@@ -313,6 +318,7 @@ class Trainer:
         summary = {"step": self.step, "time/elapsed": self.elapsed, **last_eval,
                    **self.accountant.total_metrics(), "health_warnings": self.health.warnings,
                    "skipped_checkpoints": self.skipped_checkpoints,
+                   "tokenizer": tokenizer_identity(self.tokenizer, cfg.model.name_or_path),
                    # the engine that really sampled, and why it is not the one configured (null: it is)
                    "engine": self.engine.sampler, "engine/fallback": self.engine.fallback_reason}
         if self.dist.is_main:
