@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from podsrl.config.presets import preset_path, preset_table
-from podsrl.errors import UnhealthyRun, UserError
+from podsrl.errors import UnhealthyRun, UserError, WorkerLost
 from podsrl.exit_codes import ExitCode
 
 DEFAULT_CONFIG = "default"  # no --config: the built-in task, tuned for a short CPU run (configs/default.yaml)
@@ -219,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"podsrl: error: {e}", file=sys.stderr)
         return ExitCode.UNHEALTHY if isinstance(e, UnhealthyRun) else ExitCode.USER_ERROR
+    except WorkerLost as e:
+        print(f"podsrl: error: {e}", file=sys.stderr)
+        return ExitCode.WORKER_LOST
     except KeyboardInterrupt:
         print("podsrl: interrupted", file=sys.stderr)
         return ExitCode.INTERRUPTED

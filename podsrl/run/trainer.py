@@ -27,7 +27,7 @@ from podsrl.engines import engine_class
 from podsrl.engines.capture_lock import CAPTURE_LOCK
 from podsrl.episodes.calls import STOP, Interrupted
 from podsrl.episodes.runner import task_episodes
-from podsrl.errors import UnhealthyRun, UserError
+from podsrl.errors import UnhealthyRun, UserError, WorkerLost
 from podsrl.fileio import write_text_atomic
 from podsrl.fsdp import build_data_parallel, fsdp_sharding
 from podsrl.methods import METHODS
@@ -282,6 +282,9 @@ class Trainer:
     def train(self) -> dict:
         try:
             return self._train()
+        except WorkerLost as e:  # the engine names its worker; the learner adds where the run stands
+            raise WorkerLost(f"after step {self.step}: {e}; `podsrl train --resume {self.run_dir}` continues "
+                             "from its last checkpoint") from None
         finally:
             self._release_run_dir()
 
