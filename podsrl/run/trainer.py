@@ -38,9 +38,9 @@ from podsrl.run import faults
 from podsrl.run.accounting import ComputeAccountant
 from podsrl.run.async_generation import BackgroundGenerator, async_engines, split_threads, staleness_metrics
 from podsrl.run.checkpoint import (
+    in_flight_on_resume,
     load_checkpoint_files,
     load_generator,
-    in_flight_on_resume,
     load_sharded_tensors,
     prepare_run_dir,
     python_random_state,
