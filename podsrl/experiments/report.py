@@ -24,6 +24,7 @@ from podsrl.experiments.analysis import (
 )
 from podsrl.experiments.paired_test import fewest_seeds, format_p, interval_label, interval_level
 from podsrl.experiments.stats import ALPHA, POWER, PairedStat, seeds_range_text
+from podsrl.experiments.tokenizers import run_tokenizer, tokenizer_note
 
 NOT_REACHED = "not reached"
 HEADER_FILE = "header.md"  # written by `podsrl compare`, picked up by `podsrl report` on the same folder
@@ -267,6 +268,9 @@ def render_markdown(comparison: Comparison, header: str | None = None) -> str:
     ]
     parts = [header.strip() + "\n"] if header else []
     parts.append(" ".join(method) + "\n")
+    tokenizers, mixed = tokenizer_note({cfg.label: [run_tokenizer(r.record.summary, r.record.config)
+                                                    for r in cfg.runs] for cfg in c.configs})
+    parts.append(tokenizers)
     summary = []
     # episodes: the environment's tokens (tool answers) beside the model's, never counted as generated
     environment = any((cfg.totals.get("total/tokens_environment", Spread.of([])).mean or 0) > 0 for cfg in c.configs)
@@ -306,7 +310,8 @@ def render_markdown(comparison: Comparison, header: str | None = None) -> str:
                 "rollouts generated to target",
                 "speed-up",
                 "rollouts gen / trained",
-                "tokens gen / env / trained" if environment else "tokens gen / trained",
+                ("tokens gen / env / trained" if environment else "tokens gen / trained")
+                + (" (each config's own tokenizer: not comparable)" if mixed else ""),
                 f"{c.clock} (s)",
                 "step time (s): generate / score / select / update / total",
             ],

@@ -101,6 +101,33 @@ def base_weights(cfg: Config, progress: bool = False) -> str | None:
     return str(run_warmup(cfg, progress=progress)) if needs_warmup(cfg) else None
 
 
+def resume_base_weights(cfg: Config, checkpoint: Path, progress: bool = False) -> str | None:
+    """The warm-up a run resumed from `checkpoint` still reads, or None: the checkpoint holds the policy's weights,
+    so only a reference model (algo.beta > 0) or LoRA's frozen base (the checkpoint holds the adapter) need the
+    warm-up. A missing one is then trained again, saying so and why; one nothing reads is never trained."""
+    if not needs_warmup(cfg):
+        return None
+    readers = [why for why, needed in (("algo.beta > 0: the reference model is the warm-up", cfg.algo.beta > 0),
+                                       ("model.lora_rank > 0: the checkpoint holds the adapter, the warm-up is "
+                                        "its base", cfg.model.lora_rank > 0)) if needed]
+    if not readers:
+        return None
+    if present_warmup(cfg) is None:
+        log.warning("resume: the warm-up this run started from (%s) is missing and %s needs it (%s): training it "
+                    "again, up to warmup.steps=%d steps", warmup_path(cfg), checkpoint, "; ".join(readers),
+                    cfg.warmup.steps)
+    return base_weights(cfg, progress)
+
+
+def present_warmup(cfg: Config, use_shipped: bool = True) -> Path | None:
+    """The warm-up of this config already on disk (the shipped one of its key, else the cached one), or None."""
+    shipped = shipped_warmup(cfg) if use_shipped else None
+    if shipped is not None:
+        return shipped
+    out = warmup_path(cfg)
+    return out if (out / "config.json").is_file() else None
+
+
 def sft_batch(tokenizer, prompts: list[str], targets: list[str]):
     """Right-padded ids, attention mask and labels (-100 on prompt and padding), EOS after each target. A prompt is
     the context of a model turn, so an episode's tool answers in it get no loss, as RolloutBatch.loss_mask in RL."""
@@ -177,12 +204,10 @@ def run_warmup(cfg: Config, progress: bool = True, use_shipped: bool = True) -> 
     """The warmed-up base checkpoint's directory: the shipped one of this key (unless warmup.shipped is false or
     `use_shipped` is False: `podsrl warmup` builds this machine's own), else the cached one, else trained and
     cached."""
-    shipped = shipped_warmup(cfg) if use_shipped else None
-    if shipped is not None:
-        return shipped
+    present = present_warmup(cfg, use_shipped)
+    if present is not None:
+        return present
     out = warmup_path(cfg)
-    if (out / "config.json").is_file():
-        return out
     task = build_task(warmup_task_config(cfg.task))
     w = cfg.warmup
     # On the run's device (a 25M model would take hours on a few CPU cores); the cache key ignores the device, so a
