@@ -4,6 +4,7 @@ or a limit reached is answered to the model and counted as a fault of the tool."
 
 from __future__ import annotations
 
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -14,6 +15,7 @@ from podsrl.episodes import sandbox
 from podsrl.episodes.formats import ToolCall
 from podsrl.episodes.sandbox import SandboxError, SandboxLimits, python_tool, run_code
 from podsrl.episodes.tools import call_tools
+from podsrl.sandbox.isolation import probe
 
 LIMITS = SandboxLimits(cpu_s=1, wall_s=3.0, memory_bytes=256 * 2**20, max_output_bytes=1000)
 
@@ -60,8 +62,10 @@ def test_no_network(monkeypatch, namespace):
 
 
 def test_the_scratch_directory_is_the_working_directory_and_is_removed():
-    where = Path(run_code("import os; open('f', 'w').write('x'); print(os.getcwd())", LIMITS).strip())
-    assert where.name.startswith("podsrl-python-") and not where.exists()
+    before = set(Path(tempfile.gettempdir()).glob("podsrl-sandbox-*"))
+    where = run_code("import os; open('f', 'w').write('x'); print(os.getcwd())", LIMITS).strip()
+    assert where == "/scratch" if probe() is None else where.startswith(tempfile.gettempdir())
+    assert set(Path(tempfile.gettempdir()).glob("podsrl-sandbox-*")) == before  # the host's copy is removed
     assert run_code("import os; print(os.environ.get('PYTHONPATH'))", LIMITS) == "None\n"
 
 
