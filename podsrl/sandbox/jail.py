@@ -61,6 +61,10 @@ def bind_read_only(source, target):
 
 def build_root(spec, root):
     """The new root's tree under `root` (a fresh tmpfs)."""
+    size = f"size={spec['disk_bytes']},mode=0777"
+    for where in (SCRATCH, TMP):  # first: a directory shown read-only may lie under /tmp
+        os.makedirs(root + where)
+        mount("tmpfs", root + where, "tmpfs", MS_NOSUID | MS_NODEV, size)
     for top in ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         path = "/" + top
         if os.path.islink(path):  # merged /usr: /bin -> usr/bin
@@ -76,10 +80,6 @@ def build_root(spec, root):
     for name in DEVICES:
         open(root + "/dev/" + name, "a").close()
         mount("/dev/" + name, root + "/dev/" + name, None, MS_BIND)
-    size = f"size={spec['disk_bytes']},mode=0777"
-    for where in (SCRATCH, TMP):
-        os.makedirs(root + where)
-        mount("tmpfs", root + where, "tmpfs", MS_NOSUID | MS_NODEV, size)
     os.makedirs(root + "/proc")
     mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
 
