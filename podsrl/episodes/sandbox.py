@@ -66,7 +66,7 @@ def run_code(code: str, limits: SandboxLimits = SandboxLimits()) -> str:
         raise SandboxError(f"code must be a string, got a {type(code).__name__}")
     if len(code) > limits.max_code_chars:
         raise SandboxError(f"code is longer than {limits.max_code_chars} characters")
-    with Sandbox(limits) as box:
+    with Sandbox(limits, files_out=False) as box:
         cut = not box.isolated and network_namespace()
         prelude = PRELUDE.format(site_packages=site.getsitepackages(), refuse_sockets=not box.isolated and not cut)
         done = box.run([*(["unshare", "-rn"] if cut else []), sys.executable, "-I", "-S", "-c", prelude],

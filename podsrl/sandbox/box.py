@@ -51,13 +51,14 @@ class Completed:
 class Sandbox:
     """Isolated runs over one scratch directory: `with Sandbox(limits) as box: (box.path / "t.py").write_text(...);
     box.run([sys.executable, "t.py"])`. `read_only`: host directories to show the program read-only, at their own
-    path (the Python prefixes are always shown)."""
+    path (the Python prefixes are always shown). `files_out=False`: the program's files are not copied back (a
+    caller that reads only its output saves the copy)."""
 
     def __init__(self, limits: SandboxLimits = SandboxLimits(), read_only: tuple[str, ...] = (),
-                 isolated: bool | None = None) -> None:
+                 files_out: bool = True, isolated: bool | None = None) -> None:
         from podsrl.sandbox.isolation import require_isolation
 
-        self.limits = limits
+        self.limits, self.files_out = limits, files_out
         self.isolated = require_isolation(limits.max_processes) if isolated is None else isolated
         self._work = Path(tempfile.mkdtemp(prefix="podsrl-sandbox-"))
         self.path = self._work / "scratch"
@@ -93,6 +94,7 @@ class Sandbox:
         spec = {"command": command, "rlimits": self.rlimits(), "isolated": self.isolated, "scratch": str(self.path),
                 "env": {"PATH": PATH, "HOME": home, "TMPDIR": "/tmp", **env},
                 "root": str(call / "root"), "read_only": self.read_only, "disk_bytes": limits.disk_bytes,
+                "copy_out": self.files_out,
                 "runner_id": RUNNER_ID if os.geteuid() == 0 else None}
         (call / "root").mkdir()
         ready_r, ready_w = os.pipe()

@@ -12,7 +12,7 @@ before anything is mounted. The steps, each for a reason:
    files is reachable (the home directory, the run directory, reward files, podsrl's source).
 4. init forks the runner, which drops every capability (and, where the caller mapped a second id, becomes that
    unprivileged user), sets the resource limits, closes every other descriptor and execs the command.
-5. init waits for the runner, copies the scratch's regular files back out (through a descriptor of the caller's
+5. init waits for the runner, kills what is left, copies the scratch's regular files back out (through a descriptor of the caller's
    directory opened before the pivot; never following a link), writes the runner's wait status on the `status`
    pipe and exits; the first process relays that status as its own (exit code, or the same signal).
 """
@@ -204,6 +204,8 @@ def run_init(spec, status):
     out_fd = os.open(spec["scratch"], os.O_RDONLY | os.O_DIRECTORY)
     copy_tree(spec["scratch"], root + SCRATCH)
     pivot(root)
+    with open("/proc/sys/user/max_user_namespaces", "w") as f:  # per user namespace: none nested in this one, so
+        f.write("0")  # the program cannot gain capabilities (and the kernel code they reach) in a namespace of its own
     give(spec["runner_id"] if spec["runner_id"] is not None else 0)
     runner = os.fork()
     if runner == 0:
@@ -211,7 +213,12 @@ def run_init(spec, status):
         os.chdir(SCRATCH)
         run_command(spec, isolated=True)
     _, wait_status = os.waitpid(runner, 0)
-    copy_out(out_fd)
+    try:  # what the program left running stops now, before its files are read
+        os.kill(-1, signal.SIGKILL)
+    except ProcessLookupError:  # nothing left
+        pass
+    if spec["copy_out"]:
+        copy_out(out_fd)
     os.write(status, str(wait_status).encode())
     os._exit(0)
 

@@ -207,3 +207,10 @@ def test_environment_secrets_are_not_visible(monkeypatch):
     code = ("import os\nprint(dict(os.environ))\nfor pid in ['self', '1', str(os.getppid())]:\n    try:\n"
             "        print(open(f'/proc/{pid}/environ', 'rb').read())\n    except OSError:\n        pass")
     assert secret not in attempt(code)
+
+
+def test_the_code_has_no_capabilities_and_cannot_get_them_back():
+    code = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "print([line for line in open('/proc/self/status') if line.startswith('CapEff')][0].split()[1])\n"
+            "print('unshared' if libc.unshare(0x10000000) == 0 else 'refused')")  # a user namespace of its own
+    assert attempt(code).split() == ["0000000000000000", "refused"]
