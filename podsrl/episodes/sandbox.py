@@ -1,7 +1,8 @@
 """`python`: a tool that runs the model's code in the sandbox (podsrl/sandbox/box.py).
 
-Each call runs `python -I -S` (no user site, no environment variables read; the interpreter's site-packages on its
-path, their .pth files not run) in a sandbox of its own: isolated where the machine allows (its own root where only
+Each call runs the code as `python -I -S` would (no user site, no environment variables read; the interpreter's
+site-packages on its path, their .pth files not run; in the interpreter that set up the sandbox, `run_python`) in a
+sandbox of its own: isolated where the machine allows (its own root where only
 a scratch directory is writable, its own PID namespace, no network, no capabilities; podsrl/sandbox/jail.py), with
 - CPU time (RLIMIT_CPU), address space (RLIMIT_AS), the size of any file it writes (RLIMIT_FSIZE, which bounds its
   output too), processes (RLIMIT_NPROC), scratch space (a tmpfs) and no core files;
@@ -69,8 +70,9 @@ def run_code(code: str, limits: SandboxLimits = SandboxLimits()) -> str:
     with Sandbox(limits, files_out=False) as box:
         cut = not box.isolated and network_namespace()
         prelude = PRELUDE.format(site_packages=site.getsitepackages(), refuse_sockets=not box.isolated and not cut)
-        done = box.run([*(["unshare", "-rn"] if cut else []), sys.executable, "-I", "-S", "-c", prelude],
-                       stdin=code.encode("utf-8", "replace"))
+        stdin = code.encode("utf-8", "replace")
+        done = (box.run(["unshare", "-rn", sys.executable, "-I", "-S", "-c", prelude], stdin) if cut else
+                box.run_python(prelude, stdin))
     if done.timed_out:
         raise SandboxError(f"the code ran past {limits.wall_s:g} s (wall clock) and was stopped")
     stdout, stderr = (text.decode("utf-8", "replace") for text in (done.stdout, done.stderr))

@@ -180,13 +180,20 @@ def drop_privileges(runner_id):
 
 
 def run_command(spec, isolated):
-    """Exec the command under the limits (isolated: without any privilege first); never returns."""
+    """Exec the command under the limits (isolated: without any privilege first). Returns only for an inline
+    program (`spec["inline"]`, run by the caller in this interpreter, which saves an interpreter's start)."""
     try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # init ignores it; the program must not
         if isolated:
             drop_privileges(spec["runner_id"])
+            libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # init's setting, inherited; its own /proc is its own
         import resource
         for limit, soft, hard in spec["rlimits"]:
             resource.setrlimit(limit, (soft, hard))
+        if spec["inline"] is not None:
+            os.environ.clear()
+            os.environ.update(spec["env"])
+            return spec["inline"]
         os.execve(spec["command"][0], spec["command"], spec["env"])
     except BaseException as e:  # the command could not start: said on its stderr, exit 127 as a shell does
         os.write(2, f"sandbox: cannot run {spec['command'][0]}: {e}\n".encode())
@@ -194,6 +201,7 @@ def run_command(spec, isolated):
 
 
 def run_init(spec, status):
+    """Init's work; returns only in the runner, with its inline program."""
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the first process gone (killed): all goes
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # its descriptors stay out of the runner's reach through /proc
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -211,7 +219,7 @@ def run_init(spec, status):
     if runner == 0:
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))
         os.chdir(SCRATCH)
-        run_command(spec, isolated=True)
+        return run_command(spec, isolated=True)
     _, wait_status = os.waitpid(runner, 0)
     try:  # what the program left running stops now, before its files are read
         os.kill(-1, signal.SIGKILL)
@@ -224,12 +232,13 @@ def run_init(spec, status):
 
 
 def main():
+    """The process's role: returns only in the runner, with the inline program to run (None: none)."""
     spec = eval(sys.argv[1], {"__builtins__": {}})  # the caller's repr() of a dict of plain values
     ready, go = spec["fds"]
     if not spec["isolated"]:
         os.close(ready)
         os.close(go)
-        run_command(spec, isolated=False)
+        return run_command(spec, isolated=False)
     status_r, status_w = os.pipe()
     try:
         check(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC
@@ -246,7 +255,7 @@ def main():
     init = os.fork()
     if init == 0:
         try:
-            run_init(spec, status_w)
+            return run_init(spec, status_w)
         except BaseException as e:
             os.write(2, f"sandbox: cannot isolate: {e}\n".encode())
         os._exit(126)
@@ -263,4 +272,8 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    # the inline program runs here, at the top, so that its exceptions and exit end the process as
+    # `python -I -S -c PROGRAM` would (traceback and exit 1, sys.exit's code, buffers flushed)
+    program = main()
+    sys.argv = ["-c"]
+    exec(compile(program, "<string>", "exec"), {"__name__": "__main__"})
