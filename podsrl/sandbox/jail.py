@@ -27,6 +27,7 @@ CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+MS_NOATIME, MS_NODIRATIME, MS_RELATIME, ST_RELATIME = 1024, 2048, 1 << 21, 4096
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
@@ -56,7 +57,21 @@ def bind_read_only(source, target):
         os.makedirs(os.path.dirname(target), exist_ok=True)
         open(target, "a").close()
     mount(source, target, None, MS_BIND | MS_REC)
-    mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    for point in mount_points():  # each submount too: a remount changes one mount alone
+        if point == target or point.startswith(target + "/"):
+            mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | kept_flags(point))
+
+
+def mount_points():
+    with open("/proc/self/mountinfo") as f:
+        return [line.split()[4].replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n")
+                .replace("\\134", "\\") for line in f]
+
+
+def kept_flags(point):
+    """The mount's noexec and access-time flags, which a remount inside a user namespace must keep."""
+    flags = os.statvfs(point).f_flag
+    return (flags & (MS_NOEXEC | MS_NOATIME | MS_NODIRATIME)) | (MS_RELATIME if flags & ST_RELATIME else 0)
 
 
 def build_root(spec, root):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -96,3 +98,18 @@ def test_the_wall_clock_kills_everything(tmp_path):
     with Sandbox(SandboxLimits(wall_s=1.0)) as box:
         done = box.run(["sleep", "30"])
     assert done.timed_out and done.returncode == -9
+
+
+@pytest.mark.skipif(not FULL or os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root (to mount on the host, in a mount namespace of the test's own) and isolation")
+def test_a_submount_of_a_directory_shown_read_only_is_read_only_too(tmp_path):
+    shown = tmp_path / "shown"
+    (shown / "sub").mkdir(parents=True)
+    script = (f"import subprocess, sys\nsubprocess.run(['mount', '-t', 'tmpfs', 'tmpfs', {str(shown / 'sub')!r}], "
+              "check=True)\nfrom podsrl.sandbox import Sandbox, SandboxLimits\n"
+              f"with Sandbox(SandboxLimits(wall_s=20.0), read_only=({str(shown)!r},)) as box:\n"
+              f"    done = box.run_python(\"open({str(shown / 'sub' / 'x')!r}, 'w')\")\n"
+              "print(done.returncode, done.stderr.decode().splitlines()[-1])")
+    done = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", script],
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == f"1 OSError: [Errno 30] Read-only file system: '{shown / 'sub' / 'x'}'", done
