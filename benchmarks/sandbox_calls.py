@@ -3,7 +3,8 @@
 Arms: `new` (this tree: isolated where the machine allows), `old` (the tree of `--old`, by default 2c5b616, the
 last commit before the isolation: `unshare -rn python -I` alone, extracted with `git archive`). Each repeat runs
 each arm in a fresh process, the arms interleaved: `--calls` calls one after another, then `--calls` calls 8 at a
-time (each call's own latency is timed). A call is `print(47*86+9)`, what the arithmetic_python task's model writes.
+time (each call's own latency is timed), and the CPU time of the sequential calls' processes (user + system, all
+of them: less sensitive to the machine's load than the wall clock). A call is `print(47*86+9)`, what the arithmetic_python task's model writes.
 Prints, per arm, the median per call of each repeat, then the median and range over repeats, and the JSON lines
 of every repeat (the raw figures).
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -38,10 +40,13 @@ def worker(calls: int) -> dict:
         return time.perf_counter() - start
 
     timed()  # the first call pays the probe (new) or the unshare check (old)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     sequential = [timed() for _ in range(calls)]
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / calls
     with ThreadPoolExecutor(CONCURRENT) as pool:
         concurrent = list(pool.map(timed, range(calls)))
-    return {"sequential": sequential, "concurrent": concurrent}
+    return {"sequential": sequential, "concurrent": concurrent, "cpu": [cpu]}
 
 
 def run_arm(tree: Path, calls: int) -> dict:
@@ -65,7 +70,8 @@ def main() -> None:
                                  check=True).stdout
         subprocess.run(["tar", "-x", "-C", old], input=archive, check=True)
         trees = {"old": Path(old), "new": ROOT}
-        medians: dict[str, dict[str, list[float]]] = {arm: {"sequential": [], "concurrent": []} for arm in trees}
+        medians: dict[str, dict[str, list[float]]] = {arm: {"sequential": [], "concurrent": [], "cpu": []}
+                                                      for arm in trees}
         print(f"cpus {os.cpu_count()}, load average {os.getloadavg()[0]:.2f} at start; old = {args.old}")
         for repeat in range(args.repeats):
             for arm, tree in trees.items():  # interleaved
@@ -75,7 +81,7 @@ def main() -> None:
                 print(json.dumps({"repeat": repeat, "arm": arm, "load": round(os.getloadavg()[0], 2),
                                   **{k: [round(v * 1000, 1) for v in vs] for k, vs in times.items()}}))
     print(f"load average {os.getloadavg()[0]:.2f} at end")
-    print("\nmedian ms per call over repeats [range of the repeats' medians]")
+    print("\nmedian ms per call over repeats [range of the repeats' medians]; cpu: CPU ms per sequential call")
     for arm in trees:
         cells = [f"{kind} {statistics.median(v):.1f} [{min(v):.1f}-{max(v):.1f}]" for kind, v in medians[arm].items()]
         print(f"{arm:>4}: " + ";  ".join(cells) + f"  (per-repeat sequential: {[round(v) for v in medians[arm]['sequential']]})")

@@ -12,9 +12,12 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+import tempfile
 import threading
+from pathlib import Path
 
 from podsrl.errors import ConfigError
+from podsrl.sandbox.launch import SandboxLimits, launch
 
 logger = logging.getLogger(__name__)
 FULL = ("full isolation: own user, mount, PID, network, IPC and UTS namespaces; a new root with the system and "
@@ -29,10 +32,10 @@ def probe() -> str | None:
     """None where a program runs fully isolated here, else why not (one line)."""
     if not sys.platform.startswith("linux"):
         return f"no Linux namespaces on {sys.platform}"
-    from podsrl.sandbox.box import Sandbox, SandboxLimits
-
-    with Sandbox(SandboxLimits(wall_s=30.0), isolated=True) as box:
-        done = box.run([sys.executable, "-I", "-S", "-c", "pass"])
+    with tempfile.TemporaryDirectory(prefix="podsrl-sandbox-") as work:
+        (Path(work) / "scratch").mkdir()
+        done = launch([sys.executable, "-I", "-S", "-c", "pass"], b"", {}, SandboxLimits(wall_s=30.0),
+                      Path(work) / "scratch", isolated=True, read_only=(sys.prefix, sys.base_prefix))
     if done.returncode == 0:
         return None
     said = [line for line in done.stderr.decode("utf-8", "replace").splitlines() if line.startswith("sandbox: ")]
