@@ -30,9 +30,9 @@ class Sandbox:
     caller that reads only its output saves the copy)."""
 
     def __init__(self, limits: SandboxLimits = SandboxLimits(), read_only: tuple[str, ...] = (),
-                 files_out: bool = True, isolated: bool | None = None) -> None:
+                 files_out: bool = True) -> None:
         self.limits, self.files_out = limits, files_out
-        self.isolated = require_isolation(limits.max_processes) if isolated is None else isolated
+        self.isolated = require_isolation(limits.max_processes)  # or ConfigError where it cannot and may not
         self._work = Path(tempfile.mkdtemp(prefix="podsrl-sandbox-"))
         self.path = self._work / "scratch"
         self.path.mkdir()
