@@ -39,7 +39,8 @@ def probe() -> str | None:
     if done.returncode == 0:
         return None
     said = [line for line in done.stderr.decode("utf-8", "replace").splitlines() if line.startswith("sandbox: ")]
-    return said[-1].removeprefix("sandbox: ") if said else f"the probe exited {done.returncode}"
+    return said[-1].removeprefix("sandbox: ").removeprefix("cannot isolate: ") if said else \
+        f"the probe exited {done.returncode}"
 
 
 def allow_unisolated(allowed: bool) -> None:

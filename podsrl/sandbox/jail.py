@@ -258,8 +258,8 @@ def main():
     try:
         check(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC
                            | CLONE_NEWUTS), "unshare")
-    except OSError as e:
-        os.write(2, f"sandbox: cannot isolate: {e}\n".encode())
+    except OSError as e:  # EPERM or ENOSPC: unprivileged user namespaces disabled, or none left to make
+        os.write(2, f"sandbox: cannot isolate: no user namespace ({e.strerror})\n".encode())
         os._exit(126)
     os.write(ready, b"u")
     os.close(ready)

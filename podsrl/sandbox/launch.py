@@ -8,6 +8,7 @@ whole session is killed, the namespace's init with it (and so everything in the 
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import select
@@ -54,7 +55,7 @@ def launch(command: list[str], stdin: bytes, env: dict[str, str], limits: Sandbo
     spec = {"command": command, "rlimits": rlimits(limits, isolated), "isolated": isolated, "scratch": str(scratch),
             "env": {"PATH": PATH, "HOME": "/scratch" if isolated else str(scratch), "TMPDIR": "/tmp", **env},
             "root": str(call / "root"), "read_only": read_only, "disk_bytes": limits.disk_bytes,
-            "copy_out": files_out, "inline": inline, "runner_id": RUNNER_ID if os.geteuid() == 0 else None}
+            "copy_out": files_out, "inline": inline, "runner_id": runner_id()}
     try:
         (call / "root").mkdir()
         with open(call / "stdout", "wb+") as out, open(call / "stderr", "wb+") as err:
@@ -102,6 +103,19 @@ def rlimits(limits: SandboxLimits, isolated: bool) -> list[tuple[int, int, int]]
     return found
 
 
+@functools.cache
+def runner_id() -> int | None:
+    """RUNNER_ID where the caller is root of the initial user namespace, which may map a second id and must (the
+    kernel exempts uid 0 from RLIMIT_NPROC); else None: the program keeps the caller's own id, without capabilities
+    (an unprivileged user, or root of a container's user namespace, which is another user outside)."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        return RUNNER_ID if Path("/proc/self/uid_map").read_text().split()[:3] == ["0", "0", "4294967295"] else None
+    except OSError:
+        return None
+
+
 def _map_ids(pid: int, ready: int, go: int, runner_id: int | None, wait_s: float) -> None:
     """Once the jail has made its user namespace, map its ids: root inside is the caller; as root, the program's
     user (`runner_id`) is `NOBODY` outside, so that RLIMIT_NPROC binds it (the kernel exempts uid 0)."""
@@ -114,7 +128,8 @@ def _map_ids(pid: int, ready: int, go: int, runner_id: int | None, wait_s: float
         Path(f"/proc/{pid}/uid_map").write_text(f"0 {os.geteuid()} 1{extra}")
         Path(f"/proc/{pid}/gid_map").write_text(f"0 {os.getegid()} 1{extra}")
     except OSError:
-        return  # the jail exits 126, reading no go
+        os.write(go, b"x")  # the jail says it could not be mapped, and exits 126
+        return
     os.write(go, b"m")
 
 
