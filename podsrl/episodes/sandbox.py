@@ -2,8 +2,8 @@
 
 Each call runs the code as `python -I -S` would (no user site, no environment variables read; the interpreter's
 site-packages on its path, their .pth files not run; in the interpreter that set up the sandbox, `run_python`) in a
-sandbox of its own: isolated where the machine allows (its own root where only
-a scratch directory is writable, its own PID namespace, no network, no capabilities; podsrl/sandbox/jail.py), with
+sandbox of its own: isolated where the machine allows (its own root where only a scratch directory is writable, its
+own PID namespace, no network, no capabilities; podsrl/sandbox/jail.py), with
 - CPU time (RLIMIT_CPU), address space (RLIMIT_AS), the size of any file it writes (RLIMIT_FSIZE, which bounds its
   output too), processes (RLIMIT_NPROC), scratch space (a tmpfs) and no core files;
 - a wall-clock limit: past it everything the code started is killed.
