@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -18,7 +19,7 @@ from podsrl.cli import main
 from podsrl.config import load_config
 from podsrl.episodes.sandbox import SandboxLimits, python_tool
 from podsrl.errors import ConfigError
-from podsrl.sandbox import Sandbox, isolation
+from podsrl.sandbox import Sandbox, isolation, launch
 
 NO_NAMESPACES = "unshare: Operation not permitted"
 FULL = isolation.probe() is None
@@ -113,3 +114,14 @@ def test_a_submount_of_a_directory_shown_read_only_is_read_only_too(tmp_path):
     done = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", script],
                           capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == f"1 OSError: [Errno 30] Read-only file system: '{shown / 'sub' / 'x'}'", done
+
+
+@pytest.mark.skipif(not FULL or launch.runner_id() is None, reason="needs isolation as root of the initial namespace")
+def test_ids_that_cannot_be_mapped_end_the_call_at_once_with_the_reason(monkeypatch, tmp_path):
+    monkeypatch.setattr(launch, "NOBODY", 2**32 - 1)  # no valid id outside: the kernel refuses the map
+    (tmp_path / "scratch").mkdir()
+    start = time.monotonic()
+    done = launch.launch([sys.executable, "-I", "-S", "-c", "pass"], b"", {}, SandboxLimits(wall_s=20.0),
+                         tmp_path / "scratch", isolated=True)
+    assert (done.returncode, done.timed_out) == (126, False) and time.monotonic() - start < 10
+    assert done.stderr == b"sandbox: cannot isolate: the user and group ids could not be mapped\n"
