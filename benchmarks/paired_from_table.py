@@ -5,8 +5,8 @@
 
 Input: a report's runs.csv, or its results.md (the "Per run:" table). Per config other than the baseline (the first
 config unless named): for each metric the table has (final, peak, plateau, area / T, time to target), the mean paired
-difference, the interval at the level its number of pairs gives it, the one-sided sign-flip p with Holm across
-those metrics in brackets, the verdict's words and the seeds that would resolve it (podsrl/experiments/stats.py,
+difference, the interval at the level its number of pairs gives it, the two-sided sign-flip p with Holm across
+those metrics in brackets (one family), the verdict's words and the seeds that would resolve it (podsrl/experiments/stats.py,
 paired_test.py; docs/statistics.md). A results.md table holds values rounded to 3 decimals (times to 1): the
 p-values of a sign-flip test move only where a rounded difference changes sign or order.
 """
@@ -70,7 +70,8 @@ def main() -> int:
     values = {c: {m: {int(r["seed"]): number(r[spec[which]]) for r in rows if r["config"] == c}
                   for m, spec in present.items()} for c in configs}
     print(f"{args.table}: paired by seed against `{baseline}`; Holm across {', '.join(present)}")
-    print("| config | metric | mean difference [interval] | sign-flip p (Holm) | pairs | verdict | seeds to resolve |")
+    print("| config | metric | mean difference [interval] | sign-flip p, two-sided (Holm) | pairs | verdict "
+          "| seeds to resolve |")
     print("|---|---|---|---|---|---|---|")
     for c in configs:
         if c == baseline:

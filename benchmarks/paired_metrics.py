@@ -6,9 +6,9 @@ per-step training metrics averaged over each run's steps (optionally only those 
 
 For each metric: the baseline and method values per seed, the mean paired difference (method − baseline) with its
 std over seeds, and the interval, sign-flip p and verdict of `podsrl compare` (podsrl/experiments/stats.py: expanded
-percentile bootstrap of the paired differences at the level the header names, the exact one-sided sign-flip test,
+percentile bootstrap of the paired differences at the level the header names, the exact two-sided sign-flip test,
 Holm-corrected across the metrics printed; docs/statistics.md). With 3 seeds the interval is the range of the three
-differences (~75% for the median) and no p reaches 0.05 (all three agreeing: 0.125). `step` counts
+differences (~75% for the median) and no p reaches 0.05 (all three agreeing: 0.25; the fewest seeds that can: 6). `step` counts
 the steps a run took; `final/<key>` is the last step record's value (e.g. cumulative totals).
 
 `--at step` (or any key of the eval records, e.g. `total/rollouts_generated`) adds the held-out metrics of both

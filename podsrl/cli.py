@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from podsrl.config.presets import preset_path, preset_table
-from podsrl.errors import UnhealthyRun, UserError
+from podsrl.errors import UnhealthyRun, UserError, WorkerLost
 from podsrl.exit_codes import ExitCode
 from podsrl.reporting.streams import guard_std_streams
 from podsrl.run import supervisor
@@ -93,6 +93,18 @@ def cmd_warmup(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    from podsrl.run.checkpoint_readers import pinned_model
+
+    # first of all: a checkpoint of a run being trained is pinned against rotation until its weights are loaded
+    weights, pin = pinned_model(args.model) if args.model else (None, None)
+    try:
+        return _evaluate(args, weights, pin)
+    finally:
+        if pin is not None:
+            pin.close()
+
+
+def _evaluate(args, weights, pin) -> int:
     from podsrl.build import load_model, load_task, reward_manager, rollout_engine, verifier
     from podsrl.config.facts import run_facts
     from podsrl.episodes.runner import task_episodes
@@ -103,7 +115,11 @@ def cmd_eval(args) -> int:
 
     cfg = _load(args)
     # The trainer's own builders: a LoRA run's --model is its adapter (on top of the warm-up or model.name_or_path)
-    model, tokenizer = load_model(cfg, args.model, base_weights(cfg), trainable=False)
+    # the warm-up is the base of a LoRA adapter or the model when no --model is given; full weights need none
+    base = base_weights(cfg) if weights is None or cfg.model.lora_rank > 0 else None
+    model, tokenizer = load_model(cfg, weights, base, trainable=False)
+    if pin is not None:  # read: rotation may remove the checkpoint now
+        pin.close()
     device = resolve_device(cfg.model.device)
     model.to(device).eval()
     task, problems = load_task(cfg, tokenizer, model)
@@ -145,7 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_warmup)
     p = with_config(sub.add_parser("eval", help="held-out accuracy of a model"))
     p.add_argument("--model", help="model dir to evaluate (e.g. RUN/checkpoints/step-N/model: full weights, or the "
-                   "LoRA adapter of a model.lora_rank > 0 run); default: the warm-up or model.name_or_path")
+                   "LoRA adapter of a model.lora_rank > 0 run), or a run dir (its newest complete checkpoint); a "
+                   "run's checkpoint is pinned against rotation while it loads; default: the warm-up or "
+                   "model.name_or_path")
     p.set_defaults(func=cmd_eval)
     from podsrl.experiments.report import add_report_arguments, report_main
     from podsrl.experiments.runner import add_compare_arguments, compare_main
@@ -215,6 +233,9 @@ def _run(args: argparse.Namespace) -> int:
     except UserError as e:
         print(f"podsrl: error: {e}", file=sys.stderr)
         return ExitCode.UNHEALTHY if isinstance(e, UnhealthyRun) else ExitCode.USER_ERROR
+    except WorkerLost as e:
+        print(f"podsrl: error: {e}", file=sys.stderr)
+        return ExitCode.WORKER_LOST
     except KeyboardInterrupt:
         print("podsrl: interrupted", file=sys.stderr)
         return ExitCode.INTERRUPTED

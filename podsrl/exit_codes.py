@@ -17,6 +17,10 @@ class ExitCode(IntEnum):
     FAULT = 1
     USER_ERROR = 2  # bad config, data, path or reward code; a second writer on a locked run directory
     UNHEALTHY = 3  # training went bad: non-finite losses in a row, or a collapse with train.stop_on_collapse
+    # A worker process (a Ray actor) died or failed past rollout.engine_options.max_retries: one line names it and
+    # the step. The checkpoints are intact; a resume may succeed once the machine is healthy (retry, with a limit).
+    # 69 is sysexits' EX_UNAVAILABLE ("a service is unavailable").
+    WORKER_LOST = 69
     # Stopped by SIGTERM/SIGINT after saving a checkpoint: resumable, not finished. 75 is sysexits' EX_TEMPFAIL
     # ("try again later"): non-zero, so SLURM, Kubernetes and TorchElastic do not count the run as done, and
     # distinct from 143 (128 + SIGTERM), which they report when a process is killed before it could checkpoint.

@@ -63,3 +63,23 @@ def test_every_preset_resolves_to_its_recorded_config():
     assert sorted(resolved) == sorted(recorded)
     for name, values in recorded.items():
         assert resolved[name] == values, name
+
+
+def test_top_level_x_keys_are_ignored_as_a_home_for_yaml_anchors(tmp_path):
+    (tmp_path / "c.yaml").write_text("x-short: &short {n: 4, max_new_tokens: 64}\n"
+                                     "x-lr: &lr 0.0003\n"
+                                     "rollout: {<<: *short, temperature: 0.7}\n"
+                                     "optim: {lr: *lr}\n")
+    cfg = load_config(tmp_path / "c.yaml")
+    assert (cfg.rollout.n, cfg.rollout.max_new_tokens, cfg.rollout.temperature) == (4, 64, 0.7)
+    assert cfg.optim.lr == 0.0003
+    (tmp_path / "bad.yaml").write_text("anchors: &short {n: 4}\nrollout: *short\n")
+    with pytest.raises(ConfigError, match=r"^anchors: unknown config key \(a top-level key starting with 'x-' is "
+                                          r"ignored: the place for YAML anchors\)$"):
+        load_config(tmp_path / "bad.yaml")
+    (tmp_path / "typo.yaml").write_text("rollouts: {n: 4}\n")
+    with pytest.raises(ConfigError, match=r"^rollouts: unknown config key \(did you mean rollout\?; a top-level key "
+                                          r"starting with 'x-' is ignored"):
+        load_config(tmp_path / "typo.yaml")
+    with pytest.raises(ConfigError, match=r"^rollout.nn: unknown config key$"):  # below the top: no such advice
+        load_config(None, ["rollout.nn=3"])

@@ -65,13 +65,21 @@ def convert(value: Any, tp: Any, key: str) -> Any:
     raise TypeError(f"unsupported config type {tp} at {key}")
 
 
+# Top-level keys with this prefix are skipped (docker-compose's extension fields): a home for `&anchors`.
+IGNORED_PREFIX = "x-"
+
+
 def build(cls: type, values: dict, prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     names = {config_key(f): f.name for f in dataclasses.fields(cls)}
     for k in values:
         if k not in names:
             close = [n for n in names if n.startswith(str(k)[:3])]
-            hint = f" (did you mean {', '.join(prefix + c for c in sorted(close))}?)" if close else ""
+            advice = [f"did you mean {', '.join(prefix + c for c in sorted(close))}?"] if close else []
+            if not prefix:  # where a YAML anchor's own key lands: docker-compose's convention (config/loader.py)
+                advice.append(f"a top-level key starting with {IGNORED_PREFIX!r} is ignored: the place for YAML "
+                             "anchors")
+            hint = f" ({'; '.join(advice)})" if advice else ""
             raise ConfigError(f"{prefix}{k}: unknown config key{hint}")
     kwargs = {names[k]: convert(v, hints[names[k]], prefix + k) for k, v in values.items()}
     return cls(**kwargs)

@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 
 from podsrl.config.checks import validate
-from podsrl.config.convert import build
+from podsrl.config.convert import IGNORED_PREFIX, build
 from podsrl.config.removed_keys import reject_removed_keys
 from podsrl.config.sections import Config
 from podsrl.config.trl_names import translate_trl_names
@@ -55,7 +55,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             loaded = {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of config keys")
-        tree = loaded
+        tree = {k: v for k, v in loaded.items() if not str(k).startswith(IGNORED_PREFIX)}  # YAML anchors' home
     command_line: dict = {}
     for item in overrides:
         if "=" not in item:

@@ -28,6 +28,9 @@ def config_reference_markdown() -> str:
              "Every key, its default and what it does. Set them in a YAML file (`--config`) or on the command line "
              "as dotted overrides (`rollout.n=16`). Generated from `podsrl/config/sections.py` by "
              "`python -c \"from podsrl.config import config_reference_markdown as f; print(f(), end='')\" > docs/config.md`.",
+             "", "A YAML file's top-level keys that start with `x-` are ignored (docker-compose's extension fields): "
+             "the place for anchors that other keys merge, e.g. `x-short: &short {n: 4, max_new_tokens: 64}` "
+             "then `rollout: {<<: *short, temperature: 0.7}`. Any other unknown key is refused, naming it.",
              "", "| key | default | meaning |", "|---|---|---|"]
     for key, default, text in config_help():
         lines.append(f"| `{key}` | `{default}` | {text.replace('|', '/')} |")

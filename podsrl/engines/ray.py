@@ -41,11 +41,12 @@ from podsrl.engines.base import EpisodeSession, GenerationOutput, RolloutEngine,
 from podsrl.engines.hf import model_device
 from podsrl.engines.rows import check_request, no_token_output, special_ids
 from podsrl.engines.shards import EpisodeShards, merge_outputs, merge_rows, shard_groups
+from podsrl.errors import WorkerLost
 
 logger = logging.getLogger("podsrl")
 
 
-class WorkerFailure(RuntimeError):
+class WorkerFailure(WorkerLost, RuntimeError):
     """A shard failed more often than the retry bound allows."""
 
 
@@ -259,9 +260,10 @@ class RayEngine(RolloutEngine):
         def failed(k: int, error: BaseException) -> None:
             attempts[k] += 1
             if attempts[k] > self.max_retries:
+                last = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
                 raise WorkerFailure(
-                    f"ray engine: {what(k)} failed {attempts[k]} times, the bound set by "
-                    f"rollout.engine_options.max_retries={self.max_retries}; last error: {error}") from error
+                    f"ray engine: worker {k}, {what(k)}, failed {attempts[k]} times, the bound set by "
+                    f"rollout.engine_options.max_retries={self.max_retries}; last error: {last[:300]}") from error
             self._restart(k, error)
             submit(k)
 

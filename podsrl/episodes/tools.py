@@ -8,14 +8,16 @@ calls one in its family's format (podsrl/episodes/formats.py); in Qwen2.5's:
 
 The calls of a turn run concurrently (at most episode.max_parallel_calls at once) on the process's call pool
 (podsrl/episodes/calls.py), each against episode.tool_timeout_s, and are answered in order. What a tool returns
-must be a string, a number or a bool; anything else is junk. A call that cannot be read, names no tool of the
-episode, raises (SystemExit and KeyboardInterrupt included, named as such), runs past its time limit or returns
-junk answers the model with an error message and counts as a fault of that tool (a call that names no tool:
-`invalid`). What a tool returns is cut to episode.max_response_chars characters before anything tokenizes it.
+must be a string, a number or a bool; anything else is junk, and so is a NaN or infinite float (no answer to
+pass on). A call that cannot be read, names no tool of the episode, raises (SystemExit and KeyboardInterrupt
+included, named as such), runs past its time limit or returns junk answers the model with an error message and
+counts as a fault of that tool (a call that names no tool: `invalid`). What a tool returns is cut to
+episode.max_response_chars characters before anything tokenizes it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -84,6 +86,8 @@ def _result(name: str, outcome: Outcome, timeout_s: float, limit: ResponseLimit)
         text = f"error: {name} raised {type(outcome.error).__name__}: {outcome.error}"
     elif not isinstance(outcome.value, _SCALARS):
         text = f"error: {name} returned a {type(outcome.value).__name__}, not a string or number"
+    elif isinstance(outcome.value, float) and not math.isfinite(outcome.value):  # no answer: a fault, not "nan"
+        text = f"error: {name} returned {outcome.value}, not a finite number"
     else:
         try:
             text, fault = str(outcome.value), False

@@ -343,6 +343,7 @@ class Comparison:
     plateau_fraction: float
     interpolate: bool
     configs: list[ConfigSummary]
+    expect: str | None = None  # the side named before the runs (one-sided tests), else None (two-sided)
 
     @property
     def clock(self) -> str:
@@ -372,6 +373,7 @@ def compare_runs(
     plateau_fraction: float = 0.2,
     target_mode: str = "per_seed",
     interpolate: bool = True,
+    expect: str | None = None,
 ) -> Comparison:
     """Aggregate runs per config against the baseline's peak.
 
@@ -381,6 +383,7 @@ def compare_runs(
     and get no speed-up.
     target_mode "mean": one target for all, the mean over baseline seeds of their smoothed peaks (the paper's
     "baseline's peak" on an averaged curve); baseline seeds below that mean then never reach it.
+    expect: "better" or "worse" when that side was named before the runs (one-sided tests; stats.paired_stat).
     """
     if target_mode not in ("per_seed", "mean"):
         raise UserError(f"target mode must be 'per_seed' or 'mean', got {target_mode!r}")
@@ -445,19 +448,21 @@ def compare_runs(
                 step_times={
                     k: Spread.of(x.record.train_means.get(k) for x in runs_l) for k in STEP_TIME_KEYS
                 },
-                paired={} if label == baseline else paired_metrics(results[baseline], runs_l),
+                paired={} if label == baseline else paired_metrics(results[baseline], runs_l, expect),
             )
         )
     return Comparison(
-        baseline, target_mode, mean_target, smooth_window, plateau_fraction, interpolate, configs
+        baseline, target_mode, mean_target, smooth_window, plateau_fraction, interpolate, configs, expect
     )
 
 
-def paired_metrics(baseline: list[RunResult], method: list[RunResult]) -> dict[str, PairedStat]:
+def paired_metrics(
+    baseline: list[RunResult], method: list[RunResult], expect: str | None = None
+) -> dict[str, PairedStat]:
     """PAIRED_METRICS of `method` against `baseline`, paired by seed, Holm-corrected across the metrics."""
     out = {}
     for metric, (attr, higher_is_better) in PAIRED_METRICS.items():
         base = {r.record.seed: getattr(r, attr) for r in baseline}
         values = {r.record.seed: getattr(r, attr) for r in method}
-        out[metric] = paired_stat(metric, base, values, higher_is_better)
+        out[metric] = paired_stat(metric, base, values, higher_is_better, expect)
     return paired_family(out)

@@ -22,8 +22,9 @@ from podsrl.experiments.analysis import (
     compare_runs,
     load_run,
 )
-from podsrl.experiments.paired_test import format_p, interval_label, interval_level
+from podsrl.experiments.paired_test import fewest_seeds, format_p, interval_label, interval_level
 from podsrl.experiments.stats import ALPHA, POWER, PairedStat, seeds_range_text
+from podsrl.experiments.tokenizers import run_tokenizer, tokenizer_note
 
 NOT_REACHED = "not reached"
 HEADER_FILE = "header.md"  # written by `podsrl compare`, picked up by `podsrl report` on the same folder
@@ -148,7 +149,7 @@ def paired_table(comparison: Comparison) -> str:
             "config",
             "metric",
             f"mean difference vs `{comparison.baseline}` [interval: {levels or 'none'}]",
-            "sign-flip p (Holm)",
+            "sign-flip p (Holm)" if comparison.expect is None else f"one-sided p for {comparison.expect} (Holm)",
             "pairs",
             "verdict",
             f"seeds to resolve (estimate from the observed spread; range from its {1 - ALPHA:.0%} interval)",
@@ -246,23 +247,30 @@ def render_markdown(comparison: Comparison, header: str | None = None) -> str:
         "Cells show mean ± std [min–max] over seeds; times and speed-ups over the seeds that reached the",
         "target (count shown when not all did).",
     ]
+    two_sided = c.expect is None
+    fewest = fewest_seeds(1, ALPHA, two_sided)  # one metric; all fewer seeds agreeing give this p at best
+    best_p = (2 if two_sided else 1) * 0.5 ** (fewest - 1)
+    test = "two-sided" if two_sided else f"one-sided for {c.expect} (named before the runs: no verdict the other way)"
     paired_note = [
         f"Paired by seed (seed s of a config minus seed s of `{c.baseline}`): mean difference with an expanded",
         "percentile bootstrap interval, at the level the header names for its number of pairs (up to 4 pairs it",
-        "is the range of the differences). p: exact one-sided sign-flip test of the mean difference on the side",
-        "it lies on, Holm-corrected across the metrics in brackets; verdict better / worse when the Holm p is at",
+        f"is the range of the differences). p: exact sign-flip test of the mean difference, {test},",
+        "Holm-corrected across the metrics in brackets; verdict better / worse when the Holm p is at",
         f"most {ALPHA} (time to target: lower is better), 'all n seeds agree' when every pair lies on one side",
         "without that, else inconclusive, with the seeds a paired t-test would need to resolve the observed",
-        f"difference at the observed spread (two-sided {ALPHA}, power {POWER}) and the range from the spread's",
-        "own uncertainty.",
+        f"difference at the observed spread ({'two' if two_sided else 'one'}-sided {ALPHA}, power {POWER}) and the",
+        "range from the spread's own uncertainty.",
         f"Final = last eval point; area = trapezoid integral of accuracy over the seed's common {c.clock}",
         "[0, T] (T = earliest end among that seed's runs) divided by T; final, peak and plateau use each run's",
         "whole curve, like for like only under an equal budget. Time to target uses the pairs where both",
-        "reached it. No result of 3 seeds can reach p = 0.05 (all three agreeing has p = 0.125):",
-        "see docs/statistics.md.",
+        f"reached it. No result of fewer than {fewest} seeds can reach p = {ALPHA} (all {fewest - 1} agreeing has",
+        f"p = {format_p(best_p)}): see docs/statistics.md.",
     ]
     parts = [header.strip() + "\n"] if header else []
     parts.append(" ".join(method) + "\n")
+    tokenizers, mixed = tokenizer_note({cfg.label: [run_tokenizer(r.record.summary, r.record.config)
+                                                    for r in cfg.runs] for cfg in c.configs})
+    parts.append(tokenizers)
     summary = []
     # episodes: the environment's tokens (tool answers) beside the model's, never counted as generated
     environment = any((cfg.totals.get("total/tokens_environment", Spread.of([])).mean or 0) > 0 for cfg in c.configs)
@@ -302,7 +310,8 @@ def render_markdown(comparison: Comparison, header: str | None = None) -> str:
                 "rollouts generated to target",
                 "speed-up",
                 "rollouts gen / trained",
-                "tokens gen / env / trained" if environment else "tokens gen / trained",
+                ("tokens gen / env / trained" if environment else "tokens gen / trained")
+                + (" (each config's own tokenizer: not comparable)" if mixed else ""),
                 f"{c.clock} (s)",
                 "step time (s): generate / score / select / update / total",
             ],
@@ -374,17 +383,21 @@ def build_report(
     interpolate: bool = True,
     header: str | None = None,
     labels: Mapping[str | Path, str] | None = None,
+    expect: str | None = None,
 ) -> list[dict]:
     """Load runs, compare them, write results.md/.csv, runs.csv and accuracy.png; return the per-config rows.
 
     Runs are grouped by label (config `name`, else the config's folder in compare's layout; `labels` overrides
-    per run dir) and seed. The baseline is the first label seen unless named.
+    per run dir) and seed. The baseline is the first label seen unless named. expect: the side named before the
+    runs ("better" / "worse": one-sided tests, no verdict on the other side), None for two-sided.
     """
     from podsrl.experiments.plots import plot_comparison  # matplotlib loads in seconds: only when plotting
 
     labels = {Path(k): v for k, v in (labels or {}).items()}
     records = [load_run(d, labels.get(Path(d))) for d in run_dirs]
-    comparison = compare_runs(records, baseline, smooth_window, plateau_fraction, target_mode, interpolate)
+    comparison = compare_runs(
+        records, baseline, smooth_window, plateau_fraction, target_mode, interpolate, expect
+    )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = comparison_rows(comparison)
@@ -421,6 +434,12 @@ def add_analysis_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-interpolate",
         action="store_true",
         help="time to target at the first eval point at/above it (default: interpolate)",
+    )
+    parser.add_argument(
+        "--expect",
+        choices=("better", "worse"),
+        help="the side you expected before the runs: one-sided tests for it, and no verdict on the other side "
+        "(default: two-sided; naming a side after seeing the results doubles the false-positive rate)",
     )
 
 
@@ -460,6 +479,7 @@ def report_main(args: argparse.Namespace) -> int:
         target_mode=args.target_mode,
         interpolate=not args.no_interpolate,
         header=header,
+        expect=args.expect,
     )
     print("\n".join(verdict_lines(rows)))
     print(f"{len(rows)} config(s) compared; wrote {out / 'results.md'}, results.csv, runs.csv, accuracy.png")

@@ -408,6 +408,7 @@ def compare_main(args: argparse.Namespace) -> int:
             "plateau_fraction": args.plateau_fraction,
             "target_mode": args.target_mode,
             "interpolate": not args.no_interpolate,
+            "expect": args.expect,
         },
         command=shlex.join(["podsrl", *sys.argv[1:]]) if sys.argv[1:2] == ["compare"] else None,
     )

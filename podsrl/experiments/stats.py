@@ -10,17 +10,20 @@ for the first step); the unit of evidence is the per-seed difference d_s = metho
   as wide as a t interval would be. A percentile bootstrap can never leave [min d, max d]: up to 4 seeds the
   interval is the range of the differences, ~75% for the median with 3 (paired_test.interval_label names each n's
   level; docs/statistics.md).
-- Verdict (podsrl/experiments/paired_test.py): the exact sign-flip test of the mean difference, one-sided in each
-  direction, Holm-corrected across the metrics of one comparison (`paired_family`); "better" / "worse" when that
-  p <= alpha, "all n seeds agree" when every seed lies on one side but p > alpha, else "inconclusive". Each direction's
-  claims are wrong at most alpha of the time under no effect. The interval describes the size of the difference and
-  decides nothing. Fewer than 2 pairs: always inconclusive.
+- Verdict (podsrl/experiments/paired_test.py): the exact two-sided sign-flip test of the mean difference,
+  Holm-corrected across the metrics of one comparison (`paired_family`, one family); "better" / "worse" (the side the
+  mean lies on) when that p <= alpha, "all n seeds agree" when every seed lies on one side but p > alpha, else
+  "inconclusive". Under no effect a verdict of either kind is wrong at most alpha of the time. With a side named
+  before the runs (`expect`, `podsrl compare --expect better`) the p is one-sided for that side and only that side
+  can be declared. The interval describes the size of the difference and decides nothing. Fewer than 2 pairs:
+  always inconclusive.
 - Seeds needed (not significant only): the smallest n with n >= ((t_{n-1, 1-alpha/2} + t_{n-1, power}) * s / |dbar|)^2,
   the paired t-test sample size (normal approximation of the non-central t, iterated on the t quantiles) to
-  detect the observed mean difference dbar at the observed standard deviation s of the differences, two-sided
-  alpha = 0.05, power 0.8. At least n + 1 (more seeds than were run), and at least the fewest with which the exact
-  test can pass at all (2^-n * metrics <= alpha). An estimate from the observed spread, which is
-  itself uncertain: the range puts the ends of the spread's chi-square (1 - alpha) interval through the same formula.
+  detect the observed mean difference dbar at the observed standard deviation s of the differences, alpha = 0.05
+  (one-sided with `expect`), power 0.8. At least n + 1 (more seeds than were run), and at least the fewest with
+  which the exact test can pass at all (2 * 2^-n * metrics <= alpha; one-sided 2^-n * metrics: fewest_seeds). An
+  estimate from the observed spread, which is itself uncertain: the range puts the ends of the spread's chi-square
+  (1 - alpha) interval through the same formula.
   None when dbar = 0 or s is unknown (< 2 pairs).
 """
 
@@ -34,7 +37,16 @@ from statistics import NormalDist
 
 import numpy as np
 
-from podsrl.experiments.paired_test import format_p, holm, sd_interval, sign_flip_p, verdict_text
+from podsrl.experiments.paired_test import (
+    alternative_for,
+    fewest_seeds,
+    format_p,
+    holm,
+    sd_interval,
+    sign_flip_p,
+    verdict_side,
+    verdict_text,
+)
 
 ALPHA = 0.05
 POWER = 0.8
@@ -96,7 +108,9 @@ def bootstrap_interval(
     return float(low), float(high)
 
 
-def seeds_needed(mean_diff: float, sd_diff: float, alpha: float = ALPHA, power: float = POWER) -> int | None:
+def seeds_needed(
+    mean_diff: float, sd_diff: float, alpha: float = ALPHA, power: float = POWER, two_sided: bool = True
+) -> int | None:
     """Paired-t sample size to detect `mean_diff` at spread `sd_diff` (see the module docstring); None if 0,
     MAX_SEEDS + 1 for any size above MAX_SEEDS (`seeds_text` writes it as "> 1000")."""
     if mean_diff == 0 or not math.isfinite(sd_diff):
@@ -104,11 +118,12 @@ def seeds_needed(mean_diff: float, sd_diff: float, alpha: float = ALPHA, power: 
     if sd_diff == 0:
         return 2
     effect = abs(mean_diff) / sd_diff
-    z = NormalDist().inv_cdf(1 - alpha / 2) + NormalDist().inv_cdf(power)
+    level = 1 - alpha / 2 if two_sided else 1 - alpha
+    z = NormalDist().inv_cdf(level) + NormalDist().inv_cdf(power)
     n = max(2, math.floor((z / effect) ** 2))  # the normal-theory size; t quantiles only ever raise it
     if n > MAX_SEEDS:
         return MAX_SEEDS + 1
-    while n < ((t_quantile(1 - alpha / 2, n - 1) + t_quantile(power, n - 1)) / effect) ** 2:
+    while n < ((t_quantile(level, n - 1) + t_quantile(power, n - 1)) / effect) ** 2:
         n += 1
     return n
 
@@ -141,30 +156,22 @@ class PairedStat:
     seeds_needed: int | None  # only for an inconclusive verdict with >= 2 pairs
     seeds_low: int | None = None  # seeds_needed at the ends of the spread's (1 - alpha) interval
     seeds_high: int | None = None
-    p_better: float | None = None  # one-sided sign-flip p that the method is better (>= 2 pairs)
-    p_worse: float | None = None
-    holm_better: float | None = None  # the same after Holm across the comparison's metrics
-    holm_worse: float | None = None
+    p_value: float | None = None  # sign-flip p: two-sided, or one-sided for `expect` (>= 2 pairs)
+    p_holm: float | None = None  # the same after Holm across the comparison's metrics
+    expect: str | None = None  # BETTER or WORSE when that side was named before the runs, else None
     above: int = 0  # pairs with method > baseline
     below: int = 0  # pairs with method < baseline
     words: str = INCONCLUSIVE  # the verdict as paired_test.verdict_text words it
 
     @property
     def direction(self) -> str:
-        worse = self.p_worse is not None and self.p_better is not None and self.p_worse < self.p_better
-        return WORSE if worse else BETTER
-
-    @property
-    def p_value(self) -> float | None:
-        """One-sided p on the side the mean difference lies on."""
-        return self.p_worse if self.direction == WORSE else self.p_better
-
-    @property
-    def p_holm(self) -> float | None:
-        return self.holm_worse if self.direction == WORSE else self.holm_better
+        """The side the mean difference lies on, in the metric's good direction."""
+        if not self.mean_diff:  # None or 0: no side
+            return BETTER
+        return BETTER if (self.mean_diff > 0) == self.higher_is_better else WORSE
 
     def short(self, digits: int = 3) -> str:
-        """For a plot legend: "+0.021 [+0.010, +0.030] better, Holm p = 0.020" (or "... all 3 agree, Holm p = 0.625")."""
+        """For a plot legend: "+0.021 [+0.010, +0.030] better, Holm p = 0.020" (or "... all 3 agree, Holm p = 1.000")."""
         if self.mean_diff is None:
             return "no pairs"
         text = f"{self.mean_diff:+.{digits}f}"
@@ -177,36 +184,26 @@ class PairedStat:
         return text
 
 
-def _decide(
-    stat: PairedStat, holm_better: float | None, holm_worse: float | None, alpha: float = ALPHA, tests: int = 1
-) -> PairedStat:
-    """Verdict, its words and seeds needed from the (Holm-adjusted over `tests` metrics) one-sided p-values."""
-    if stat.p_better is None or stat.mean_diff is None or stat.sd_diff is None:
+def _decide(stat: PairedStat, p_holm: float | None, alpha: float = ALPHA, tests: int = 1) -> PairedStat:
+    """Verdict, its words and seeds needed from the (Holm-adjusted over `tests` metrics) p-value."""
+    if stat.p_value is None or stat.mean_diff is None or stat.sd_diff is None or p_holm is None:
         return stat
-    verdict = BETTER if holm_better <= alpha else WORSE if holm_worse <= alpha else INCONCLUSIVE  # type: ignore[operator]
-    worse_side = stat.direction == WORSE
-    agree = stat.above if worse_side != stat.higher_is_better else stat.below  # seeds on that side
-    words = verdict_text(
-        WORSE if worse_side else BETTER,
-        agree,
-        stat.pairs,
-        stat.p_worse if worse_side else stat.p_better,
-        holm_worse if worse_side else holm_better,
-        alpha,
-    )
+    side = verdict_side(stat.mean_diff, p_holm, alpha, stat.higher_is_better, stat.expect)
+    verdict = {1: BETTER, -1: WORSE, 0: INCONCLUSIVE}[side]
+    agree = stat.above if (stat.direction == WORSE) != stat.higher_is_better else stat.below  # seeds on that side
+    words = verdict_text(stat.direction, agree, stat.pairs, stat.p_value, p_holm, alpha, stat.expect)
     needed = low = high = None
-    if verdict == INCONCLUSIVE:
-        # the exact test's floor: n seeds all agreeing give p = 2^-n, times `tests` after Holm at worst
-        floor = max(stat.pairs + 1, math.ceil(math.log2(tests / alpha)))
-        formula = seeds_needed(stat.mean_diff, stat.sd_diff)
+    if verdict == INCONCLUSIVE and stat.expect in (None, stat.direction):  # none against the expected side
+        two_sided = stat.expect is None
+        floor = max(stat.pairs + 1, fewest_seeds(tests, alpha, two_sided))
+        formula = seeds_needed(stat.mean_diff, stat.sd_diff, two_sided=two_sided)
         if formula is not None:
             needed = max(formula, floor)
             sd_lo, sd_hi = sd_interval(stat.sd_diff, stat.pairs, alpha)
-            low, high = (max(seeds_needed(stat.mean_diff, sd) or 2, floor) for sd in (sd_lo, sd_hi))
-    return replace(
-        stat, verdict=verdict, words=words, seeds_needed=needed, seeds_low=low, seeds_high=high,
-        holm_better=holm_better, holm_worse=holm_worse,
-    )
+            low, high = (max(seeds_needed(stat.mean_diff, sd, two_sided=two_sided) or 2, floor)
+                         for sd in (sd_lo, sd_hi))
+    return replace(stat, verdict=verdict, words=words, seeds_needed=needed, seeds_low=low, seeds_high=high,
+                   p_holm=p_holm)
 
 
 def paired_stat(
@@ -214,10 +211,15 @@ def paired_stat(
     baseline: Mapping[int | None, float | None],
     method: Mapping[int | None, float | None],
     higher_is_better: bool = True,
+    expect: str | None = None,
 ) -> PairedStat:
     """Pair the two configs' values by seed and summarise method - baseline (missing values drop the pair).
 
-    The verdict is this metric's alone; `paired_family` corrects it for the other metrics of the comparison."""
+    expect: BETTER or WORSE when that side was named before the runs (one-sided test, no verdict on the other
+    side), None for the two-sided test. The verdict is this metric's alone; `paired_family` corrects it for the
+    other metrics of the comparison."""
+    if expect not in (None, BETTER, WORSE):
+        raise ValueError(f"expect must be {BETTER!r}, {WORSE!r} or None, got {expect!r}")
     shared = [s for s in method if s in baseline]
     diffs = np.array(
         [method[s] - baseline[s] for s in shared if method[s] is not None and baseline[s] is not None],  # type: ignore[operator]
@@ -225,26 +227,27 @@ def paired_stat(
     )
     n = len(diffs)
     if n == 0:
-        return PairedStat(metric, higher_is_better, 0, len(shared), None, None, None, None, INCONCLUSIVE, None)
+        return PairedStat(metric, higher_is_better, 0, len(shared), None, None, None, None, INCONCLUSIVE, None,
+                          expect=expect)
     mean = float(diffs.mean())
     if n < 2:
-        return PairedStat(metric, higher_is_better, 1, len(shared), mean, None, None, None, INCONCLUSIVE, None)
+        return PairedStat(metric, higher_is_better, 1, len(shared), mean, None, None, None, INCONCLUSIVE, None,
+                          expect=expect)
     low, high = bootstrap_interval(diffs)
-    up, down = sign_flip_p(diffs, "greater"), sign_flip_p(diffs, "less")
+    p = sign_flip_p(diffs, alternative_for(expect, higher_is_better))
     stat = PairedStat(
         metric, higher_is_better, n, len(shared), mean, float(diffs.std(ddof=1)), low, high, INCONCLUSIVE, None,
-        p_better=up if higher_is_better else down,
-        p_worse=down if higher_is_better else up,
+        p_value=p,
+        expect=expect,
         above=int((diffs > 0).sum()),
         below=int((diffs < 0).sum()),
     )
-    return _decide(stat, stat.p_better, stat.p_worse)
+    return _decide(stat, p)
 
 
 def paired_family(stats: Mapping[str, PairedStat], alpha: float = ALPHA) -> dict[str, PairedStat]:
-    """The metrics of one comparison, their verdicts Holm-corrected across them (each direction its own family)."""
+    """The metrics of one comparison, their verdicts Holm-corrected across them (one family, both directions)."""
     names = list(stats)
-    better = holm([stats[m].p_better for m in names])
-    worse = holm([stats[m].p_worse for m in names])
-    tests = sum(p is not None for p in better)
-    return {m: _decide(stats[m], b, w, alpha, tests) for m, b, w in zip(names, better, worse)}
+    adjusted = holm([stats[m].p_value for m in names])
+    tests = sum(p is not None for p in adjusted)
+    return {m: _decide(stats[m], p, alpha, tests) for m, p in zip(names, adjusted)}

@@ -26,6 +26,12 @@ if TYPE_CHECKING:  # the config is only read here: models/ stand below config/
 
 log = logging.getLogger("podsrl")
 
+try:
+    from safetensors import SafetensorError
+except ImportError:  # older safetensors: its errors are OSError/RuntimeError subclasses, caught as such
+    class SafetensorError(Exception):  # type: ignore[no-redef]
+        pass
+
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 # Printable ASCII plus newline: enough for the built-in tasks and for plain-text datasets on the tiny model.
 CHARS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
@@ -97,11 +103,37 @@ def load_pretrained(path_or_id: str, dtype: str = "float32", trust_remote_code: 
             dtype=getattr(torch, dtype),
             trust_remote_code=trust_remote_code,
         )
+    except SafetensorError as e:
+        raise UserError(damaged_weights(local, e)) from None
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         where = "local path" if looks_local else "hub id (offline, or no such repo?)"
         raise UserError(f"model.name_or_path: cannot load {path_or_id!r} as a {where}: {first}") from None
     return model, tokenizer
+
+
+def damaged_weights(directory: Path, error: Exception) -> str:
+    """One line for a model directory whose weights do not load: the damaged file (the first whose header does
+    not read back) and what to do, which depends on whose directory it is."""
+    from safetensors import safe_open
+
+    def unreadable(path: Path) -> bool:
+        try:
+            with safe_open(str(path), framework="pt"):
+                return False
+        except (SafetensorError, OSError):
+            return True
+
+    bad = next((f for f in sorted(directory.glob("*.safetensors")) if unreadable(f)), directory)
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if (directory / "warmup.json").is_file():
+        advice = f"it is a cached warm-up: delete {directory} and the next run (or `podsrl warmup`) trains it again"
+    elif (directory.parent / "manifest.json").is_file():  # a run's checkpoint (podsrl/run/checkpoint.py)
+        advice = ("it is a run's checkpoint: use an older one (`podsrl train --resume` skips a damaged checkpoint "
+                  "for the newest intact one)")
+    else:
+        advice = "restore or re-download the model"
+    return f"{bad}: damaged weights ({reason}); {advice}"
 
 
 def load_tokenizer(path_or_id: str, trust_remote_code: bool = False):

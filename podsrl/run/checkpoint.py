@@ -30,18 +30,13 @@ from pathlib import Path
 import torch
 
 from podsrl.errors import UserError
+from podsrl.models.loading import SafetensorError
 from podsrl.run import faults
+from podsrl.run.checkpoint_readers import MANIFEST, checkpoint_dir, list_checkpoints, remove_checkpoint
 from podsrl.run.lock import create_run_dir
 
 log = logging.getLogger("podsrl")
 
-MANIFEST = "manifest.json"
-
-try:
-    from safetensors import SafetensorError as _SafetensorError
-except ImportError:  # older safetensors: its errors are OSError/RuntimeError subclasses or caught below anyway
-    class _SafetensorError(Exception):  # type: ignore[no-redef]
-        pass
 
 
 def _sha256(path: Path) -> str:
@@ -61,10 +56,6 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
     except OSError:
         pass
-
-
-def checkpoint_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
 
 
 def prepare_run_dir(run_dir: Path, resume: bool) -> None:
@@ -123,7 +114,7 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state:
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(root)
-    except (OSError, RuntimeError, _SafetensorError) as e:  # torch.save and safetensors wrap OS errors
+    except (OSError, RuntimeError, SafetensorError) as e:  # torch.save and safetensors wrap OS errors
         shutil.rmtree(tmp, ignore_errors=True)
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0]
         raise UserError(f"output_dir: cannot write checkpoint {final} ({reason}); "
@@ -213,19 +204,12 @@ def _step_of(path: Path) -> int:
 def prune_checkpoints(run_dir: Path, step: int, keep: int) -> None:
     """Keep the newest `keep` checkpoints up to `step` (the one just written is always among them); delete
     older ones, and any with a later step: those are leftovers of an attempt this run was resumed past, so
-    they are corrupt (else resume would have picked them) and must not outrank the new, good ones."""
+    they are corrupt (else resume would have picked them) and must not outrank the new, good ones. A checkpoint a
+    reader pins (`podsrl eval`: podsrl/run/checkpoint_pin.py) is kept until a rotation after the reader ends."""
     existing = list_checkpoints(run_dir)
     current = [p for p in existing if _step_of(p) <= step]
     for old in [p for p in existing if _step_of(p) > step] + current[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Checkpoint directories with a final name, oldest first (validity not checked)."""
-    root = checkpoint_dir(run_dir)
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
+        remove_checkpoint(old)
 
 
 def checkpoint_problem(path: Path) -> str | None:
@@ -260,7 +244,9 @@ def verify_checkpoint(path: Path) -> bool:
 
 def resume_checkpoint(run_dir: Path) -> tuple[Path | None, list[dict]]:
     """The newest checkpoint whose manifest checks out, and the newer ones skipped ({path, reason}), each of those
-    logged as a warning: resuming from an older checkpoint than the user expects must never be silent."""
+    logged as a warning: resuming from an older checkpoint than the user expects must never be silent. None when
+    the run saved none; when it saved some and every one is damaged, a UserError naming the newest's damage:
+    starting again from step 0 would throw the run away without being asked (and prune the damaged files)."""
     skipped = []
     for path in reversed(list_checkpoints(run_dir)):
         problem = checkpoint_problem(path)
@@ -268,6 +254,11 @@ def resume_checkpoint(run_dir: Path) -> tuple[Path | None, list[dict]]:
             return path, skipped
         log.warning("resume: skipping checkpoint %s: %s", path, problem)
         skipped.append({"path": str(path), "reason": problem})
+    if skipped:
+        newest = skipped[0]
+        raise UserError(f"--resume: no checkpoint of {run_dir} is intact; the newest, {newest['path']}: "
+                        f"{newest['reason']}. Restore its files from a copy, or move {checkpoint_dir(run_dir)} away "
+                        "to train the run again from step 0")
     return None, skipped
 
 
@@ -296,6 +287,31 @@ def load_in_flight(path: Path) -> list[dict]:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"checkpoint {path}: in_flight.pt holds something other than tensors and plain values; "
                         f"refusing to load it ({first[:200]})") from None
+
+
+def in_flight_on_resume(path: Path, asynchronous: bool, step: int) -> list[dict]:
+    """The batches generated ahead that a resume from `path` continues with (train.async), and one line where the
+    resume toggles train.async (an asynchronous run's checkpoint has in_flight.pt, even an empty one): what becomes
+    of what the checkpoint had in flight. Batches generated ahead cannot be dropped silently: refused."""
+    saved = load_in_flight(path)
+    if (path / "in_flight.pt").is_file() == asynchronous:
+        return saved
+    if asynchronous:
+        log.warning("resume: train.async.enabled=true on %s, a synchronous run's checkpoint: it has no batch in "
+                    "flight; the generator starts at step %d from its weights, as a new asynchronous run does",
+                    path, step + 1)
+    elif saved:
+        raise UserError(f"checkpoint {path} holds {len(saved)} batches generated ahead by an asynchronous run "
+                        "(train.async.enabled=true); resume it with train.async.enabled=true (a synchronous resume "
+                        "would drop them)")
+    elif (path / "generator.pt").is_file():
+        log.warning("resume: train.async.enabled=false on %s, an asynchronous run's checkpoint: the batch it was "
+                    "generating when it stopped is not resumed; step %d's batch is generated afresh from the "
+                    "checkpoint's weights", path, step + 1)
+    else:
+        log.warning("resume: train.async.enabled=false on %s, an asynchronous run's checkpoint: it had no batch in "
+                    "flight, so nothing is dropped; the run goes on synchronously from step %d", path, step + 1)
+    return saved
 
 
 def load_checkpoint_files(path: Path) -> tuple[dict, dict, dict]:

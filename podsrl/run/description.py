@@ -3,6 +3,9 @@ resume at another world size."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import torch
 
 from podsrl.models.transformers_api import has_adapters
@@ -53,3 +56,12 @@ def world_size_change(written: int, now: int) -> str:
 
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def tokenizer_identity(tokenizer, name_or_path: str) -> dict:
+    """What a run's token counts count (summary.json's "tokenizer"; `podsrl compare` sets runs side by side only
+    where these agree): the tokenizer's class and source, its vocabulary size and a digest of its vocabulary
+    (token -> id), equal exactly when two runs' tokens are the same."""
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode()
+    return {"name": f"{type(tokenizer).__name__} of {name_or_path}", "vocab_size": len(tokenizer),
+            "digest": hashlib.sha256(vocab).hexdigest()[:12]}

@@ -17,16 +17,18 @@ import json
 import logging
 import os
 import socket
+import tempfile
 import time
 from pathlib import Path
 
 from podsrl.errors import UserError
 from podsrl.run import supervisor
-from podsrl.run.log import RunLog
+from podsrl.run.log import LOG_FILE, RunLog
 
 log = logging.getLogger("podsrl")
 
 LOCK_FILE = "run.lock"
+APPENDED = (LOCK_FILE, LOG_FILE, "metrics.jsonl")  # the files of a run directory a resumed run writes in place
 HANDOVER_S = 10.0  # the longest wait for the lock of a holder that has ended (its trainer still exiting)
 
 
@@ -35,6 +37,32 @@ def create_run_dir(run_dir: Path) -> None:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"output_dir: cannot create {run_dir} ({e.strerror or e})") from None
+
+
+def check_writable(run_dir: Path) -> None:
+    """At start-up, before any work: a UserError naming the first thing of `run_dir` this process cannot write
+    (the directory and its sub-directories, checkpoints/ among them, take new files; the files a run appends to
+    take appends), so a read-only or foreign run directory fails at once with one line, not with a traceback at
+    the first write or after a step's work. Tried, not judged from mode bits: root, ACLs and read-only mounts
+    decide what a write does."""
+    for path in (run_dir, *sorted(p for p in run_dir.iterdir() if p.is_dir())):
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".podsrl-write-test-", dir=path)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            _cannot_write(run_dir, path, e)
+    for path in (run_dir / name for name in APPENDED):
+        try:
+            if path.exists():
+                open(path, "a", encoding="utf-8").close()
+        except OSError as e:
+            _cannot_write(run_dir, path, e)
+
+
+def _cannot_write(run_dir: Path, path: Path, e: OSError) -> None:
+    raise UserError(f"output_dir: cannot write {path} ({e.strerror or e}); make {run_dir} writable for this user "
+                    f"(e.g. chmod -R u+w {run_dir}), or copy it to a writable place and run there") from None
 
 
 def _describe(holder: dict) -> str:
@@ -64,8 +92,12 @@ class RunLock:
         self.run_dir = Path(run_dir)
         self.log: RunLog | None = None
         create_run_dir(self.run_dir)
+        check_writable(self.run_dir)
         self.path = self.run_dir / LOCK_FILE
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            _cannot_write(self.run_dir, self.path, e)
         self._file = os.fdopen(fd, "r+", encoding="utf-8")
         try:
             self._take(fd)

@@ -27,7 +27,7 @@ from podsrl.engines import engine_class
 from podsrl.engines.capture_lock import CAPTURE_LOCK
 from podsrl.episodes.calls import CALLS, STOP, Interrupted
 from podsrl.episodes.runner import task_episodes
-from podsrl.errors import UnhealthyRun, UserError
+from podsrl.errors import UnhealthyRun, UserError, WorkerLost
 from podsrl.fileio import write_text_atomic
 from podsrl.fsdp import build_data_parallel, fsdp_sharding
 from podsrl.methods import METHODS
@@ -38,9 +38,9 @@ from podsrl.run import faults
 from podsrl.run.accounting import ComputeAccountant
 from podsrl.run.async_generation import BackgroundGenerator, async_engines, split_threads, staleness_metrics
 from podsrl.run.checkpoint import (
+    in_flight_on_resume,
     load_checkpoint_files,
     load_generator,
-    load_in_flight,
     load_sharded_tensors,
     prepare_run_dir,
     python_random_state,
@@ -48,7 +48,12 @@ from podsrl.run.checkpoint import (
     save_checkpoint,
     set_python_random_state,
 )
-from podsrl.run.description import describe_checkpoint_size, describe_run, world_size_change
+from podsrl.run.description import (
+    describe_checkpoint_size,
+    describe_run,
+    tokenizer_identity,
+    world_size_change,
+)
 from podsrl.run.engine_state import keeps_engine_state
 from podsrl.run.evaluation import evaluate
 from podsrl.run.health import HealthMonitor
@@ -56,7 +61,7 @@ from podsrl.run.lock import RunLock
 from podsrl.run.log import RankLog
 from podsrl.run.micro_batch import resolve_micro_batch
 from podsrl.run.producer import BatchProducer, ProducedBatch, StepRecord
-from podsrl.run.warmup import base_weights
+from podsrl.run.warmup import base_weights, resume_base_weights
 from podsrl.tasks.prompt_length import model_context
 from podsrl.update import PolicyUpdater, UpdateSettings
 from podsrl.update.optimizer import build_optimizer
@@ -93,9 +98,10 @@ class Trainer:
                         cfg.method, ", ".join(unread))
         checkpoint, self.skipped_checkpoints = resume_checkpoint(self.run_dir) if resume else (None, [])
         if resume and checkpoint is None:
-            log.warning("no valid checkpoint in %s: starting from the beginning", self.run_dir)
-        with self.dist.main_first():
-            self.base_path = base_weights(cfg, progress=cfg.log.progress)
+            log.warning("no checkpoint in %s (none saved yet): starting from the beginning", self.run_dir)
+        with self.dist.main_first():  # a resume reads the warm-up only where the checkpoint does not replace it
+            self.base_path = (resume_base_weights(cfg, checkpoint, cfg.log.progress) if checkpoint is not None
+                              else base_weights(cfg, progress=cfg.log.progress))
         # FSDP2 under torchrun: policy and reference go straight into their shards as they load (no rank holds
         # either whole), the reference before anything else is built
         sharding = fsdp_sharding(self.dist, cfg, self.facts.compute_dtype)
@@ -276,6 +282,9 @@ class Trainer:
     def train(self) -> dict:
         try:
             return self._train()
+        except WorkerLost as e:  # the engine names its worker; the learner adds where the run stands
+            raise WorkerLost(f"after step {self.step}: {e}; `podsrl train --resume {self.run_dir}` continues "
+                             "from its last checkpoint") from None
         finally:
             self._release_run_dir()
 
@@ -312,6 +321,7 @@ class Trainer:
         summary = {"step": self.step, "time/elapsed": self.elapsed, **last_eval,
                    **self.accountant.total_metrics(), "health_warnings": self.health.warnings,
                    "skipped_checkpoints": self.skipped_checkpoints,
+                   "tokenizer": tokenizer_identity(self.tokenizer, cfg.model.name_or_path),
                    # the engine that really sampled, and why it is not the one configured (null: it is)
                    "engine": self.engine.sampler, "engine/fallback": self.engine.fallback_reason}
         if self.dist.is_main:
@@ -481,9 +491,6 @@ class Trainer:
         written = state.get("world_size")  # absent from checkpoints of older versions: not known, nothing said
         if written is not None and written != self.dist.world_size and self.dist.is_main:  # one line for the job
             log.warning(world_size_change(written, self.dist.world_size))
-        saved = load_in_flight(path)
+        saved = in_flight_on_resume(path, self.cfg.train.asynchronous.enabled, self.step)
         self.generator_start = load_generator(path)
-        if saved and not self.cfg.train.asynchronous.enabled:
-            raise UserError(f"checkpoint {path} holds {len(saved)} batches generated ahead by an asynchronous run "
-                            "(train.async.enabled=true); resume it with train.async.enabled=true")
         return [ProducedBatch.from_state(b) for b in saved]

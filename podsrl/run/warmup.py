@@ -20,6 +20,8 @@ import torch
 from podsrl.config import Config, EpisodeConfig, TaskConfig, TinyModelConfig, to_dict
 from podsrl.models.loading import build_char_tokenizer, build_tiny_model, load_tiny_at_context, resolve_device
 from podsrl.reporting.tracking import build_progress
+from podsrl.sandbox.box import SandboxLimits
+from podsrl.sandbox.isolation import allow_unisolated, require_isolation
 from podsrl.tasks import build_task, task_class
 
 log = logging.getLogger("podsrl")
@@ -101,6 +103,33 @@ def base_weights(cfg: Config, progress: bool = False) -> str | None:
     return str(run_warmup(cfg, progress=progress)) if needs_warmup(cfg) else None
 
 
+def resume_base_weights(cfg: Config, checkpoint: Path, progress: bool = False) -> str | None:
+    """The warm-up a run resumed from `checkpoint` still reads, or None: the checkpoint holds the policy's weights,
+    so only a reference model (algo.beta > 0) or LoRA's frozen base (the checkpoint holds the adapter) need the
+    warm-up. A missing one is then trained again, saying so and why; one nothing reads is never trained."""
+    if not needs_warmup(cfg):
+        return None
+    readers = [why for why, needed in (("algo.beta > 0: the reference model is the warm-up", cfg.algo.beta > 0),
+                                       ("model.lora_rank > 0: the checkpoint holds the adapter, the warm-up is "
+                                        "its base", cfg.model.lora_rank > 0)) if needed]
+    if not readers:
+        return None
+    if present_warmup(cfg) is None:
+        log.warning("resume: the warm-up this run started from (%s) is missing and %s needs it (%s): training it "
+                    "again, up to warmup.steps=%d steps", warmup_path(cfg), checkpoint, "; ".join(readers),
+                    cfg.warmup.steps)
+    return base_weights(cfg, progress)
+
+
+def present_warmup(cfg: Config, use_shipped: bool = True) -> Path | None:
+    """The warm-up of this config already on disk (the shipped one of its key, else the cached one), or None."""
+    shipped = shipped_warmup(cfg) if use_shipped else None
+    if shipped is not None:
+        return shipped
+    out = warmup_path(cfg)
+    return out if (out / "config.json").is_file() else None
+
+
 def sft_batch(tokenizer, prompts: list[str], targets: list[str]):
     """Right-padded ids, attention mask and labels (-100 on prompt and padding), EOS after each target. A prompt is
     the context of a model turn, so an episode's tool answers in it get no loss, as RolloutBatch.loss_mask in RL."""
@@ -177,13 +206,14 @@ def run_warmup(cfg: Config, progress: bool = True, use_shipped: bool = True) -> 
     """The warmed-up base checkpoint's directory: the shipped one of this key (unless warmup.shipped is false or
     `use_shipped` is False: `podsrl warmup` builds this machine's own), else the cached one, else trained and
     cached."""
-    shipped = shipped_warmup(cfg) if use_shipped else None
-    if shipped is not None:
-        return shipped
+    present = present_warmup(cfg, use_shipped)
+    if present is not None:
+        return present
     out = warmup_path(cfg)
-    if (out / "config.json").is_file():
-        return out
+    allow_unisolated(cfg.episode.sandbox == "unisolated")
     task = build_task(warmup_task_config(cfg.task))
+    if task.runs_programs:  # its reference episodes run programs: said (or refused) before any training
+        require_isolation(SandboxLimits.max_processes)
     w = cfg.warmup
     # On the run's device (a 25M model would take hours on a few CPU cores); the cache key ignores the device, so a
     # warm-up made on one machine serves runs on another. Weights are built on the CPU first: the same start anywhere.

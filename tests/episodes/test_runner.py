@@ -184,3 +184,25 @@ def test_an_environment_that_fails_ends_its_episode_counted_without_stopping_the
     metrics = out.stats.metrics()
     assert metrics["episode/ended_by_environment_fault"] == 1.0 and metrics["episode/turns"] == 1.0
     assert int(out.loss_mask.sum()) == int(out.generation.completion_mask.sum()) > 0
+
+
+def test_a_nan_or_infinite_tool_answer_is_a_fault_not_passed_on():
+    import numpy as np
+
+    from podsrl.episodes.formats import ToolCall
+    from podsrl.episodes.tools import call_tools
+
+    def measure(x: str) -> float:
+        """Returns what it is asked for.
+
+        Args:
+            x: nan, inf, -inf (as numpy's), or a number.
+        """
+        return np.float64(x[3:]) if x.startswith("np:") else float(x)
+
+    results = call_tools([ToolCall("measure", {"x": x}) for x in ("nan", "inf", "np:-inf", "2.5")],
+                         {"measure": measure}, timeout_s=5.0)
+    assert [r.fault for r in results] == [True, True, True, False]
+    assert [r.content for r in results] == ["error: measure returned nan, not a finite number",
+                                            "error: measure returned inf, not a finite number",
+                                            "error: measure returned -inf, not a finite number", "2.5"]
