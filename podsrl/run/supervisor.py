@@ -4,7 +4,7 @@ Nothing inside a process can change the exit code of `os._exit(0)` (or of `exit(
 environment, a tool or a reward function: no `finally`, no atexit function runs. So the CLI, when it is the
 process's own entry point (`podsrl train`, `python -m podsrl train`, torchrun's), forks once the config is read,
 before the trainer is built. The child is the trainer; the parent execs itself (same pid) into a fresh interpreter
-that only waits for it: 12 MB resident here, where keeping the CLI's imports (torch) cost ~77 MB of private memory.
+that only waits for it, so it does not keep the CLI's imports (torch) in memory beside the trainer.
 The child tells the parent its exit code over a pipe on the CLI's own way out (`report_exit`), after summary.json is
 written for a finished run; the parent exits with that code. A child that ends without telling it ended outside
 podsrl's exit path: the parent says so in one line (stderr and run.log) and exits FAULT, so a scheduler never reads
