@@ -190,6 +190,9 @@ class ShardedEngine(RolloutEngine):
     def keeps_state_across_updates(self) -> bool:
         return self.inner.keeps_state_across_updates
 
+    def plan_rows(self, rows: int) -> None:
+        self.inner.plan_rows(rows)
+
     def release(self) -> None:
         self.inner.release()
 

@@ -202,7 +202,7 @@ def test_the_engines_decode_state_is_counted_through_the_update_or_freed_before_
     freed before the update. The plan keeps it beside each mode's largest micro-batch where that still fits (the
     micro-batch never shrinks for it); the trainer decides the same at its configured micro-batch."""
     from podsrl.config import load_config
-    from podsrl.planning.memory_report import run_keeps_decode_state, workload_from_config
+    from podsrl.planning.memory_report import kept_decode_rows, workload_from_config
 
     config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
@@ -230,7 +230,7 @@ def test_the_engines_decode_state_is_counted_through_the_update_or_freed_before_
     for checkpointing, fits in ((True, True), (False, False)):  # the configured micro-batch of 6 rows: 35.6 GiB
         configured = load_config("podsrl/configs/grpo.yaml", base + [
             "optim.micro_batch_size=6", f"update.activation_checkpointing={str(checkpointing).lower()}"])
-        assert run_keeps_decode_state(configured, config, 64, "cuda", 1, 40 * 2**30) is fits
+        assert (kept_decode_rows(configured, config, 64, "cuda", 1, 40 * 2**30) > 0) is fits
 
 
 def test_the_default_pods_step_at_1_5b_generates_in_waves_that_fit():
