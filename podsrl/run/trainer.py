@@ -270,9 +270,10 @@ class Trainer:
         metrics = evaluate(self.eval_engine, self.eval_tokenizer, self.eval_problems, self.verify,
                            cfg.rollout.max_new_tokens, cfg.eval.samples, cfg.rollout.temperature,
                            cfg.rollout.top_p, cfg.eval.batch_size, self.eval_episodes)
-        # its kept state (as many rows as the device held at the eval) is not the training waves' the plan counts,
-        # and under train.async the eval engine idles beside the update until the next eval: freed either way
-        self.eval_engine.release()
+        # under train.async the eval engine idles beside the update until the next eval: freed; the training
+        # engine's state the plan keeps through the update (its rows bounded by the plan's) stays, graphs and all
+        if self.eval_engine is not self.engine or not self.keep_engine_state:
+            self.eval_engine.release()
         # eval is outside the training clock (time/elapsed); its own cost is logged beside it
         record = {"step": self.step, "time/elapsed": self.elapsed, "time/eval": time.perf_counter() - t0, **metrics}
         record.update(self.accountant.total_metrics())
