@@ -255,7 +255,7 @@ class FastEngine(RolloutEngine):
     def release(self) -> None:
         """Frees what the engine keeps between calls (the step state and KV cache, the graphs that read them, open
         episode sessions' caches): the trainer calls it before the update where the memory plan does not fit them
-        beside it, and after an eval (a session's next turn then prefills its episodes whole)."""
+        beside it, and after an eval there too (a session's next turn then prefills its episodes whole)."""
         for session in list(self.sessions):
             session.close()
         self.state = None
