@@ -124,16 +124,16 @@ def test_the_engine_releases_an_evals_state_after_it(tmp_path, warmup_cache, mon
 
 def _graphed_run(tmp_path, warmup_cache, monkeypatch, **extra):
     """A run whose fast engine keeps a decode state between calls on the CPU: buckets, and the decode-step tests'
-    stand-in for CUDA graphs (each replay reruns the step the capture saw). Returns the overrides and the events:
+    stand-in for CUDA graphs (tests/engines/graph_stand_in.py). Returns the overrides and the events:
     ("capture", bucket) per graph captured, ("update",) per update."""
     from podsrl.engines import fast
     from podsrl.engines.decode_step import Buckets
     from podsrl.update import PolicyUpdater
-    from tests.engines.test_decode_graph import RerunGraphs
+    from tests.engines.graph_stand_in import RecordedGraphs
 
     events = []
 
-    class CountedGraphs(RerunGraphs):
+    class CountedGraphs(RecordedGraphs):
         def run(self, key, step):
             if key not in self.graphs:
                 events.append(("capture", key))
