@@ -356,13 +356,13 @@ def generation_in_flight(shape: ModelShape, work: Workload) -> dict[str, int]:
 
 def decode_step_terms(shape: ModelShape, work: Workload) -> tuple[int, int]:
     """(the step's KV cache and state, a decode step's workspace) at work.generation_rows rows: the StepCache and
-    StepState's per-column valid (bool) and uniforms (float32) and row vectors (engines/decode_step.py); the logits
-    [rows, V] (and their float32 copy), float32 log-softmax, the sampling's shifted exponentials and CDF (top-p: a
-    sort, its int64 order and probabilities) and the attention scores over the cache."""
+    StepState's per-column valid (bool) and uniforms (float64) and row vectors (engines/decode_step.py); the logits
+    [rows, V] (and their float32 copy), float32 log-softmax and shifted exponentials, the sampling's float64 CDF
+    (top-p: a sort, its int64 order and probabilities) and the attention scores over the cache."""
     rows, length, e = work.generation_rows, kept_positions(work), work.engine_e
     kv_position = shape.layers * 2 * shape.kv_heads * shape.head_dim * e
-    state = rows * length * (1 + 4) + rows * 8 * 4
-    sampling = rows * shape.vocab * (e + (4 if e < 4 else 0) + 4 * 3 + (4 * 2 + 8 if work.top_p < 1 else 0))
+    state = rows * length * (1 + 8) + rows * 8 * 4
+    sampling = rows * shape.vocab * (e + (4 if e < 4 else 0) + 4 * 2 + 8 + (4 * 2 + 8 if work.top_p < 1 else 0))
     return kv_position * rows * length + state, sampling + 2 * rows * shape.heads * length * 4
 
 

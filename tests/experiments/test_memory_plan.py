@@ -152,13 +152,13 @@ def test_terms_by_hand_for_a_1_5b_shaped_model():
     gen = mp.generation_peak(shape, work)  # the engine samples from a bfloat16 copy of the float32 masters
     # the step's cache of every row at 1,280 positions, the prefill's of the 8 prompts at 256; the state's valid
     # flags and uniforms per position and its row vectors
-    assert gen["kv_cache"] == 28 * 2 * 2 * 128 * 2 * (1280 * 128 + 256 * 8) + 128 * 1280 * 5 + 128 * 32
+    assert gen["kv_cache"] == 28 * 2 * 2 * 128 * 2 * (1280 * 128 + 256 * 8) + 128 * 1280 * 9 + 128 * 32
     assert gen["engine_weights"] == shape.params * 2
     assert gen["fused_weights"] == 0  # the copy's projections are views of the fused tensors
     assert gen["weights"] == shape.params * 4 and gen["optimizer"] == 2 * shape.params * 4
     assert gen["gradients"] == 0  # the update frees them when it ends
     same = mp.generation_peak(shape, dataclasses.replace(work, compute_dtype="float32"))  # no copy, fp32 cache
-    state = 128 * 1280 * 5 + 128 * 32
+    state = 128 * 1280 * 9 + 128 * 32
     assert same["engine_weights"] == 0 and same["kv_cache"] - state == (gen["kv_cache"] - state) * 2
     assert same["fused_weights"] == 28 * shape.fused_weights * 4  # sampled from the masters: concatenated copies
     upd = mp.update_peak(shape, work, rows=4, checkpointing=False)
@@ -215,8 +215,8 @@ def test_the_engines_decode_state_is_counted_through_the_update_or_freed_before_
     run_ahead = load_config("podsrl/configs/grpo.yaml", base + ["train.async.enabled=true"])
     assert not workload_from_config(run_ahead, 64, "cuda").kept_decode_state  # generation_in_flight counts it
     # 64 rows of 64 + 256 positions (whole cache blocks): the cache, the state, the logits and sampling, the scores
-    by_hand = (28 * 2 * 2 * 128 * 2 * 64 * 320 + 64 * 320 * 5 + 64 * 32
-               + 64 * 151936 * (2 + 4 + 12) + 2 * 64 * 12 * 320 * 4)
+    by_hand = (28 * 2 * 2 * 128 * 2 * 64 * 320 + 64 * 320 * 9 + 64 * 32
+               + 64 * 151936 * (2 + 4 + 8 + 8) + 2 * 64 * 12 * 320 * 4)
     assert mp.kept_decode_state(shape, work) == by_hand
     kept, released = (mp.update_peak(shape, dataclasses.replace(work, kept_decode_state=k), 8, True)
                       for k in (True, False))
