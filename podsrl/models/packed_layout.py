@@ -84,7 +84,7 @@ def build_plan(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, 
     prompt or a completion mask with holes (the plain path handles those). Built on the host from host tensors; its
     device tensors arrive in two copies (podsrl/models/transfer.py), not one per tensor. `ladder` (None: on CUDA
     only) rounds the attention blocks' sizes up to the shape ladder."""
-    laddered = ladder_default(device) if ladder is None else ladder
+    laddered = ladder_default(device.type) if ladder is None else ladder
     size = rung if laddered else int
     W = completion_ids.shape[1]
     lengths = completion_mask.sum(dim=1).long()

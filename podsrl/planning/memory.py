@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from podsrl.models.shape_ladder import ladder_default, rung
 from podsrl.planning.startup import ADAM_STATES, host_load, startup_peak
 from podsrl.planning.workload import ModelShape, Workload
 
@@ -110,10 +111,9 @@ def attention_saved(shape: ModelShape, mb: MicroBatch, work: Workload) -> int:
     views of them), per block the masked queries, the output, the float32 log-sum-exp, the bool mask and its
     additive float form, and the completions' concatenated keys and values."""
     e, d, h, hkv = work.e, shape.head_dim, shape.heads, shape.kv_heads
-    blocks = [(mb.groups, mb.prompt_length, mb.prompt_length)]  # (rows, queries, keys)
-    if mb.width > 0:
-        blocks.append((mb.rows, mb.width, mb.prompt_length + mb.width))
-    total = 0 if work.device == "cpu" else 2 * mb.tokens * hkv * d * e
+    blocks = attention_blocks(mb, work)
+    slots = sum(rows * queries for rows, queries, _ in blocks)  # the gathered streams' length (padding included)
+    total = 0 if work.device == "cpu" else 2 * slots * hkv * d * e
     for rows, queries, keys in blocks:
         q_elems, qk, kv_elems = rows * queries * h * d, rows * queries * keys, 2 * rows * hkv * keys * d
         if work.device == "cpu":
@@ -122,6 +122,17 @@ def attention_saved(shape: ModelShape, mb: MicroBatch, work: Workload) -> int:
         else:
             total += 2 * q_elems * e + rows * h * queries * 4 + qk * (1 + e) + (kv_elems * e if keys > queries else 0)
     return total
+
+
+def attention_blocks(mb: MicroBatch, work: Workload) -> list[tuple[int, int, int]]:
+    """(rows, queries, keys) of the micro-batch's attention blocks (podsrl/models/packed_layout.py build_plan): the
+    prompts' [G, Lp] over Lp keys, the completions' [b, Lc - 1] over Lp + Lc - 1. On CUDA each count is rounded
+    up to the shape ladder (models/shape_ladder.py rung: up to a quarter more per side), as the layout lays them."""
+    size = rung if ladder_default(work.device) else int
+    blocks = [(size(mb.groups), size(mb.prompt_length), size(mb.prompt_length))]
+    if mb.width > 0:
+        blocks.append((size(mb.rows), size(mb.width), size(mb.prompt_length) + size(mb.width)))
+    return blocks
 
 
 def layer_activations(shape: ModelShape, mb: MicroBatch, work: Workload, last: bool = False,

@@ -67,7 +67,7 @@ def bucketed_engine() -> fast.FastEngine:
 
 def test_a_kept_decode_state_is_sized_by_the_plan_not_by_the_first_calls_free_memory(monkeypatch):
     """At step 1 the device holds only the weights: its free memory fits 1,024 rows, where the plan, which counts
-    the optimiser's state and the fused weights resident, keeps 512 beside the update (62.4 GiB at 2 rows a
+    the optimiser's state and the fused weights resident, keeps 512 beside the update (62.7 GiB at 2 rows a
     micro-batch). The trainer keeps the state through the update: at 1,024 rows the update's peak is 95 GiB of the
     80 GiB device. The engine decodes the plan's rows at step 1 and after the first optimiser step alike."""
     cfg = load_config("podsrl/configs/pods.yaml", OVERRIDES)
