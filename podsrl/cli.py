@@ -14,6 +14,7 @@ from pathlib import Path
 from podsrl.config.presets import preset_path, preset_table
 from podsrl.errors import UnhealthyRun, UserError, WorkerLost
 from podsrl.exit_codes import ExitCode
+from podsrl.waits import WaitExpired
 
 DEFAULT_CONFIG = "default"  # no --config: the built-in task, tuned for a short CPU run (configs/default.yaml)
 
@@ -222,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     except WorkerLost as e:
         print(f"podsrl: error: {e}", file=sys.stderr)
         return ExitCode.WORKER_LOST
+    except WaitExpired as e:
+        print(f"podsrl: stalled: {e}", file=sys.stderr)
+        return ExitCode.STALLED
     except KeyboardInterrupt:
         print("podsrl: interrupted", file=sys.stderr)
         return ExitCode.INTERRUPTED

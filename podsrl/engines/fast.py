@@ -36,6 +36,7 @@ import torch
 from podsrl.engines.base import EpisodeSession, GenerationOutput, RolloutEngine, SamplingParams, left_pad
 from podsrl.engines.continuation import CachedSession
 from podsrl.engines.decode_step import Buckets, Sampler, StepRunner, StepState, cached_step, step_uniforms
+from podsrl.engines.device_rows import plan_rows_in_flight
 from podsrl.engines.hf import HFEngine, eval_mode, model_device
 from podsrl.engines.rows import (
     check_request,
@@ -63,7 +64,6 @@ from podsrl.models.transformers_api import (
     llama_layout_problem,
     new_dynamic_cache,
 )
-from podsrl.engines.device_rows import plan_rows_in_flight
 from podsrl.planning.workload import ModelShape, model_shape
 
 logger = logging.getLogger("podsrl")

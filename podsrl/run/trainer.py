@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from podsrl import waits
 from podsrl.batch import RolloutBatch
 from podsrl.build import load_model, load_task, reward_manager, rollout_engine, verifier
 from podsrl.config import Config, dump_config
@@ -75,6 +76,7 @@ class Trainer:
     def __init__(self, cfg: Config, resume: bool = False) -> None:
         self.cfg = cfg
         self.run_dir = Path(cfg.output_dir)
+        waits.configure(cfg.train.wait_timeout_s)  # every wait on another process or thread, collectives too
         self.dist = init_distributed(resolve_device(cfg.model.device))  # torchrun: this rank's place and device
         # One writer per run directory (rank 0 for the job), held until train() returns, with its run.log.
         self.lock = RunLock(self.run_dir, keep_log=True) if self.dist.is_main else None
@@ -196,6 +198,7 @@ class Trainer:
     def train_step(self) -> StepRecord:
         cfg = self.cfg
         t0, cpu0 = time.perf_counter(), time.process_time()
+        waits.at_step(self.step + 1)  # named by a wait that expires in it
         faults.fire("step", self.step + 1)
         if self.generator is None:
             produced, waited = self.producer.produce(self.step), 0.0
