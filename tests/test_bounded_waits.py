@@ -5,13 +5,20 @@ a run stopped so exits with ExitCode.STALLED."""
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
+import torch
+import torch.multiprocessing as mp
 
 from podsrl import waits
 from podsrl.cli import main
+from podsrl.distributed import init_distributed
 from podsrl.exit_codes import ExitCode
 from podsrl.run import producer
 from podsrl.run.async_generation import BackgroundGenerator
@@ -67,3 +74,34 @@ def test_a_run_whose_generator_thread_blocks_stops_with_one_line_and_exit_code_s
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == ("podsrl: stalled: waited train.wait_timeout_s=1 s for step 0's batch (the async generator "
                        "thread, podsrl-generator, step 1) and got no answer"), err
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    """A 2-rank gloo job joined as the trainer joins it (its bound set first); rank 1 never joins rank 0's
+    broadcast of a decision."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    waits.configure(BOUND)
+    ctx = init_distributed(torch.device("cpu"))
+    if rank == 1:
+        time.sleep(BOUND + 3)
+        return
+    waits.at_step(7)
+    t0 = time.perf_counter()
+    try:
+        ctx.agree(True)
+        line = "joined"
+    except waits.WaitExpired as e:
+        line = str(e)
+    Path(out).write_text(json.dumps({"line": line, "seconds": time.perf_counter() - t0}))
+
+
+def test_a_collective_a_rank_never_joins_stops_within_the_bound(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "rank0.json"
+    mp.spawn(_rank, args=(port, str(out)), nprocs=2, join=True)
+    seen = json.loads(out.read_text())
+    assert seen["line"] == ("waited train.wait_timeout_s=1 s for the other ranks in broadcast of rank 0's decision "
+                            "(agree) (rank 0 of 2, step 7) and got no answer")
+    assert seen["seconds"] < BOUND + 2.0
