@@ -29,12 +29,15 @@ def at_step(step: int | None) -> None:
 
 
 class WaitExpired(RuntimeError):
-    """A wait on another process or thread ran past train.wait_timeout_s: `what` it waited for, `where`."""
+    """A wait on another process or thread ran past its bound (train.wait_timeout_s, or the `setting` that bounds
+    that wait, of `seconds`): `what` it waited for, `where`."""
 
-    def __init__(self, what: str, where: str) -> None:
+    def __init__(self, what: str, where: str, seconds: float | None = None,
+                 setting: str = "train.wait_timeout_s") -> None:
         step = _bound["step"]
         at = f", step {step}" if step is not None else ""
-        super().__init__(f"waited train.wait_timeout_s={bound():g} s for {what} ({where}{at}) and got no answer")
+        waited = bound() if seconds is None else seconds
+        super().__init__(f"waited {setting}={waited:g} s for {what} ({where}{at}) and got no answer")
 
 
 def wait_until(condition: threading.Condition, ready: Callable[[], bool], what: str, where: str) -> None:
