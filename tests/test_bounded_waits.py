@@ -23,6 +23,8 @@ from podsrl.exit_codes import ExitCode
 from podsrl.run import producer
 from podsrl.run.async_generation import BackgroundGenerator
 from tests.conftest import tiny_overrides
+from tests.engines.test_vllm_contract import engine as vllm_engine
+from tests.engines.test_vllm_contract import tiny_model, vllm  # noqa: F401 (vllm: the fake's fixture)
 from tests.test_async_generation import SyncOnly, updates_model
 
 BOUND = 1.0  # seconds: small, so each hang is seen quickly
@@ -105,3 +107,25 @@ def test_a_collective_a_rank_never_joins_stops_within_the_bound(tmp_path):
     assert seen["line"] == ("waited train.wait_timeout_s=1 s for the other ranks in broadcast of rank 0's decision "
                             "(agree) (rank 0 of 2, step 7) and got no answer")
     assert seen["seconds"] < BOUND + 2.0
+
+
+@pytest.mark.usefixtures("vllm", "small_bound")
+def test_a_weight_sync_vllms_workers_do_not_answer_stops_within_the_bound(monkeypatch):
+    """vLLM's collective_rpc is called with the bound as its timeout; the TimeoutError vLLM raises when its
+    workers do not answer by then (the fake's answer comes late) stops the run with the line."""
+    model = tiny_model()
+    eng = vllm_engine(model)
+    timeouts = []
+
+    def answers_late(method, timeout=None, args=(), kwargs=None):
+        timeouts.append(timeout)
+        time.sleep(timeout)
+        raise TimeoutError(f"RPC call to {method} timed out.")
+
+    monkeypatch.setattr(eng.llm, "collective_rpc", answers_late)
+    t0 = time.perf_counter()
+    with pytest.raises(waits.WaitExpired) as expired:
+        eng.sync_weights(model)
+    assert timeouts == [BOUND] and time.perf_counter() - t0 < BOUND + 1.0
+    assert str(expired.value) == ("waited train.wait_timeout_s=1 s for vLLM's workers to reload the weights "
+                                  "(collective_rpc reload_weights) and got no answer")
