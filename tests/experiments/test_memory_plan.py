@@ -264,6 +264,7 @@ def test_the_updates_attention_is_counted_at_the_blocks_cuda_lays_on_the_shape_l
     tokens: blocks [2, 40] over 40 keys and [10, 80] over 120, where the exact sizes are [2, 37] and [9, 69] over
     106 (Qwen2.5-1.5B's attention: 27% more saved). Before, the plan counted the exact sizes on CUDA too."""
     from podsrl.models.packed_layout import build_plan
+    from podsrl.planning.attention import attention_blocks
 
     shape = mw.model_shape(Qwen2Config(**QWEN_1_5B))
     mb = mp.MicroBatch(rows=9, groups=2, prompt_length=37, completion_length=70)
@@ -276,8 +277,8 @@ def test_the_updates_attention_is_counted_at_the_blocks_cuda_lays_on_the_shape_l
         (b.rows, b.width, b.prompt_width + b.width) for b in layout.buckets]
     cuda = mw.Workload(prompts=2, n=5, m=5, prompt_length=37, completion_length=70, compute_dtype="bfloat16",
                        device="cuda")
-    assert laid == mp.attention_blocks(mb, cuda) == [(2, 40, 40), (10, 80, 120)]
-    assert mp.attention_blocks(mb, dataclasses.replace(cuda, device="cpu")) == [(2, 37, 37), (9, 69, 106)]
+    assert laid == attention_blocks(mb, cuda) == [(2, 40, 40), (10, 80, 120)]
+    assert attention_blocks(mb, dataclasses.replace(cuda, device="cpu")) == [(2, 37, 37), (9, 69, 106)]
     e, h, hkv, d = 2, 12, 2, 128
     by_hand = 2 * layout.slots.numel() * hkv * d * e + sum(
         2 * rows * q * h * d * e + rows * h * q * 4 + rows * q * k * (1 + e) + (2 * rows * hkv * k * d * e if k > q else 0)
