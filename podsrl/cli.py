@@ -16,6 +16,7 @@ from podsrl.errors import UnhealthyRun, UserError, WorkerLost
 from podsrl.exit_codes import ExitCode
 from podsrl.reporting.streams import guard_std_streams
 from podsrl.run import supervisor
+from podsrl.waits import WaitExpired
 
 DEFAULT_CONFIG = "default"  # no --config: the built-in task, tuned for a short CPU run (configs/default.yaml)
 
@@ -236,6 +237,9 @@ def _run(args: argparse.Namespace) -> int:
     except WorkerLost as e:
         print(f"podsrl: error: {e}", file=sys.stderr)
         return ExitCode.WORKER_LOST
+    except WaitExpired as e:
+        print(f"podsrl: stalled: {e}", file=sys.stderr)
+        return ExitCode.STALLED
     except KeyboardInterrupt:
         print("podsrl: interrupted", file=sys.stderr)
         return ExitCode.INTERRUPTED

@@ -32,6 +32,7 @@ from collections.abc import Hashable, Iterator
 import torch
 import torch.distributed as dist
 
+from podsrl import waits
 from podsrl.algo.micro_batches import split_rows
 from podsrl.batch import RolloutBatch
 from podsrl.engines.base import EpisodeSession, GenerationOutput, RolloutEngine, SamplingParams
@@ -63,29 +64,34 @@ class DistContext:
     def main_first(self) -> Iterator[None]:
         """Rank 0 runs the block first (e.g. a cached warm-up), the others after it finished (cache hit)."""
         if self.enabled and not self.is_main:
-            dist.barrier(group=self.cpu_group)
+            with self.collective("the barrier after rank 0's turn (main_first)"):
+                dist.barrier(group=self.cpu_group)
         yield
         if self.enabled and self.is_main:
-            dist.barrier(group=self.cpu_group)
+            with self.collective("the barrier after rank 0's turn (main_first)"):
+                dist.barrier(group=self.cpu_group)
 
     def agree(self, value: bool) -> bool:
         """Rank 0's value, on every rank (for decisions taken from clocks or signals)."""
         if not self.enabled:
             return value
         t = torch.tensor([int(value)])
-        dist.broadcast(t, src=0, group=self.cpu_group)
+        with self.collective("broadcast of rank 0's decision (agree)"):
+            dist.broadcast(t, src=0, group=self.cpu_group)
         return bool(t.item())
 
     def barrier(self) -> None:
         if self.enabled:
-            dist.barrier(group=self.cpu_group)
+            with self.collective("barrier"):
+                dist.barrier(group=self.cpu_group)
 
     def from_main(self, value):
         """Rank 0's `value` (any picklable object), on every rank."""
         if not self.enabled:
             return value
         box = [value]
-        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        with self.collective("broadcast_object_list of rank 0's value (from_main)"):
+            dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
 
     def wrap_engine(self, engine: RolloutEngine) -> RolloutEngine:
@@ -97,7 +103,8 @@ class DistContext:
             return batch
         mine = batch_fingerprint(batch, generator)
         prints: list = [None] * self.world_size
-        dist.all_gather_object(prints, mine, group=self.cpu_group)
+        with self.collective("all_gather_object of the batch fingerprints (agree_batch)"):
+            dist.all_gather_object(prints, mine, group=self.cpu_group)
         if len(set(prints)) == 1:
             return batch
         if not self._warned:
@@ -105,20 +112,34 @@ class DistContext:
                         "using rank 0's batch from now on when they differ")
             self._warned = True
         box = [batch, generator.get_state()] if self.is_main else [None, None]
-        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        with self.collective("broadcast_object_list of rank 0's batch (agree_batch)"):
+            dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         generator.set_state(box[1])
         return box[0]
+
+    @contextlib.contextmanager
+    def collective(self, what: str) -> Iterator[None]:
+        """Runs collective `what`; one the other ranks do not join within the process group's timeout (set to
+        train.wait_timeout_s, init_distributed) stops the run: WaitExpired naming it and this rank."""
+        try:
+            yield
+        except RuntimeError as e:  # torch.distributed's DistBackendError is one
+            if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+                raise
+            raise waits.WaitExpired(f"the other ranks in {what}", f"rank {self.rank} of {self.world_size}") from e
 
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def init_distributed(device: torch.device, timeout_s: float = 3600.0) -> DistContext:
+def init_distributed(device: torch.device, timeout_s: float | None = None) -> DistContext:
     """The context of this process: joins the torchrun job when WORLD_SIZE > 1 (or an existing process group).
 
-    nccl when the policy is on CUDA (each rank on cuda:LOCAL_RANK), gloo otherwise.
+    nccl when the policy is on CUDA (each rank on cuda:LOCAL_RANK), gloo otherwise. Its collectives (and the
+    rendezvous) time out after `timeout_s`, by default the run's bound on waits (podsrl/waits.py).
     """
+    timeout = datetime.timedelta(seconds=waits.bound() if timeout_s is None else timeout_s)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if not dist.is_initialized() and world <= 1:
         return DistContext(device)
@@ -129,8 +150,8 @@ def init_distributed(device: torch.device, timeout_s: float = 3600.0) -> DistCon
         torch.cuda.set_device(device)
     if owns:
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    cpu_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        dist.init_process_group(backend, timeout=timeout)
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if dist.get_backend() != "gloo" else None
     if dist.get_rank() != 0:  # rank 0 speaks for the job; the others only of what goes wrong
         log.setLevel(logging.WARNING)
     return DistContext(device, dist.get_rank(), dist.get_world_size(), owns, cpu_group)
@@ -167,7 +188,8 @@ class ShardedEngine(RolloutEngine):
             local = self.inner.generate(prompts[s.start:s.end], counts[s.start:s.end], params,
                                         seeds[s.row_start:s.row_end])
         gathered: list = [None] * self.ctx.world_size
-        dist.all_gather_object(gathered, local, group=self.ctx.cpu_group)
+        with self.ctx.collective("all_gather_object of the generated shards"):
+            dist.all_gather_object(gathered, local, group=self.ctx.cpu_group)
         parts = [(shards[r], out) for r, out in enumerate(gathered) if out is not None]
         return merge_outputs(parts, self.pad_token_id, params.return_logprobs)
 
@@ -189,6 +211,9 @@ class ShardedEngine(RolloutEngine):
     @property
     def keeps_state_across_updates(self) -> bool:
         return self.inner.keeps_state_across_updates
+
+    def plan_rows(self, rows: int) -> None:
+        self.inner.plan_rows(rows)
 
     def release(self) -> None:
         self.inner.release()
@@ -222,7 +247,8 @@ class ShardedSession(EpisodeSession):
         else:
             self.local.close()
         gathered: list = [None] * ctx.world_size
-        dist.all_gather_object(gathered, turn, group=ctx.cpu_group)
+        with ctx.collective("all_gather_object of the episode turns"):
+            dist.all_gather_object(gathered, turn, group=ctx.cpu_group)
         return merge_rows(list(zip(split, gathered)), self.engine.pad_token_id, params.return_logprobs)
 
     def close(self) -> None:
@@ -239,8 +265,8 @@ class DataParallel:
         self.ctx = ctx
         self.generation_model = model  # what the engines generate with: the policy itself
         self.params = [p for p in model.parameters() if p.requires_grad]
-        with torch.no_grad():  # identical starting weights whatever each rank loaded
-            for p in model.parameters():
+        with torch.no_grad(), ctx.collective("broadcast of rank 0's starting weights"):
+            for p in model.parameters():  # identical starting weights whatever each rank loaded
                 dist.broadcast(p.data, src=0)
 
     def sync_generation_model(self) -> None:
@@ -265,7 +291,8 @@ class DataParallel:
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """In-place sum over ranks (CPU tensors go through the gloo group)."""
-        dist.all_reduce(t, group=self.ctx.cpu_group if t.device.type == "cpu" else None)
+        with self.ctx.collective("all_reduce of a sum"):
+            dist.all_reduce(t, group=self.ctx.cpu_group if t.device.type == "cpu" else None)
         return t
 
     def sum(self, value: float) -> float:
@@ -279,7 +306,8 @@ class DataParallel:
         if not self.params:
             return
         had = torch.tensor([float(p.grad is not None) for p in self.params], device=self.params[0].device)
-        dist.all_reduce(had)
+        with self.ctx.collective("all_reduce of which gradients exist (grad_sync)"):
+            dist.all_reduce(had)
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -295,7 +323,8 @@ class DataParallel:
             by_dtype.setdefault(t.dtype, []).append(t)
         for group in by_dtype.values():
             flat = torch.cat([t.reshape(-1) for t in group])
-            dist.all_reduce(flat)
+            with self.ctx.collective("all_reduce of the gradients"):
+                dist.all_reduce(flat)
             for t, summed in zip(group, flat.split([t.numel() for t in group])):
                 t.copy_(summed.view_as(t))
 
@@ -303,7 +332,8 @@ class DataParallel:
         """Sum the (value, weight) metric accumulators over ranks in place; `exclude` holds keys already global."""
         local = {k: (sums[k], weight_sums[k]) for k in sums if k not in exclude}
         gathered: list = [None] * self.ctx.world_size
-        dist.all_gather_object(gathered, local, group=self.ctx.cpu_group)
+        with self.ctx.collective("all_gather_object of the update's metrics"):
+            dist.all_gather_object(gathered, local, group=self.ctx.cpu_group)
         for k in {k for part in gathered for k in part}:
             sums[k] = sum(part[k][0] for part in gathered if k in part)
             weight_sums[k] = sum(part[k][1] for part in gathered if k in part)

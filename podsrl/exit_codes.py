@@ -1,8 +1,9 @@
 """What `podsrl` exit codes mean, for schedulers and wrapper scripts: docs/operations.md lists each one and what to
 do with it (tests/test_operations_doc.py keeps it in step with this file).
 
-A requeue policy can retry STOPPED_RESUMABLE (and FAULT, at its discretion) with `podsrl train --resume RUN_DIR`;
-USER_ERROR and UNHEALTHY fail the same way on every retry, so they should not be retried unchanged.
+A requeue policy can retry STOPPED_RESUMABLE (and FAULT or STALLED, at its discretion) with
+`podsrl train --resume RUN_DIR`; USER_ERROR and UNHEALTHY fail the same way on every retry, so they should not be
+retried unchanged.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ class ExitCode(IntEnum):
     FAULT = 1
     USER_ERROR = 2  # bad config, data, path or reward code; a second writer on a locked run directory
     UNHEALTHY = 3  # training went bad: non-finite losses in a row, or a collapse with train.stop_on_collapse
+    # A wait on another process or thread (a Ray worker, a collective, the async generator thread, vLLM's workers)
+    # ran past train.wait_timeout_s (podsrl/waits.py); the line names what and where. A hang may be transient (a
+    # node, a network): resuming from the last checkpoint may succeed.
+    STALLED = 4
     # A worker process (a Ray actor) died or failed past rollout.engine_options.max_retries: one line names it and
     # the step. The checkpoints are intact; a resume may succeed once the machine is healthy (retry, with a limit).
     # 69 is sysexits' EX_UNAVAILABLE ("a service is unavailable").

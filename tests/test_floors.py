@@ -27,7 +27,7 @@ FLOORS = [  # the top floor first
     ("prompt_stats.py", "lora.py", "math_verify_pool.py"),
     ("algo/", "reporting/"),  # the maths; where a run's metrics, progress and plot go
     ("models/", "extras.py"),  # the only code that knows model internals
-    ("batch.py", "answers.py", "options.py", "fileio.py", "errors.py", "exit_codes.py", "__init__.py"),
+    ("batch.py", "answers.py", "options.py", "fileio.py", "errors.py", "exit_codes.py", "waits.py", "__init__.py"),
 ]
 
 # The arrows that still run back up, each with the import that draws it. No other may; fewer is better.

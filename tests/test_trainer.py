@@ -122,18 +122,18 @@ def test_the_engine_releases_an_evals_state_after_it(tmp_path, warmup_cache, mon
     assert len(evals) >= 2 and all(events[i + 1] == "release" for i in evals), events
 
 
-def _graphed_run(tmp_path, warmup_cache, monkeypatch):
+def _graphed_run(tmp_path, warmup_cache, monkeypatch, **extra):
     """A run whose fast engine keeps a decode state between calls on the CPU: buckets, and the decode-step tests'
-    stand-in for CUDA graphs (each replay reruns the step the capture saw). Returns the overrides and the events:
+    stand-in for CUDA graphs (tests/engines/graph_stand_in.py). Returns the overrides and the events:
     ("capture", bucket) per graph captured, ("update",) per update."""
     from podsrl.engines import fast
     from podsrl.engines.decode_step import Buckets
     from podsrl.update import PolicyUpdater
-    from tests.engines.test_decode_graph import RerunGraphs
+    from tests.engines.graph_stand_in import RecordedGraphs
 
     events = []
 
-    class CountedGraphs(RerunGraphs):
+    class CountedGraphs(RecordedGraphs):
         def run(self, key, step):
             if key not in self.graphs:
                 events.append(("capture", key))
@@ -155,11 +155,11 @@ def _graphed_run(tmp_path, warmup_cache, monkeypatch):
     monkeypatch.setattr(PolicyUpdater, "update", spy_update)
     # no compaction: every step decodes its 16 rows in one bucket, so what a step captures is what it re-captures
     return tiny_overrides(tmp_path, warmup_cache, **{"train.max_steps": 3,
-                                                     "rollout.engine_options": "{compaction: false}"}), events
+                                                     "rollout.engine_options": "{compaction: false}", **extra}), events
 
 
 def _captures_per_step(events) -> list[int]:
-    """Graphs each step's generation captured (the evals' greedy ones, released after each eval, left out)."""
+    """Graphs each step's generation captured (the evals' greedy ones left out)."""
     counts = [0]
     for event in events:
         if event[0] == "update":
@@ -186,6 +186,19 @@ def test_kept_graphs_are_not_captured_again_after_an_update(tmp_path, warmup_cac
     eager = FastEngine(trainer.generation_model, trainer.tokenizer, compaction=False)
     replayed = trainer.engine.generate(prompts, [4, 4], params, seeds)
     assert torch.equal(replayed.completion_ids, eager.generate(prompts, [4, 4], params, seeds).completion_ids)
+
+
+def test_evals_keep_the_training_engines_graphs(tmp_path, warmup_cache, monkeypatch):
+    """A synchronous run evaluates with its training engine: 10 steps with an eval every 5 capture the training
+    bucket once and each eval's greedy bucket once (the second eval replays it). Before, each eval released the
+    engine: the step after it and the next eval captured anew, 5 captures."""
+    overrides, events = _graphed_run(tmp_path, warmup_cache, monkeypatch,
+                                     **{"train.max_steps": 10, "train.eval_every": 5})
+    trainer = Trainer(load_config(None, overrides))
+    trainer.train()
+    assert trainer.keep_engine_state
+    captures = [event[1] for event in events if event[0] == "capture"]
+    assert len(captures) == 2 and sum(key[2].greedy for key in captures) == 1, events
 
 
 def test_decode_state_the_plan_does_not_fit_is_released_before_each_update(tmp_path, warmup_cache, monkeypatch,

@@ -59,6 +59,7 @@ def validate(cfg: Config) -> None:
     need(cfg.train.eval_every >= 1, "train.eval_every", "must be >= 1")
     need(cfg.train.save_every >= 1, "train.save_every", "must be >= 1")
     need(cfg.train.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
+    need(cfg.train.wait_timeout_s > 0, "train.wait_timeout_s", "must be > 0 (seconds)")
     run_ahead = cfg.train.asynchronous
     need(run_ahead.max_staleness >= 0, "train.async.max_staleness", "must be >= 0 (0 = synchronous)")
     need(run_ahead.generator_threads >= 0, "train.async.generator_threads", "must be >= 0 (0 = half of torch's)")

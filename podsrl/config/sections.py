@@ -271,6 +271,9 @@ class TrainConfig:
     save_every: int = _f(50, "Checkpoint every N steps (and at the end).")
     keep_checkpoints: int = _f(2, "Checkpoints kept on disk (older ones are deleted).")
     max_nonfinite_steps: int = _f(3, "Consecutive non-finite losses/gradients (each skipped) before the run stops.")
+    wait_timeout_s: float = _f(1800.0, "The longest any wait on another process or thread may last (a Ray worker's "
+                               "result, a collective, the async generator's batch, vLLM's weight sync): past it the "
+                               "run stops with one line naming what it waited for and where, exit code 4.")
     # Health checks (podsrl/run/health.py): each warns once, logs health/<check> and is listed in summary.json.
     health_steps: int = _f(10, "Steps in a row a collapse sign must hold before its health warning (0 = no "
                            "health checks): reward 0, empty completions, low entropy, KL or clipped-ratio blow-up.")

@@ -109,6 +109,10 @@ class RolloutEngine(ABC):
     def sync_weights(self, model: torch.nn.Module) -> None:  # noqa: B027 (optional hook)
         """Called after each update. In-process engines share the trainer's module, so nothing to do."""
 
+    def plan_rows(self, rows: int) -> None:  # noqa: B027 (optional hook)
+        """The most rows the run's memory plan counted in flight beside the update (where the trainer keeps the
+        decode state through it): an engine that sizes its waves by the device's free memory decodes no more."""
+
     def release(self) -> None:  # noqa: B027 (optional hook)
         """Frees what the engine keeps on the device between calls (the trainer calls it before the update, unless
         keeps_state_across_updates and the memory plan fits that state beside the update)."""

@@ -70,8 +70,9 @@ class StepState:
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)  # each row's last token
         self.left_pad = torch.zeros(rows, dtype=torch.long, device=device)
         self.valid = torch.ones((rows, positions), dtype=torch.bool, device=device)  # keys a row may attend
-        # the uniform of the token sampled from the logits at each column
-        self.uniforms = torch.zeros((rows, positions), dtype=torch.float32, device=device)
+        # the uniform of the token sampled from the logits at each column, float64 as the sampler's CDF (a float32
+        # uniform near 1 has steps of 6e-8: tail tokens under it would be hit with their mass rounded)
+        self.uniforms = torch.zeros((rows, positions), dtype=torch.float64, device=device)
         self.finished = torch.ones(rows, dtype=torch.bool, device=device)
         self.column = torch.zeros(rows, dtype=torch.long, device=device)  # the column each row's next step writes
         self.is_stop = torch.zeros(vocab, dtype=torch.bool, device=device)

@@ -36,6 +36,7 @@ import torch
 from podsrl.engines.base import EpisodeSession, GenerationOutput, RolloutEngine, SamplingParams, left_pad
 from podsrl.engines.continuation import CachedSession
 from podsrl.engines.decode_step import Buckets, Sampler, StepRunner, StepState, cached_step, step_uniforms
+from podsrl.engines.device_rows import plan_rows_in_flight
 from podsrl.engines.hf import HFEngine, eval_mode, model_device
 from podsrl.engines.rows import (
     check_request,
@@ -63,8 +64,7 @@ from podsrl.models.transformers_api import (
     llama_layout_problem,
     new_dynamic_cache,
 )
-from podsrl.planning.memory import RESERVE, rows_in_flight
-from podsrl.planning.workload import ModelShape, Workload, model_shape
+from podsrl.planning.workload import ModelShape, model_shape
 
 logger = logging.getLogger("podsrl")
 # Under buckets (CUDA graphs, compile) the host reads the finished rows and the top column every SYNC_EVERY steps,
@@ -132,6 +132,7 @@ class FastEngine(RolloutEngine):
                               f"{max_rows!r}")
         self.max_rows = max_rows
         self.shape: ModelShape | None = None  # the memory plan's view of the model, for the default max_rows
+        self.planned_rows: int | None = None  # the run's plan's rows in flight (plan_rows), a bound on the default
         model = base_model(model)  # a peft wrapper's base model: its layers carry the adapters in place
         self.copy = compute_copy(model, weights_dtype)
         model = self.copy or model
@@ -199,6 +200,9 @@ class FastEngine(RolloutEngine):
     def sampler(self) -> str:
         return self.name if self.fallback is None else self.fallback.name
 
+    def plan_rows(self, rows: int) -> None:
+        self.planned_rows = rows
+
     def generate(
         self,
         prompts: list[list[int]],
@@ -251,7 +255,7 @@ class FastEngine(RolloutEngine):
     def release(self) -> None:
         """Frees what the engine keeps between calls (the step state and KV cache, the graphs that read them, open
         episode sessions' caches): the trainer calls it before the update where the memory plan does not fit them
-        beside it, and after an eval (a session's next turn then prefills its episodes whole)."""
+        beside it, and after an eval there too (a session's next turn then prefills its episodes whole)."""
         for session in list(self.sessions):
             session.close()
         self.state = None
@@ -372,8 +376,9 @@ class FastEngine(RolloutEngine):
 
     def rows_in_flight(self, prompts: list[list[int]], counts: list[int], steps: int, top_p: float) -> int:
         """How many rows decode at once: rollout.engine_options.max_rows, else on CUDA as many as the memory plan
-        says fit the device's free memory (less its reserve), else all. Under buckets the state's rows are the
-        bucket's (a power of two), kept within the budget."""
+        says fit the device's free memory (less its reserve), and no more than the run's plan counted beside the
+        update (`plan_rows`: free memory at the first call does not hold the optimiser's state and gradients yet),
+        else all. Under buckets the state's rows are the bucket's (a power of two), kept within the budget."""
         rows = sum(counts)
         budget = self.max_rows
         if budget is None and model_device(self.model).type == "cuda":
@@ -381,6 +386,7 @@ class FastEngine(RolloutEngine):
                 self.shape = model_shape(self.model.config)
             kept = self.state.nbytes if self.state is not None else 0
             budget = plan_rows_in_flight(self.model, self.shape, prompts, counts, steps, top_p, kept)
+            budget = min(budget, self.planned_rows or budget)
         if budget is None:
             return rows
         limit = max(1, min(rows, budget))
@@ -483,18 +489,3 @@ def _keep_finished(state: StepState, newly: torch.Tensor, live: torch.Tensor, ke
     for row, column, pad, out_row in zip(*(t.tolist() for t in (rows, state.column[rows], state.left_pad[rows],
                                                                  live[rows]))):
         kept[out_row] = state.cache.columns(row, pad, column + 1)
-
-
-def plan_rows_in_flight(model: torch.nn.Module, shape: ModelShape, prompts: list[list[int]], counts: list[int],
-                        steps: int, top_p: float, kept: int) -> int:
-    """The memory plan's rows in flight for this call on the model's CUDA device: what its free memory (less
-    memory_plan.RESERVE of the device, plus the engine's own kept state, `kept` bytes) holds."""
-    device = model_device(model)
-    free, total = torch.cuda.mem_get_info(device)
-    reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    available = min(free + reusable, int(total * (1 - RESERVE)) - torch.cuda.memory_allocated(device)) + kept
-    used = [len(p) for p, c in zip(prompts, counts) if c > 0]
-    dtype = str(next(model.parameters()).dtype).split(".")[-1]
-    work = Workload(prompts=len(used), n=-(-sum(counts) // len(used)), m=1, prompt_length=max(used),
-                    completion_length=steps, dtype=dtype, compute_dtype=dtype, top_p=top_p, device="cuda")
-    return rows_in_flight(shape, work, available)

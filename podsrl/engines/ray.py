@@ -16,9 +16,12 @@ request with an in-process engine (fast by default, hf when asked).
 
 Options (`rollout.engine_options`): num_workers (2), address (None: start a local Ray; "auto" or "host:port" joins a
 cluster), num_cpus (local Ray only), cpus_per_worker (1, also the actor's torch threads), gpus_per_worker (0),
-engine ("fast" | "hf"), engine_options (dict for the inner engine), max_retries (2), timeout_s (None: a shard may
-run forever; else a request with no shard finishing for that long counts as failed on every pending shard),
-init_options (extra `ray.init` keywords), startup_timeout_s (600: actors not up by then fail with a message).
+engine ("fast" | "hf"), engine_options (dict for the inner engine), max_retries (2), timeout_s (None: the run's
+train.wait_timeout_s; a request with no shard finishing for that long counts as failed on every pending shard, and a
+shard that still times out after max_retries fresh actors stops the run: podsrl/waits.py WaitExpired naming the
+worker), init_options (extra `ray.init` keywords), startup_timeout_s (600: actors not up by then fail with a
+message). Every other wait on the actors (weight loads, sessions' closing, digests) lasts at most
+train.wait_timeout_s.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any
 
 import torch
 
+from podsrl import waits
 from podsrl.engines.base import EpisodeSession, GenerationOutput, RolloutEngine, SamplingParams
 from podsrl.engines.hf import model_device
 from podsrl.engines.rows import check_request, no_token_output, special_ids
@@ -193,7 +197,7 @@ class RayEngine(RolloutEngine):
                 f"ray engine: {num_workers} actors ({cpus_per_worker} CPU, {gpus_per_worker} GPU each) did not "
                 f"start within startup_timeout_s={startup_timeout_s}; free resources: "
                 f"{ray.available_resources()}") from None
-        self.continues = ray.get(self.workers[0].continues.remote())
+        self.continues = self._get(self.workers[0].continues.remote(), "whether its engine continues episodes", 0)
         self.sessions: weakref.WeakSet[RaySession] = weakref.WeakSet()  # open ones: `release` closes them
         self._session_ids = itertools.count()
         self.restarts = 0
@@ -259,6 +263,10 @@ class RayEngine(RolloutEngine):
 
         def failed(k: int, error: BaseException) -> None:
             attempts[k] += 1
+            if attempts[k] > self.max_retries and isinstance(error, TimeoutError):  # a hang: stop, saying where
+                setting = "rollout.engine_options.timeout_s" if self.timeout_s else "train.wait_timeout_s"
+                raise waits.WaitExpired(f"a result of {what(k)}", f"ray worker {k}, try {attempts[k]} of "
+                                        f"{self.max_retries + 1}", self.timeout_s, setting) from None
             if attempts[k] > self.max_retries:
                 last = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
                 raise WorkerFailure(
@@ -269,13 +277,14 @@ class RayEngine(RolloutEngine):
 
         for k in calls:
             submit(k)
+        timeout = self.timeout_s or waits.bound()
         while pending:
-            ready, _ = self._ray.wait(list(pending), num_returns=1, timeout=self.timeout_s)
-            if not ready:  # nothing finished in timeout_s: every pending call counts as failed
+            ready, _ = self._ray.wait(list(pending), num_returns=1, timeout=timeout)
+            if not ready:  # nothing finished in timeout: every pending call counts as failed
                 stuck = list(pending.items())
                 pending.clear()
                 for _, k in stuck:
-                    failed(k, TimeoutError(f"no result within timeout_s={self.timeout_s}"))
+                    failed(k, TimeoutError(f"no result within {timeout:g} s"))
                 continue
             k = pending.pop(ready[0])
             try:
@@ -295,9 +304,9 @@ class RayEngine(RolloutEngine):
 
     def close_session(self, session_id: int) -> None:
         """Every actor drops its session `session_id` (an actor that died holds none)."""
-        for ref in [w.close_session.remote(session_id) for w in self.workers]:
+        for k, ref in enumerate([w.close_session.remote(session_id) for w in self.workers]):
             with contextlib.suppress(self._ray.exceptions.RayActorError):
-                self._ray.get(ref)
+                self._get(ref, f"episode session {session_id} to close", k)
 
     def release(self) -> None:
         """Closes the open episode sessions: the actors free their caches (a session's next turn then prefills its
@@ -312,14 +321,21 @@ class RayEngine(RolloutEngine):
         calls = {self.workers[i].load_weights.remote(self._weights_ref): i for i in range(len(self.workers))}
         for ref, i in calls.items():
             try:
-                self._ray.get(ref)
+                self._get(ref, "the synced weights to load", i)
             except (self._ray.exceptions.RayActorError, self._ray.exceptions.RayTaskError) as e:
                 self._restart(i, e)  # the replacement is built with the new weights
         self.last_sync_seconds = time.perf_counter() - t0
 
     def worker_digests(self) -> list[str]:
         """`state_digest` of every actor's model (compare with the trainer's)."""
-        return self._ray.get([w.digest.remote() for w in self.workers])
+        return [self._get(w.digest.remote(), "its weights' digest", k) for k, w in enumerate(self.workers)]
+
+    def _get(self, ref, what: str, worker: int):
+        """ray.get of one actor's call, at most train.wait_timeout_s."""
+        try:
+            return self._ray.get(ref, timeout=waits.bound())
+        except self._ray.exceptions.GetTimeoutError:
+            raise waits.WaitExpired(what, f"ray worker {worker}") from None
 
     def close(self) -> None:
         for w in getattr(self, "workers", []):

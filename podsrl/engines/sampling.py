@@ -95,10 +95,11 @@ def sample_with_uniforms(
     """`sample_rows` with the rows' uniforms [B] given (a decode loop hashes all positions at once); None = greedy.
 
     Without top-k/top-p (and greedy) the vocabulary is read in two operations after the temperature: one softmax
-    (float32) and its cumsum, searched by the uniform (greedy: an argmax instead of the cumsum); the log-prob is
-    the log of the token's probability, read from that softmax (its normaliser is the log-softmax's), so no [B, V]
-    log-softmax or shifted exponentials are written. Top-k/top-p search the CDF of the kept logits' exponentials,
-    shifted by the largest logit (which they keep), and take the log-prob before truncation from the same softmax.
+    (float32) and its cumsum in float64, searched by the (float64) uniform (greedy: an argmax instead of the
+    cumsum); the log-prob is the log of the token's probability, read from that softmax (its normaliser is the
+    log-softmax's), so no [B, V] log-softmax or shifted exponentials are written. Top-k/top-p search the float64
+    CDF of the kept logits' exponentials, shifted by the largest logit (which they keep), and take the log-prob
+    before truncation from the same softmax.
     """
     # the temperature applies to float32 logits; dividing by 1 is exact, so skipping it changes nothing
     scaled = logits.float() / temperature if temperature > 0 and temperature != 1.0 else logits.float()
@@ -107,7 +108,10 @@ def sample_with_uniforms(
         tokens = logits.argmax(dim=-1)
     else:
         kept = filter_logits(scaled, top_k, top_p)
-        cdf = probs.cumsum(dim=-1) if kept is scaled else (kept - scaled.amax(-1, keepdim=True)).exp().cumsum(dim=-1)
+        weights = probs if kept is scaled else (kept - scaled.amax(-1, keepdim=True)).exp()
+        # in float64: a float32 CDF near 1 has steps of 6e-8, so over a 152k vocabulary a tail token's share would
+        # be rounded to 0 or twice its mass (and CUDA's float32 scan accumulates in float32 too)
+        cdf = weights.cumsum(dim=-1, dtype=torch.float64)
         total = cdf[..., -1:]
         target = uniforms.to(cdf.device, cdf.dtype).unsqueeze(-1) * total
         # float rounding must not push the target onto the total (that would pick a trailing zero-mass token)

@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from podsrl import waits
 from podsrl.engines.base import GenerationOutput, RolloutEngine, SamplingParams
 from podsrl.engines.rows import (
     check_request,
@@ -224,7 +225,11 @@ class VLLMEngine(RolloutEngine):
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self._wake()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(model)})
+        try:  # bounded (podsrl/waits.py): vLLM raises TimeoutError where its executor's workers do not answer
+            self.llm.collective_rpc("reload_weights", timeout=waits.bound(),
+                                    kwargs={"weights_iterator": policy_weights(model)})
+        except TimeoutError:
+            raise waits.WaitExpired("vLLM's workers to reload the weights", "collective_rpc reload_weights") from None
         self.llm.reset_prefix_cache()  # cached prompt K/V were computed with the old weights
 
     def close(self) -> None:

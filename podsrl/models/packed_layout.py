@@ -32,7 +32,6 @@ from podsrl.models.kernels import gather_slots, packed_order
 from podsrl.models.shape_ladder import ladder_default, rung
 from podsrl.models.transfer import to_device
 
-
 # On the ladder a length cut must also save this many padded query slots per row of the micro-batch. Fixed at 512
 # slots, the study's 19 -> 14 cut saved 410-555 at 512 rows (optim.micro_batch_size=auto on an H200): it came and
 # went between batches, and with it new attention shapes (0.50 an update after step 10, 0.07 at 256 rows). Scaled
@@ -84,7 +83,7 @@ def build_plan(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, 
     prompt or a completion mask with holes (the plain path handles those). Built on the host from host tensors; its
     device tensors arrive in two copies (podsrl/models/transfer.py), not one per tensor. `ladder` (None: on CUDA
     only) rounds the attention blocks' sizes up to the shape ladder."""
-    laddered = ladder_default(device) if ladder is None else ladder
+    laddered = ladder_default(device.type) if ladder is None else ladder
     size = rung if laddered else int
     W = completion_ids.shape[1]
     lengths = completion_mask.sum(dim=1).long()

@@ -10,8 +10,6 @@ rows and keys), so the results are those of the exact layout, which the CPU keep
 
 from __future__ import annotations
 
-import torch
-
 STEPS = (4, 5, 6, 7)  # 1, 1.25, 1.5, 1.75 x 2^k
 
 
@@ -24,6 +22,7 @@ def rung(n: int) -> int:
     return m << shift
 
 
-def ladder_default(device: torch.device) -> bool:
-    """Whether the layout is rounded up to the ladder by default: on CUDA only."""
-    return device.type == "cuda"
+def ladder_default(device_type: str) -> bool:
+    """Whether the layout is rounded up to the ladder by default on a device of this type ("cuda", "cpu"): on CUDA
+    only. (A type, not a torch.device: the memory plan asks too, without torch.)"""
+    return device_type == "cuda"

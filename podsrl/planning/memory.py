@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from podsrl.planning.attention import attention_saved
 from podsrl.planning.startup import ADAM_STATES, host_load, startup_peak
 from podsrl.planning.workload import ModelShape, Workload
 
@@ -97,31 +98,6 @@ class MicroBatch:
     @property
     def predicted(self) -> int:  # T
         return self.rows * self.completion_length
-
-
-def attention_saved(shape: ModelShape, mb: MicroBatch, work: Workload) -> int:
-    """Bytes one layer's attention saves for its backward (podsrl/models/packed_layout.py block_attention over the
-    prompt block [G, Lp] and the completions' bucket [b, Lc - 1] with keys Lp + Lc - 1).
-
-    CPU (attention.grouped_attention): per block the queries, keys and values as the batched matmuls read them
-    (contiguous copies of the transposed blocks; the completions' keys and values are their concatenation with the
-    prompt's), the float32 softmax (plus its compute-dtype cast when e < 4) and the inverted bool mask. Elsewhere
-    (attention.fused_attention, scaled_dot_product_attention): the gathered key and value streams (the blocks are
-    views of them), per block the masked queries, the output, the float32 log-sum-exp, the bool mask and its
-    additive float form, and the completions' concatenated keys and values."""
-    e, d, h, hkv = work.e, shape.head_dim, shape.heads, shape.kv_heads
-    blocks = [(mb.groups, mb.prompt_length, mb.prompt_length)]  # (rows, queries, keys)
-    if mb.width > 0:
-        blocks.append((mb.rows, mb.width, mb.prompt_length + mb.width))
-    total = 0 if work.device == "cpu" else 2 * mb.tokens * hkv * d * e
-    for rows, queries, keys in blocks:
-        q_elems, qk, kv_elems = rows * queries * h * d, rows * queries * keys, 2 * rows * hkv * keys * d
-        if work.device == "cpu":
-            probs = 4 + (e if e < 4 else 0)
-            total += (q_elems + kv_elems) * e + rows * h * queries * keys * probs + qk
-        else:
-            total += 2 * q_elems * e + rows * h * queries * 4 + qk * (1 + e) + (kv_elems * e if keys > queries else 0)
-    return total
 
 
 def layer_activations(shape: ModelShape, mb: MicroBatch, work: Workload, last: bool = False,
@@ -356,13 +332,13 @@ def generation_in_flight(shape: ModelShape, work: Workload) -> dict[str, int]:
 
 def decode_step_terms(shape: ModelShape, work: Workload) -> tuple[int, int]:
     """(the step's KV cache and state, a decode step's workspace) at work.generation_rows rows: the StepCache and
-    StepState's per-column valid (bool) and uniforms (float32) and row vectors (engines/decode_step.py); the logits
-    [rows, V] (and their float32 copy), float32 log-softmax, the sampling's shifted exponentials and CDF (top-p: a
-    sort, its int64 order and probabilities) and the attention scores over the cache."""
+    StepState's per-column valid (bool) and uniforms (float64) and row vectors (engines/decode_step.py); the logits
+    [rows, V] (and their float32 copy), float32 log-softmax and shifted exponentials, the sampling's float64 CDF
+    (top-p: a sort, its int64 order and probabilities) and the attention scores over the cache."""
     rows, length, e = work.generation_rows, kept_positions(work), work.engine_e
     kv_position = shape.layers * 2 * shape.kv_heads * shape.head_dim * e
-    state = rows * length * (1 + 4) + rows * 8 * 4
-    sampling = rows * shape.vocab * (e + (4 if e < 4 else 0) + 4 * 3 + (4 * 2 + 8 if work.top_p < 1 else 0))
+    state = rows * length * (1 + 8) + rows * 8 * 4
+    sampling = rows * shape.vocab * (e + (4 if e < 4 else 0) + 4 * 2 + 8 + (4 * 2 + 8 if work.top_p < 1 else 0))
     return kv_position * rows * length + state, sampling + 2 * rows * shape.heads * length * 4
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from podsrl import waits
 from podsrl.batch import RolloutBatch
 from podsrl.build import rollout_engine, sampling_dtype
 from podsrl.config import Config
@@ -37,6 +38,9 @@ from podsrl.episodes.calls import Interrupted
 from podsrl.errors import UserError
 from podsrl.models.decode import share_fused_weights
 from podsrl.run.producer import ProducedBatch
+
+GENERATOR = "podsrl-generator"  # the generator thread's name
+GENERATOR_THREAD = f"the async generator thread, {GENERATOR}"
 
 
 def async_engines(cfg: Config, generation_model: torch.nn.Module, tokenizer, distributed: bool,
@@ -120,6 +124,7 @@ class BackgroundGenerator:
         self._error: BaseException | None = None
         # a stop request abandoned the batch in flight (the producer is as before it): quiet for good
         self._waiting = self._stop = self._interrupted = False
+        self._stalled = False  # a wait for it expired
         self._thread: threading.Thread | None = None
 
     def version_for(self, step: int) -> int:
@@ -142,12 +147,11 @@ class BackgroundGenerator:
     def take(self, step: int) -> tuple[ProducedBatch, float]:
         """The batch of `step` and the seconds the learner waited for it."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="podsrl-generator", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=GENERATOR, daemon=True)
             self._thread.start()
         t0 = time.perf_counter()
         with self._cv:
-            while not self._queue and self._error is None and not self._interrupted:
-                self._cv.wait()
+            self._wait(lambda: self._queue or self._error is not None or self._interrupted, f"step {step}'s batch")
             self._raise_error()
             if not self._queue:
                 raise Interrupted(f"stop requested while step {step}'s batch was produced")
@@ -169,8 +173,7 @@ class BackgroundGenerator:
         the batches produced and not yet trained, in step order. Until the next `publish` the generator's state
         (and the trainer state it produces from) stays as it is: what a checkpoint saves."""
         with self._cv:
-            while not self.idle and self._error is None:
-                self._cv.wait()
+            self._wait(lambda: self.idle or self._error is not None, "the batch in production to finish")
             self._raise_error()
             return list(self._queue)
 
@@ -186,8 +189,16 @@ class BackgroundGenerator:
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join()
+        if self._thread is not None and not self._stalled:  # a stalled thread is left behind (a daemon)
+            waits.join(self._thread, "its call in progress to return", GENERATOR_THREAD)
+
+    def _wait(self, ready: Callable[[], bool], what: str) -> None:
+        """The learner waits (the condition's lock held) until `ready()`, at most train.wait_timeout_s."""
+        try:
+            waits.wait_until(self._cv, ready, what, GENERATOR_THREAD)
+        except waits.WaitExpired:
+            self._stalled = True  # `close` does not wait for it again
+            raise
 
     def _raise_error(self) -> None:
         if self._error is not None:

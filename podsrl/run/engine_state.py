@@ -12,7 +12,7 @@ import os
 import torch
 
 from podsrl.engines import RolloutEngine
-from podsrl.planning.memory_report import run_keeps_decode_state
+from podsrl.planning.memory_report import kept_decode_rows
 from podsrl.tasks.prompt_length import longest_prompt
 
 log = logging.getLogger("podsrl")
@@ -28,12 +28,16 @@ def device_memory(device: torch.device) -> int:
 def keeps_engine_state(cfg, engine: RolloutEngine, model: torch.nn.Module, task, tokenizer, device: torch.device,
                        world_size: int, speak: bool) -> bool:
     """True where the (synchronous) run's engine keeps a decode state between calls and the plan fits it beside the
-    update at the configured micro-batch on this device."""
+    update at the configured micro-batch on this device; the engine then decodes no more rows at once than the plan
+    counted (RolloutEngine.plan_rows): the first call's free memory does not hold the optimiser's state and the
+    gradients yet, and a state sized by it would stay that size through every update."""
     if cfg.train.asynchronous.enabled or not engine.keeps_state_across_updates:
         return False
     prompt_length = cfg.task.max_prompt_length or longest_prompt(task, tokenizer)
     memory = device_memory(device)
-    if run_keeps_decode_state(cfg, model.config, prompt_length, device.type, world_size, memory):
+    rows = kept_decode_rows(cfg, model.config, prompt_length, device.type, world_size, memory)
+    if rows:
+        engine.plan_rows(rows)
         return True
     if speak:
         log.info("the engine's decode state (KV cache, CUDA graphs) is freed before each update: the memory plan "

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from podsrl import waits
 from podsrl.batch import RolloutBatch
 from podsrl.build import load_model, load_task, reward_manager, rollout_engine, verifier
 from podsrl.config import Config, dump_config
@@ -75,6 +76,7 @@ class Trainer:
     def __init__(self, cfg: Config, resume: bool = False) -> None:
         self.cfg = cfg
         self.run_dir = Path(cfg.output_dir)
+        waits.configure(cfg.train.wait_timeout_s)  # every wait on another process or thread, collectives too
         self.dist = init_distributed(resolve_device(cfg.model.device))  # torchrun: this rank's place and device
         # One writer per run directory (rank 0 for the job), held until train() returns, with its run.log.
         self.lock = RunLock(self.run_dir, keep_log=True) if self.dist.is_main else None
@@ -196,6 +198,7 @@ class Trainer:
     def train_step(self) -> StepRecord:
         cfg = self.cfg
         t0, cpu0 = time.perf_counter(), time.process_time()
+        waits.at_step(self.step + 1)  # named by a wait that expires in it
         faults.fire("step", self.step + 1)
         if self.generator is None:
             produced, waited = self.producer.produce(self.step), 0.0
@@ -270,9 +273,10 @@ class Trainer:
         metrics = evaluate(self.eval_engine, self.eval_tokenizer, self.eval_problems, self.verify,
                            cfg.rollout.max_new_tokens, cfg.eval.samples, cfg.rollout.temperature,
                            cfg.rollout.top_p, cfg.eval.batch_size, self.eval_episodes)
-        # its kept state (as many rows as the device held at the eval) is not the training waves' the plan counts,
-        # and under train.async the eval engine idles beside the update until the next eval: freed either way
-        self.eval_engine.release()
+        # under train.async the eval engine idles beside the update until the next eval: freed; the training
+        # engine's state the plan keeps through the update (its rows bounded by the plan's) stays, graphs and all
+        if self.eval_engine is not self.engine or not self.keep_engine_state:
+            self.eval_engine.release()
         # eval is outside the training clock (time/elapsed); its own cost is logged beside it
         record = {"step": self.step, "time/elapsed": self.elapsed, "time/eval": time.perf_counter() - t0, **metrics}
         record.update(self.accountant.total_metrics())

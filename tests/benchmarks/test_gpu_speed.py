@@ -72,9 +72,10 @@ def test_a_part_out_of_time_keeps_the_other_files_and_the_deadline_stops_the_res
     assert "unknown part nonsense" in summary and "mfu: TIMED OUT at 1s" in summary, summary
     assert "machine: written" in summary and (out / "machine.txt").exists()
     assert "study update: - s (target <= 0.06): not measured" in summary and "gpu_speed: done" in summary
-    late = speed("--smoke", "--out", str(tmp_path / "late"), "--runs", str(tmp_path / "runs"), "--deadline", "0",
+    late = speed("--smoke", "--out", str(tmp_path / "late"), "--runs", str(tmp_path / "runs"), "--deadline", "60",
                  "--parts", "mfu", timeout=120)
-    assert "mfu: not run (the 0s deadline is reached)" in (tmp_path / "late/summary.txt").read_text(), late.stdout
+    assert late.returncode == 2 and "need 200s" in late.stderr and "past the 60s deadline" in late.stderr
+    assert not (tmp_path / "late").exists()  # refused before running anything
     bad = speed("--bogus", timeout=60)
     assert bad.returncode == 2 and "unknown argument --bogus" in bad.stderr
 
@@ -146,3 +147,30 @@ def test_capture_counter_counts_captures_whoever_makes_them(monkeypatch):
     assert captures.count == 3 and all(s >= 0 for s in captures.seconds)
     graph.capture_begin(None)  # restored on exit: not counted
     assert captures.count == 3
+
+
+def plan(*args: str) -> tuple[dict[str, int], int, int]:
+    """(part -> limit, seconds needed, deadline) as `gpu_speed.sh --plan` counts them."""
+    lines = speed(*args, "--plan", timeout=60).stdout.splitlines()
+    limits = {name: int(limit) for name, limit in (line.split() for line in lines[:-1])}
+    _, needed, _, deadline = lines[-1].split()[:4]
+    return limits, int(needed), int(deadline.rstrip("s"))
+
+
+def test_each_call_fits_its_deadline_by_construction_and_the_two_reach_every_part():
+    """The parts' limits, a kill's grace each and the set-up add up to at most the 420 s deadline in each of the two
+    calls, decode and the TRL comparison in the first, every part in one of them; the documented command lists both
+    calls. Before, one call's limits added to 610 s against its 420 s deadline: decode and rl ran only if the parts
+    before them finished early."""
+    first, second = plan("--call", "1"), plan("--call", "2")
+    for limits, needed, deadline in (first, second):
+        assert deadline == 420 and needed <= deadline
+        assert needed >= sum(limits.values()) + len(limits) * 5  # the grace and set-up on top of the limits
+    assert list(first[0])[1:3] == ["decode", "rl"]
+    assert set(first[0]) | set(second[0]) == {"machine", *PARTS}
+    everything = plan()
+    assert everything[1] > everything[2]  # all parts at once do not fit one call: refused
+    refused = speed("--out", "/nonexistent/never", timeout=60)
+    assert refused.returncode == 2 and "run them in two calls (--call 1, then --call 2)" in refused.stderr
+    docs = (ROOT / "docs/gpu.md").read_text()
+    assert "bash benchmarks/gpu_speed.sh --call 1" in docs and "bash benchmarks/gpu_speed.sh --call 2" in docs

@@ -1,6 +1,7 @@
 """The fast engine's static-shape decode step (podsrl/engines/decode_step.py): it compiles as one graph, gives the
 eager tokens, compiles once per bucket over a whole generate call with compaction, and keeps the CUDA-graph contract
-(fixed addresses, a replay reading the state it captured) on the CPU through a stand-in for the graph."""
+(fixed addresses, a replay reading the state it captured) on the CPU through a stand-in for the graph that
+replays the captured operations on the memory they read (tests/engines/graph_stand_in.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from podsrl.engines import SamplingParams
-from podsrl.engines.decode_step import Buckets, CudaGraphs, StepRunner
+from podsrl.engines.decode_step import Buckets, StepRunner
 from podsrl.engines.fast import SYNC_EVERY, FastEngine
 from podsrl.errors import ConfigError
+from podsrl.models import decode
 from tests.conftest import device_under_test
+from tests.engines.graph_stand_in import RecordedGraphs
 from tests.engines.test_engines import make_model, random_prompts
 from tests.tiny_lm import TokStub as Tok
 
@@ -86,32 +89,10 @@ def test_generate_compiles_once_per_bucket_it_visits():
     assert counters["stats"]["unique_graphs"] == len(visited)
 
 
-class RerunGraph:
-    """A CUDA graph's contract on the CPU: captured once from a step whose warm-up already ran, each replay runs
-    the step the capture saw (its objects, as a graph its addresses) into the same output tensors."""
-
-    def __init__(self, step, outputs):
-        self.step, self.outputs = step, outputs
-
-    def replay(self):
-        for out, new in zip(self.outputs, self.step()):
-            out.copy_(new)
-
-
-class RerunGraphs(CudaGraphs):
-    captures = 0
-
-    def _capture(self, step):
-        step()  # the warm-up run
-        RerunGraphs.captures += 1
-        outputs = tuple(torch.empty_like(t) for t in step())  # shapes only: a capture does not execute
-        return RerunGraph(step, outputs), outputs
-
-
 def graph_engine(model, block=4):
     engine = FastEngine(model, Tok())
     engine.runner = StepRunner()
-    engine.runner.graphs = RerunGraphs()
+    engine.runner.graphs = RecordedGraphs()
     engine.buckets = Buckets(block=block)
     return engine
 
@@ -125,26 +106,58 @@ def test_graph_replay_contract_across_calls_and_weight_updates(monkeypatch):
     model = make_model("qwen", peak=3.0, eos_bias=2.0)
     prompts, counts, seeds = request()
     engine, eager = graph_engine(model), FastEngine(model, Tok())
-    RerunGraphs.captures = 0
+    RecordedGraphs.captures = 0
     for params in (SAMPLED, GREEDY):
         assert_same(engine.generate(prompts, counts, params, seeds), eager.generate(prompts, counts, params, seeds))
-    first = RerunGraphs.captures
+    first = RecordedGraphs.captures
     assert first == len(engine.runner.visited) > 2
     assert_same(engine.generate(prompts, counts, SAMPLED, seeds), eager.generate(prompts, counts, SAMPLED, seeds))
-    assert RerunGraphs.captures == first
+    assert RecordedGraphs.captures == first
     with torch.no_grad():  # as the optimiser does: in place
         for p in model.parameters():
             p.mul_(1.1)
     after = engine.generate(prompts, counts, SAMPLED, seeds)
     assert_same(after, eager.generate(prompts, counts, SAMPLED, seeds))
-    assert RerunGraphs.captures == len(engine.runner.visited)  # only buckets the new weights' rows reach anew
-    before = RerunGraphs.captures
+    assert RecordedGraphs.captures == len(engine.runner.visited)  # only buckets the new weights' rows reach anew
+    before = RecordedGraphs.captures
     bigger = (9, 9, 9)
     prompts_big, counts_big, seeds_big = request(bigger)
     assert_same(engine.generate(prompts_big, counts_big, SAMPLED, seeds_big),
                 eager.generate(prompts_big, counts_big, SAMPLED, seeds_big))
     assert engine.state.rows == 32
-    assert RerunGraphs.captures - before == len(engine.runner.graphs.graphs)  # all captured afresh
+    assert RecordedGraphs.captures - before == len(engine.runner.graphs.graphs)  # all captured afresh
+
+
+def reallocating_refresh(plan, layer):
+    """A weight refresh that gives the fused q/k/v and gate/up weights new memory (`set_`) instead of copying the
+    new weights into theirs, and leaves the stack's binding (the graphs it keeps) as it was."""
+    attn = layer.self_attn
+    plan.qkv[0].set_(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    plan.gate_up.set_(torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]))
+
+
+@on_cpu
+@pytest.mark.parametrize("reallocates", [False, True])
+def test_a_tensor_reallocated_without_dropping_the_graphs_replays_stale_memory(monkeypatch, reallocates):
+    """The stand-in replays the captured operations on the memory they read, as a GPU replays a graph's kernels on
+    its addresses: after an in-place weight update, a refresh in place samples the eager engine's tokens over the
+    new weights; one that re-allocates the fused weights without dropping the graphs samples from the old ones
+    (a stand-in re-running the Python step read the new tensors, and such a path passed)."""
+    model = make_model("qwen", peak=3.0, eos_bias=2.0)
+    prompts, counts, seeds = request()
+    engine = graph_engine(model)
+    engine.generate(prompts, counts, SAMPLED, seeds)
+    captured = RecordedGraphs.captures
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.1)
+    if reallocates:
+        monkeypatch.setattr(decode, "refresh_fused", reallocating_refresh)
+    replayed = engine.generate(prompts, counts, SAMPLED, seeds)
+    fresh = FastEngine(model, Tok()).generate(prompts, counts, SAMPLED, seeds)
+    assert RecordedGraphs.captures == captured or not reallocates  # the stale path replays what it captured
+    gap = (replayed.logprobs - fresh.logprobs).abs().max()
+    assert gap > 1e-3 if reallocates else gap <= LOGPROB_TOL
 
 
 @on_cpu

@@ -13,7 +13,8 @@ from podsrl.engines import SamplingParams
 from podsrl.engines import fast as fast_module
 from podsrl.engines.decode_step import Buckets, StepRunner
 from podsrl.engines.fast import FastEngine
-from tests.engines.test_decode_graph import RerunGraphs, on_cpu
+from tests.engines.graph_stand_in import RecordedGraphs
+from tests.engines.test_decode_graph import on_cpu
 from tests.engines.test_engines import make_model, random_prompts
 from tests.tiny_lm import TokStub as Tok
 
@@ -114,7 +115,7 @@ def test_captured_steps_read_the_synced_weights_and_dynamo_compiles_once_per_buc
     model = make_model("qwen", peak=3.0, eos_bias=2.0)
     engine = FastEngine(model, Tok(), weights_dtype=torch.bfloat16)
     engine.runner, engine.buckets = StepRunner(), Buckets(block=4)
-    engine.runner.graphs = RerunGraphs()
+    engine.runner.graphs = RecordedGraphs()
     first = engine.generate(PROMPTS, COUNTS, SAMPLED, SEEDS)
     captured = len(engine.runner.graphs.graphs)
     with torch.no_grad():

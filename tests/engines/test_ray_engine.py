@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import itertools
 import random
+import time
 
 import pytest
 import torch
@@ -204,6 +205,30 @@ def test_a_shard_that_keeps_failing_stops_at_the_bound(pool):
     params = SamplingParams(max_new_tokens=6)
     assert_same(engine.generate(prompts, counts, params, seeds),
                 FastEngine(model, Tok()).generate(prompts, counts, params, seeds))
+
+
+def test_a_worker_that_sleeps_stops_the_run_within_the_bound(pool):
+    """A Ray worker that sleeps through a call: with no retry left, the wait stops within the bound with one line
+    naming the call, the worker and the step (podsrl/waits.py), not after the worker wakes."""
+    from podsrl import waits
+
+    engine, _ = pool
+    def sleep(seconds: float) -> None:
+        time.sleep(seconds)
+
+    nap = ray.remote(num_cpus=0)(sleep)
+    engine.timeout_s, engine.max_retries = 1.0, 0
+    waits.at_step(4)
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(waits.WaitExpired) as expired:
+            engine.on_workers({1: lambda worker: nap.remote(6)}, lambda k: f"shard {k} (prompts 2-3)")
+    finally:
+        engine.timeout_s, engine.max_retries = None, 2
+        waits.at_step(None)
+    assert time.perf_counter() - t0 < 3.0
+    assert str(expired.value) == ("waited rollout.engine_options.timeout_s=1 s for a result of shard 1 (prompts 2-3) "
+                                  "(ray worker 1, try 1 of 1, step 4) and got no answer")
 
 
 def test_the_actors_stop_at_every_eos_of_the_generation_config(pool):

@@ -178,7 +178,8 @@ def test_weight_sync_reload_weights_by_reference(vllm, monkeypatch):
             p.add_(1.0)
     eng.sync_weights(model)
     (method,), kwargs = calls[0]
-    assert method == "reload_weights" and set(kwargs) == {"kwargs"} and set(kwargs["kwargs"]) == {"weights_iterator"}
+    assert method == "reload_weights" and set(kwargs) == {"kwargs", "timeout"}
+    assert set(kwargs["kwargs"]) == {"weights_iterator"}
     params = eng.llm.worker.params
     assert set(params) == set(model.state_dict())
     for name, p in model.named_parameters():

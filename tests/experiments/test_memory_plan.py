@@ -152,13 +152,13 @@ def test_terms_by_hand_for_a_1_5b_shaped_model():
     gen = mp.generation_peak(shape, work)  # the engine samples from a bfloat16 copy of the float32 masters
     # the step's cache of every row at 1,280 positions, the prefill's of the 8 prompts at 256; the state's valid
     # flags and uniforms per position and its row vectors
-    assert gen["kv_cache"] == 28 * 2 * 2 * 128 * 2 * (1280 * 128 + 256 * 8) + 128 * 1280 * 5 + 128 * 32
+    assert gen["kv_cache"] == 28 * 2 * 2 * 128 * 2 * (1280 * 128 + 256 * 8) + 128 * 1280 * 9 + 128 * 32
     assert gen["engine_weights"] == shape.params * 2
     assert gen["fused_weights"] == 0  # the copy's projections are views of the fused tensors
     assert gen["weights"] == shape.params * 4 and gen["optimizer"] == 2 * shape.params * 4
     assert gen["gradients"] == 0  # the update frees them when it ends
     same = mp.generation_peak(shape, dataclasses.replace(work, compute_dtype="float32"))  # no copy, fp32 cache
-    state = 128 * 1280 * 5 + 128 * 32
+    state = 128 * 1280 * 9 + 128 * 32
     assert same["engine_weights"] == 0 and same["kv_cache"] - state == (gen["kv_cache"] - state) * 2
     assert same["fused_weights"] == 28 * shape.fused_weights * 4  # sampled from the masters: concatenated copies
     upd = mp.update_peak(shape, work, rows=4, checkpointing=False)
@@ -202,7 +202,7 @@ def test_the_engines_decode_state_is_counted_through_the_update_or_freed_before_
     freed before the update. The plan keeps it beside each mode's largest micro-batch where that still fits (the
     micro-batch never shrinks for it); the trainer decides the same at its configured micro-batch."""
     from podsrl.config import load_config
-    from podsrl.planning.memory_report import run_keeps_decode_state, workload_from_config
+    from podsrl.planning.memory_report import kept_decode_rows, workload_from_config
 
     config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
@@ -215,8 +215,8 @@ def test_the_engines_decode_state_is_counted_through_the_update_or_freed_before_
     run_ahead = load_config("podsrl/configs/grpo.yaml", base + ["train.async.enabled=true"])
     assert not workload_from_config(run_ahead, 64, "cuda").kept_decode_state  # generation_in_flight counts it
     # 64 rows of 64 + 256 positions (whole cache blocks): the cache, the state, the logits and sampling, the scores
-    by_hand = (28 * 2 * 2 * 128 * 2 * 64 * 320 + 64 * 320 * 5 + 64 * 32
-               + 64 * 151936 * (2 + 4 + 12) + 2 * 64 * 12 * 320 * 4)
+    by_hand = (28 * 2 * 2 * 128 * 2 * 64 * 320 + 64 * 320 * 9 + 64 * 32
+               + 64 * 151936 * (2 + 4 + 8 + 8) + 2 * 64 * 12 * 320 * 4)
     assert mp.kept_decode_state(shape, work) == by_hand
     kept, released = (mp.update_peak(shape, dataclasses.replace(work, kept_decode_state=k), 8, True)
                       for k in (True, False))
@@ -230,7 +230,7 @@ def test_the_engines_decode_state_is_counted_through_the_update_or_freed_before_
     for checkpointing, fits in ((True, True), (False, False)):  # the configured micro-batch of 6 rows: 35.6 GiB
         configured = load_config("podsrl/configs/grpo.yaml", base + [
             "optim.micro_batch_size=6", f"update.activation_checkpointing={str(checkpointing).lower()}"])
-        assert run_keeps_decode_state(configured, config, 64, "cuda", 1, 40 * 2**30) is fits
+        assert (kept_decode_rows(configured, config, 64, "cuda", 1, 40 * 2**30) > 0) is fits
 
 
 def test_the_default_pods_step_at_1_5b_generates_in_waves_that_fit():
@@ -255,6 +255,37 @@ def test_the_default_pods_step_at_1_5b_generates_in_waves_that_fit():
     fixed = workload_from_config(load_config("podsrl/configs/pods.yaml", ["rollout.engine_options={max_rows: 256}"]),
                                  256, "cuda")
     assert mp.make_plan(shape, fixed, 80 * 2**30).work.generation_rows == 256
+
+
+def test_the_updates_attention_is_counted_at_the_blocks_cuda_lays_on_the_shape_ladder():
+    """On CUDA the packed layout rounds each attention block's rows and tokens up to the shape ladder (up to a
+    quarter more per side); the plan counts the blocks the layout builds (build_plan with the ladder, run on the
+    host), so the padding is not paid from the reserve. A micro-batch of 9 full-length rows of 2 prompts, 37 + 70
+    tokens: blocks [2, 40] over 40 keys and [10, 80] over 120, where the exact sizes are [2, 37] and [9, 69] over
+    106 (Qwen2.5-1.5B's attention: 27% more saved). Before, the plan counted the exact sizes on CUDA too."""
+    from podsrl.models.packed_layout import build_plan
+    from podsrl.planning.attention import attention_blocks
+
+    shape = mw.model_shape(Qwen2Config(**QWEN_1_5B))
+    mb = mp.MicroBatch(rows=9, groups=2, prompt_length=37, completion_length=70)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, 100, (2, 37), generator=g)[torch.tensor([0] * 5 + [1] * 4)]
+    completions = torch.randint(1, 100, (9, 70), generator=g)
+    layout = build_plan(prompts, torch.ones_like(prompts), completions, torch.ones_like(completions),
+                        torch.device("cpu"), ladder=True)
+    laid = [(*layout.prompt_shape, layout.prompt_shape[1])] + [
+        (b.rows, b.width, b.prompt_width + b.width) for b in layout.buckets]
+    cuda = mw.Workload(prompts=2, n=5, m=5, prompt_length=37, completion_length=70, compute_dtype="bfloat16",
+                       device="cuda")
+    assert laid == attention_blocks(mb, cuda) == [(2, 40, 40), (10, 80, 120)]
+    assert attention_blocks(mb, dataclasses.replace(cuda, device="cpu")) == [(2, 37, 37), (9, 69, 106)]
+    e, h, hkv, d = 2, 12, 2, 128
+    by_hand = 2 * layout.slots.numel() * hkv * d * e + sum(
+        2 * rows * q * h * d * e + rows * h * q * 4 + rows * q * k * (1 + e) + (2 * rows * hkv * k * d * e if k > q else 0)
+        for rows, q, k in laid)
+    assert mp.attention_saved(shape, mb, cuda) == by_hand
+    exact = mp.attention_saved(shape, mb, dataclasses.replace(cuda, device="mps"))  # exact sizes, same formula
+    assert 1.25 < by_hand / exact < 1.35
 
 
 def test_largest_micro_batch_fits_and_one_more_does_not():

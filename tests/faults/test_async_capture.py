@@ -4,7 +4,7 @@ PyTorch allows, while a CUDA graph is being captured, no other CUDA work in the 
 capture at a time. Under train.async the generator thread's engine captures while the learner updates, and an eval
 (the eval engine captures too) could start while the generator samples. The runs here record when each thread
 captures, updates, publishes weights, evaluates and generates, and check the order. On the CPU the capture is the
-decode-step tests' stand-in (each replay reruns the step into the captured outputs); under `--device cuda` it is
+decode-step tests' stand-in (each replay runs the captured operations on the memory they read); under `--device cuda` it is
 the real one, and the run must also finish without a capture error.
 """
 
@@ -24,7 +24,7 @@ from podsrl.run import trainer as trainer_module
 from podsrl.run.trainer import Trainer
 from podsrl.update import PolicyUpdater
 from tests.conftest import device_under_test
-from tests.engines.test_decode_graph import RerunGraphs
+from tests.engines.graph_stand_in import RecordedGraphs
 from tests.faults.test_async_exact import config
 
 ON_CUDA = device_under_test().type == "cuda"
@@ -37,7 +37,7 @@ class GraphedRunner(StepRunner):
 
     def __init__(self, compile=False, cuda_graphs=False) -> None:
         super().__init__(compile, cuda_graphs)
-        self.graphs = RerunGraphs()
+        self.graphs = RecordedGraphs()
 
 
 class Timeline:
@@ -79,7 +79,7 @@ def timeline(monkeypatch):
     graphs = CudaGraphs
     if not ON_CUDA:
         monkeypatch.setattr(fast, "StepRunner", GraphedRunner)
-        graphs = RerunGraphs
+        graphs = RecordedGraphs
     monkeypatch.setattr(graphs, "_capture", timeline.timed("capture", graphs._capture, hold=0.005))
     monkeypatch.setattr(PolicyUpdater, "update", timeline.timed("update", PolicyUpdater.update, hold=0.02))
     monkeypatch.setattr(async_generation, "trainable_snapshot",
