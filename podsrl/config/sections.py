@@ -14,6 +14,7 @@ from typing import Any, Literal
 from podsrl.engines import DEFAULT_ENGINE, ENGINES, RolloutEngine, engine_class
 from podsrl.methods import METHODS
 from podsrl.options import option
+from podsrl.reporting.trackers import TRACKERS
 from podsrl.tasks import DEFAULT_TASK, TASKS
 
 _f = option
@@ -321,8 +322,10 @@ class LogConfig:
     tensorboard: bool = _f(True, "false removes tensorboard from log.report_to (older spelling).")
     progress: bool = _f(True, "Show progress: a live display on a terminal, plain lines when stdout is a file.")
     # Trackers and progress for cluster jobs.
-    report_to: Any = _f(["tensorboard"], "Trackers (TRL: report_to): a list of tensorboard, wandb, trackio, or "
-                        "'all' / 'none'. metrics.jsonl is always written. wandb/trackio are optional extras.")
+    # the names are the tracker registry's, checked when the config is loaded
+    report_to: Any = _f(["tensorboard"], "Trackers (TRL: report_to; podsrl.reporting.trackers.TRACKERS): a list of "
+                        f"{', '.join(TRACKERS)}, or 'all' / 'none'. metrics.jsonl is always written. wandb/trackio "
+                        "are optional extras.")
     run_name: str = _f("", "Run name shown by trackers (TRL: run_name); default: the config name and seed.")
     project: str = _f("podsrl", "wandb/trackio project (WANDB_PROJECT / TRACKIO_PROJECT override it).")
     log_every: int = _f(10, "When stdout is not a terminal: one plain progress line every N steps ...", ge=1)
