@@ -15,6 +15,8 @@ from podsrl.engines import RolloutEngine, build_engine
 from podsrl.models.rank_loading import load_policy_on_ranks
 from podsrl.models.sharded_loading import load_sharded
 from podsrl.rewards import RewardManager, build_reward_manager
+from podsrl.sandbox.box import SandboxLimits
+from podsrl.sandbox.isolation import allow_unisolated, require_isolation
 from podsrl.tasks import build_task
 from podsrl.tasks.base import Task
 from podsrl.tasks.prompt_length import limit_task_prompts, model_context
@@ -53,7 +55,10 @@ def load_model(cfg: Config, weights: str | Path | None, base: str | None, traina
 def load_task(cfg: Config, tokenizer, model: torch.nn.Module | None = None) -> tuple[Task, list[Problem]]:
     """The task and the held-out problems evaluated (eval.size of them; all when 0), with the prompt-length limit
     applied: checked against the model's context (when a model is given) before anything is generated."""
+    allow_unisolated(cfg.episode.sandbox == "unisolated")
     task = build_task(cfg.task, tokenizer)
+    if task.runs_programs:  # said (or refused) before anything is generated
+        require_isolation(SandboxLimits.max_processes)
     # an episode's completion is the whole episode: model turns and environment messages, episode.max_tokens
     budget, key = ((cfg.episode.max_tokens, "episode.max_tokens") if task.has_environment() else
                    (cfg.rollout.max_new_tokens, "rollout.max_new_tokens"))

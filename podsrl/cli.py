@@ -14,6 +14,8 @@ from pathlib import Path
 from podsrl.config.presets import preset_path, preset_table
 from podsrl.errors import UnhealthyRun, UserError, WorkerLost
 from podsrl.exit_codes import ExitCode
+from podsrl.reporting.streams import guard_std_streams
+from podsrl.run import supervisor
 
 DEFAULT_CONFIG = "default"  # no --config: the built-in task, tuned for a short CPU run (configs/default.yaml)
 
@@ -45,6 +47,8 @@ def cmd_train(args) -> int:
 
         print(config_yaml(cfg), end="")
         return 0
+    if args.supervised and supervisor.supported():  # the parent waits here, and exits with the trainer's code
+        supervisor.supervise(Path(cfg.output_dir))
     from podsrl.run.trainer import Trainer  # after the config: a bad one is reported without importing torch
 
     trainer = Trainer(cfg, resume=bool(args.resume))
@@ -200,7 +204,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The CLI. With the process's own command line (argv None: `podsrl`, `python -m podsrl`), `train` runs under
+    a supervising parent (podsrl/run/supervisor.py); `main([...])` from Python runs in the calling process."""
     args = parse_args(argv)
+    args.supervised = argv is None
+    code = _run(args)
+    supervisor.report_exit(code)  # the trainer's own exit: its parent passes the code on
+    return code
+
+
+def _run(args: argparse.Namespace) -> int:
+    guard_std_streams()  # before logging's console handler takes sys.stderr: a closed pipe never stops a run
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     # transformers' per-file bars ("Loading weights", "Writing model shards") would interleave with podsrl's own

@@ -1,4 +1,5 @@
-"""What `podsrl` exit codes mean, for schedulers and wrapper scripts (README, "Operating runs").
+"""What `podsrl` exit codes mean, for schedulers and wrapper scripts: docs/operations.md lists each one and what to
+do with it (tests/test_operations_doc.py keeps it in step with this file).
 
 A requeue policy can retry STOPPED_RESUMABLE (and FAULT, at its discretion) with `podsrl train --resume RUN_DIR`;
 USER_ERROR and UNHEALTHY fail the same way on every retry, so they should not be retried unchanged.
@@ -11,7 +12,9 @@ from enum import IntEnum
 
 class ExitCode(IntEnum):
     FINISHED = 0  # the run reached its budget and wrote summary.json (or was already finished)
-    FAULT = 1  # an unexpected error (a bug, a crashed library): Python's own code for an uncaught exception
+    # an unexpected error (a bug, a crashed library): Python's own code for an uncaught exception; also a trainer
+    # that ended outside podsrl's own exit before finishing (os._exit in user code: podsrl/run/supervisor.py)
+    FAULT = 1
     USER_ERROR = 2  # bad config, data, path or reward code; a second writer on a locked run directory
     UNHEALTHY = 3  # training went bad: non-finite losses in a row, or a collapse with train.stop_on_collapse
     # A worker process (a Ray actor) died or failed past rollout.engine_options.max_retries: one line names it and

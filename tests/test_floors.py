@@ -23,7 +23,7 @@ FLOORS = [  # the top floor first
     ("config/",),  # the typed config, checked against the registries of tasks, engines and methods; RunFacts
     ("tasks/",),  # the task registry and the tasks: problems, verifiers, environments
     ("episodes/", "rewards.py"),
-    ("engines/", "methods/", "integrations/"),
+    ("engines/", "methods/", "integrations/", "sandbox/"),  # sandbox/: running model-written programs isolated
     ("prompt_stats.py", "lora.py", "math_verify_pool.py"),
     ("algo/", "reporting/"),  # the maths; where a run's metrics, progress and plot go
     ("models/", "extras.py"),  # the only code that knows model internals

@@ -162,6 +162,10 @@ class EpisodeConfig:
                                             "give (docs/episodes.md, 'Per-turn rewards').")
     turn_discount: float = _f(1.0, "Episodes under credit=turn: the discount of later turns' rewards, in [0, 1].",
         ge=0, le=1)
+    sandbox: Literal["isolated", "unisolated"] = _f(
+        "isolated", "Episodes: where model-written programs run (the python tool, podsrl.sandbox.Sandbox). "
+        "'isolated': in their own namespaces and root (docs/episodes.md); a machine that cannot isolate refuses to "
+        "start. 'unisolated': there, run them anyway with access to your files and processes, with a warning.")
 
 
 @dataclass

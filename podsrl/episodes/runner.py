@@ -151,6 +151,7 @@ class EpisodeRunner:
                     self._stop_decided(episodes, counts, stop, rewards)
                 if after_turn is not None:
                     after_turn()
+        CALLS.end_children()  # what these episodes' calls started dies with them
         return self._output(episodes, counts, params.return_logprobs)
 
     @staticmethod

@@ -23,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from podsrl.errors import ConfigError
 from podsrl.fileio import write_text_atomic
 from podsrl.options import to_dict
+from podsrl.reporting.streams import PROGRESS, is_lost
 from podsrl.reporting.trackers import TRACKERS, TrackedRun, Tracker, tracker_class
 
 _ORDER = {"reward": 0, "train_acc": 1, "eval_acc": 2, "loss": 0, "val_acc": 1}  # progress fields, in this order
@@ -146,8 +147,11 @@ class StepProgress:
             self._print(f"{label} start | step {start}/{total}")
 
     def _print(self, line: str) -> None:
-        self._stream.write(line + "\n")
-        self._stream.flush()
+        if not is_lost(self._stream):
+            self._stream.write(line + "\n")
+            self._stream.flush()
+        if is_lost(self._stream):  # a closed pipe (podsrl/reporting/streams.py): run.log keeps the line
+            PROGRESS.info(line)
 
     def _info(self) -> str:
         parts = [f"{k} {v:.3f}" for k, v in sorted(self.values.items(), key=lambda kv: _ORDER.get(kv[0], 99))
@@ -161,6 +165,9 @@ class StepProgress:
         if not self.enabled:
             return
         self._step = step
+        if self._progress is not None and is_lost(self._stream):  # the terminal is gone: plain lines to run.log
+            self._progress.stop()
+            self._progress = None
         if self._progress is not None:
             self._progress.update(self._task, completed=step, info=self._info().replace(" | ", "  "))
             return

@@ -18,15 +18,18 @@ import logging
 import os
 import socket
 import tempfile
+import time
 from pathlib import Path
 
 from podsrl.errors import UserError
+from podsrl.run import supervisor
 from podsrl.run.log import LOG_FILE, RunLog
 
 log = logging.getLogger("podsrl")
 
 LOCK_FILE = "run.lock"
 APPENDED = (LOCK_FILE, LOG_FILE, "metrics.jsonl")  # the files of a run directory a resumed run writes in place
+HANDOVER_S = 10.0  # the longest wait for the lock of a holder that has ended (its trainer still exiting)
 
 
 def create_run_dir(run_dir: Path) -> None:
@@ -68,6 +71,19 @@ def _describe(holder: dict) -> str:
     return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
 
 
+def _ended(holder: dict) -> bool:
+    """Whether the holder named in the lock file ran on this host and is gone."""
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return False
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process: alive
+        pass
+    return False
+
+
 class RunLock:
     """Takes the lock of `run_dir` (created if needed) or raises a UserError naming the process that holds it.
     `keep_log`: the holder also appends podsrl's log to the run's run.log until it lets go (a training run)."""
@@ -84,7 +100,7 @@ class RunLock:
             _cannot_write(self.run_dir, self.path, e)
         self._file = os.fdopen(fd, "r+", encoding="utf-8")
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._take(fd)
         except BlockingIOError:
             holder = self._holder()
             self._file.close()
@@ -101,8 +117,21 @@ class RunLock:
         if previous:
             log.warning("taking over %s from a process that ended without releasing it (%s)", self.path,
                         _describe(previous))
-        self._write({"pid": os.getpid(), "host": socket.gethostname(),
+        self._write({"pid": supervisor.run_pid(), "host": socket.gethostname(),
                      "started": datetime.datetime.now().isoformat(timespec="seconds")})
+
+    def _take(self, fd: int) -> None:
+        """flock, waiting up to HANDOVER_S while the holder named in the file has ended on this host: its trainer
+        (podsrl/run/supervisor.py), killed with it, is still letting go."""
+        deadline = time.monotonic() + HANDOVER_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline or not _ended(self._holder()):
+                    raise
+                time.sleep(0.05)
 
     def _holder(self) -> dict:
         try:

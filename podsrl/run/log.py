@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from podsrl.reporting.streams import PROGRESS, lost_streams, warn_lost
+
 LOG_FILE = "run.log"
 RANK_LOG_DIR = "ranks"
 FORMAT = "%(asctime)s pid %(process)d %(levelname)s %(message)s"
@@ -24,12 +26,16 @@ class RunLog:
         self.handler.setLevel(logging.INFO)
         self.handler.setFormatter(logging.Formatter(FORMAT))
         _logger.addHandler(self.handler)
+        PROGRESS.addHandler(self.handler)  # progress lines that stdout no longer takes
         self._level = _logger.level
         if _logger.getEffectiveLevel() > logging.INFO:  # a library user without logging set up still gets the file
             _logger.setLevel(logging.INFO)
+        for stream in lost_streams():  # lost before this file was open: said again here, where it is kept
+            warn_lost(stream)
 
     def close(self) -> None:
         _logger.removeHandler(self.handler)
+        PROGRESS.removeHandler(self.handler)
         _logger.setLevel(self._level)
         self.handler.close()
 

@@ -24,7 +24,7 @@ from podsrl.config import Config, dump_config
 from podsrl.config.facts import run_facts, unread_settings
 from podsrl.distributed import NullLogger, init_distributed
 from podsrl.engines.capture_lock import CAPTURE_LOCK
-from podsrl.episodes.calls import STOP, Interrupted
+from podsrl.episodes.calls import CALLS, STOP, Interrupted
 from podsrl.episodes.runner import task_episodes
 from podsrl.errors import UnhealthyRun, UserError, WorkerLost
 from podsrl.fileio import write_text_atomic
@@ -377,6 +377,7 @@ class Trainer:
         group."""
         self.logger.close()
         self.close_engines()
+        CALLS.end_children(everything=True)  # processes environments and tools left, hung calls' included
         self.dist.close()
 
     def close_engines(self) -> None:

@@ -20,6 +20,8 @@ import torch
 from podsrl.config import Config, EpisodeConfig, TaskConfig, TinyModelConfig, to_dict
 from podsrl.models.loading import build_char_tokenizer, build_tiny_model, load_tiny_at_context, resolve_device
 from podsrl.reporting.tracking import build_progress
+from podsrl.sandbox.box import SandboxLimits
+from podsrl.sandbox.isolation import allow_unisolated, require_isolation
 from podsrl.tasks import build_task, task_class
 
 log = logging.getLogger("podsrl")
@@ -208,7 +210,10 @@ def run_warmup(cfg: Config, progress: bool = True, use_shipped: bool = True) -> 
     if present is not None:
         return present
     out = warmup_path(cfg)
+    allow_unisolated(cfg.episode.sandbox == "unisolated")
     task = build_task(warmup_task_config(cfg.task))
+    if task.runs_programs:  # its reference episodes run programs: said (or refused) before any training
+        require_isolation(SandboxLimits.max_processes)
     w = cfg.warmup
     # On the run's device (a 25M model would take hours on a few CPU cores); the cache key ignores the device, so a
     # warm-up made on one machine serves runs on another. Weights are built on the CPU first: the same start anywhere.

@@ -43,6 +43,7 @@ class ArithmeticPythonTask(ArithmeticTask):
     # its answers are learned bare (short rows) first, on the same problems; warmup.episode_steps on reference
     # episodes then teach the calls
     plain_task = "arithmetic"
+    runs_programs = True
 
     def __init__(self, tool_share: float = 0.5, operators: str = OPERATORS, **args) -> None:
         if isinstance(tool_share, bool) or not isinstance(tool_share, (int, float)) or not 0 <= tool_share <= 1:

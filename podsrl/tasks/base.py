@@ -29,6 +29,8 @@ class Task(ABC):
     warmup_version: int | None = None
     # The registered single-turn task of the same prompts whose warm-up this episode task's continues, or None.
     plain_task: str | None = None
+    # True: its environment runs model-written programs in the sandbox, so the run checks the isolation at start-up
+    runs_programs: bool = False
 
     @classmethod
     def from_config(cls, cfg: TaskConfig, tokenizer: Any = None) -> Task:

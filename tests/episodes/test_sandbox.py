@@ -4,6 +4,7 @@ or a limit reached is answered to the model and counted as a fault of the tool."
 
 from __future__ import annotations
 
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -14,6 +15,8 @@ from podsrl.episodes import sandbox
 from podsrl.episodes.formats import ToolCall
 from podsrl.episodes.sandbox import SandboxError, SandboxLimits, python_tool, run_code
 from podsrl.episodes.tools import call_tools
+from podsrl.sandbox import isolation
+from podsrl.sandbox.isolation import probe
 
 LIMITS = SandboxLimits(cpu_s=1, wall_s=3.0, memory_bytes=256 * 2**20, max_output_bytes=1000)
 
@@ -48,11 +51,16 @@ def test_wall_clock_stops_the_code_and_what_it_started(tmp_path):
     assert not mark.exists()  # the forked child went with its group
 
 
-@pytest.mark.parametrize("namespace", [True, False], ids=["namespace", "refused_sockets"])
-def test_no_network(monkeypatch, namespace):
-    if namespace and not sandbox.network_namespace():
+@pytest.mark.parametrize("mode", ["isolated", "unisolated_namespace", "unisolated_refused_sockets"])
+def test_no_network(monkeypatch, mode):
+    """Isolated: its own network namespace. Unisolated (a machine without isolation, episode.sandbox: unisolated):
+    `unshare -rn` where it works, else the socket module refuses."""
+    if mode != "unisolated_refused_sockets" and not sandbox.network_namespace():
         pytest.skip("no unprivileged network namespace on this machine")
-    monkeypatch.setattr(sandbox, "network_namespace", lambda: namespace)
+    if mode != "isolated":
+        monkeypatch.setattr(isolation, "probe", lambda: "simulated: no user namespaces")
+        monkeypatch.setitem(isolation._state, "allow_unisolated", True)
+        monkeypatch.setattr(sandbox, "network_namespace", lambda: mode == "unisolated_namespace")
     code = "import socket\ns = socket.create_connection(('1.1.1.1', 53), timeout=2)\nprint('connected')"
     with pytest.raises(SandboxError, match="Network is unreachable|network access is disabled") as raised:
         run_code(code, LIMITS)
@@ -60,8 +68,10 @@ def test_no_network(monkeypatch, namespace):
 
 
 def test_the_scratch_directory_is_the_working_directory_and_is_removed():
-    where = Path(run_code("import os; open('f', 'w').write('x'); print(os.getcwd())", LIMITS).strip())
-    assert where.name.startswith("podsrl-python-") and not where.exists()
+    before = set(Path(tempfile.gettempdir()).glob("podsrl-sandbox-*"))
+    where = run_code("import os; open('f', 'w').write('x'); print(os.getcwd())", LIMITS).strip()
+    assert where == "/scratch" if probe() is None else where.startswith(tempfile.gettempdir())
+    assert set(Path(tempfile.gettempdir()).glob("podsrl-sandbox-*")) == before  # the host's copy is removed
     assert run_code("import os; print(os.environ.get('PYTHONPATH'))", LIMITS) == "None\n"
 
 
