@@ -80,7 +80,7 @@ device_tests=(tests/engines/test_engines.py tests/engines/test_decode_graph.py t
               tests/update/test_shared_prompt.py tests/update/test_precision.py tests/models/test_logprobs.py
               tests/update/test_activation_checkpointing.py tests/algo/test_grad_noise.py tests/update/test_kl.py
               tests/update/test_rollout_correction_update.py tests/benchmarks/test_rollout_mismatch.py
-              tests/algo/test_rollout_correction.py tests/test_async_generation.py tests/faults/test_async_capture.py)
+              tests/algo/test_rollout_correction.py tests/run/test_async_generation.py tests/faults/test_async_capture.py)
 
 tests() {
     local args=(-q -rfEs -p no:cacheprovider --device "$device" --maxfail=20)

@@ -59,7 +59,7 @@ machine() {
 # The modules where the device matters most run first, so their full report exists even if the rest runs out of
 # time; -v prints each result as it comes (a run killed by its limit still says which tests passed and failed).
 core_tests=(tests/engines/test_engines.py tests/update/test_shared_prompt.py tests/models/test_logprobs.py
-            tests/algo/test_grad_noise.py tests/test_default_run.py tests/test_trainer.py)
+            tests/algo/test_grad_noise.py tests/run/test_default_run.py tests/run/test_trainer.py)
 
 tests() {
     local f=$out/tests.txt args=(-v -rfEs -p no:cacheprovider --device "$device" --maxfail=30) rest=()

@@ -11,7 +11,7 @@ import torch
 from podsrl.batch import Problem
 from podsrl.config import Config
 from podsrl.distributed import DistContext
-from podsrl.engines import RolloutEngine, build_engine, engine_class
+from podsrl.engines import RolloutEngine, build_engine
 from podsrl.models.rank_loading import load_policy_on_ranks
 from podsrl.models.sharded_loading import load_sharded
 from podsrl.rewards import RewardManager, build_reward_manager
@@ -73,7 +73,7 @@ def rollout_engine(cfg: Config, model: torch.nn.Module, tokenizer, compute_dtype
     (bfloat16 sampling of float32 masters), refreshed after each update, unless rollout.engine_options sets that
     option itself."""
     options = dict(cfg.rollout.engine_options)
-    option = engine_class(cfg.rollout.engine).compute_dtype_option
+    option = cfg.rollout.engine_type.compute_dtype_option
     if option is not None:
         options[option] = sampling_dtype(cfg, model, compute_dtype)
     return build_engine(cfg.rollout.engine, model, tokenizer, **options)
@@ -83,7 +83,7 @@ def sampling_dtype(cfg: Config, model: torch.nn.Module, compute_dtype: torch.dty
     """The dtype an engine with a `compute_dtype_option` samples `model` in: that option if rollout.engine_options
     sets it, else `compute_dtype` (the run's, resolved once in RunFacts; such an engine's copy lives on the training
     device) where it differs from the parameters' (None: the parameters' own)."""
-    option = engine_class(cfg.rollout.engine).compute_dtype_option
+    option = cfg.rollout.engine_type.compute_dtype_option
     if option in cfg.rollout.engine_options:
         return cfg.rollout.engine_options[option]
     return compute_dtype if compute_dtype != next(model.parameters()).dtype else None

@@ -38,7 +38,6 @@ from torch.distributed.tensor import DTensor
 
 from podsrl.config.facts import RunFacts, run_facts
 from podsrl.distributed import DataParallel, DistContext, log
-from podsrl.engines import engine_class
 from podsrl.models.decode import share_fused_weights
 
 
@@ -164,7 +163,7 @@ class FullyShardedDataParallel(DataParallel):
         self.generation_model = generation_copy(sharding.skeleton(model), facts.generation_dtype,
                                                 facts.generation_device)
         self.sync_generation_model(frozen_too=True)
-        if engine_class(cfg.rollout.engine).in_process:  # pickled to workers, views of one tensor would each carry it all
+        if cfg.rollout.engine_type.in_process:  # pickled to workers, views of one tensor would each carry it all
             share_fused_weights(self.generation_model)
 
     def grad_sync(self) -> None:

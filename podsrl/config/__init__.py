@@ -7,8 +7,9 @@ of vetted defaults; the trainer itself is algorithm-blind and reads only these f
 
 Where each part lives: the core sections and `Config` (composed from the method registry, so adding a method never
 touches them) in sections.py; YAML/CLI values to typed fields in convert.py; loading, overrides and writing back in
-loader.py; the generated reference (docs/config.md) in reference.py. The cross-field checks are in checks.py, those
-that need the registries (engine options, trackers, the method's own) in method_checks.py.
+loader.py; the generated reference (docs/config.md) in reference.py. A field's own bounds are declared on it with
+`option` and checked by bounds.py; the cross-field checks are in checks.py, those that need the registries (engine
+options, trackers, the method's own) in method_checks.py.
 """
 
 from podsrl.config.loader import config_yaml, dump_config, load_config

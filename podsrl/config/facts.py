@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from podsrl.algo.rollout_correction import TRL_DEFAULT_MODE
-from podsrl.engines import engine_class
 from podsrl.methods import METHODS
 from podsrl.models.precision import resolve_compute_dtype
 from podsrl.options import to_dict
@@ -49,7 +48,7 @@ def run_facts(cfg: Config, device: torch.device) -> RunFacts:
 def generation_device(cfg: Config) -> torch.device | None:
     """Where the engine's unsharded copy of the policy lives under FSDP (its `generation_device`; None: the run's
     device)."""
-    device = engine_class(cfg.rollout.engine).generation_device
+    device = cfg.rollout.engine_type.generation_device
     return torch.device(device) if device is not None else None
 
 
@@ -63,7 +62,7 @@ def mismatch_kinds(cfg, compute_dtype: torch.dtype) -> tuple[str, ...]:
     fast engine samples from a copy in that dtype); empty when the sampler is the trained module in its own
     precision (every other engine): the ratio is 1 up to float rounding."""
     kinds = {
-        "engine": engine_class(cfg.rollout.engine).own_kernels,
+        "engine": cfg.rollout.engine_type.own_kernels,
         "staleness": cfg.train.asynchronous.runs_ahead,
         "precision": compute_dtype != getattr(torch, cfg.model.dtype),
     }
@@ -93,20 +92,20 @@ def async_generator(cfg: Config) -> str:
     processes; the generator's copy stays here)."""
     if not cfg.train.asynchronous.enabled:
         return "none"
-    return "in_process" if engine_class(cfg.rollout.engine).in_process else "workers"
+    return "in_process" if cfg.rollout.engine_type.in_process else "workers"
 
 
 def rows_in_flight(cfg: Config) -> int:
     """The rows the engine decodes at once as its `rows_option` sets them (0: unset, or no such option: what the
     device holds)."""
-    return int(cfg.rollout.engine_options.get(engine_class(cfg.rollout.engine).rows_option) or 0)
+    return int(cfg.rollout.engine_options.get(cfg.rollout.engine_type.rows_option) or 0)
 
 
 def keeps_decode_state(cfg: Config, device: str) -> bool:
     """Whether the configured engine keeps a decode state between calls, which a synchronous run keeps through the
     update where the plan fits it (train.async samples beside the update: generation_in_flight counts it there)."""
     return (not cfg.train.asynchronous.enabled
-            and engine_class(cfg.rollout.engine).keeps_decode_state(cfg.rollout.engine_options, device))
+            and cfg.rollout.engine_type.keeps_decode_state(cfg.rollout.engine_options, device))
 
 
 def unread_settings(cfg: Config) -> list[str]:

@@ -22,7 +22,7 @@ Generation (the fast engine; a wave of rows in flight, by default as many as fit
 Update (the shared-prompt path of podsrl/models/packed.py, one micro-batch of b rows):
     master weights + gradients + AdamW state (2 per trained parameter, master dtype) + a reference model
   + the activations autograd saves (`layer_activations` per decoder layer, read off the layer's code and checked
-    against what it saves in tests/experiments/test_memory_plan.py), or with activation checkpointing each layer's
+    against what it saves in tests/planning/test_memory_plan.py), or with activation checkpointing each layer's
     input, then one layer's recomputed activations under its backward
   + the largest transient on top of them: the log-prob head's backward (a [V, D] weight gradient and one
     update.logits_chunk x V float32 chunk twice) or a layer's attention or MLP backward

@@ -1,8 +1,8 @@
 """Where metrics go and how progress is shown. The trainer emits dicts; this decides where they go.
 
 Sinks: metrics.jsonl in the run dir (always: resume, `podsrl report` and plots read it) plus the trackers named in
-`log.report_to` with TRL's names (tensorboard, wandb, trackio; 'all' / 'none'). wandb and trackio are optional
-extras, imported only when asked for; the run name and the whole config are logged to them.
+`log.report_to` with TRL's names ('all' / 'none' too), each a class in the registry of reporting/trackers/, imported
+only when asked for (wandb and trackio are optional extras); the run name and the whole config are logged to them.
 
 Progress: a rich live display on a terminal; when stdout is a file (a cluster job's log) one plain line every
 `log_every` steps or `log_every_seconds` seconds instead, flushed at once, so the log shows the run as it goes.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,12 +21,11 @@ from typing import Any, TextIO
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from podsrl.errors import ConfigError
-from podsrl.extras import require
 from podsrl.fileio import write_text_atomic
 from podsrl.options import to_dict
 from podsrl.reporting.streams import PROGRESS, is_lost
+from podsrl.reporting.trackers import TRACKERS, TrackedRun, Tracker, tracker_class
 
-TRACKERS = ("tensorboard", "wandb", "trackio")
 _ORDER = {"reward": 0, "train_acc": 1, "eval_acc": 2, "loss": 0, "val_acc": 1}  # progress fields, in this order
 
 
@@ -73,66 +71,6 @@ def _numbers(record: dict) -> dict[str, float]:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" and math.isfinite(v)}
 
 
-class _TensorBoard:
-    def __init__(self, run_dir: Path, resume_step: int | None, run_name: str, config: dict) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
-        # purge_step: on resume, TensorBoard hides the events logged after the checkpoint step
-        purge = resume_step + 1 if resume_step is not None else None
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
-        if resume_step is None:
-            self.writer.add_text("run_name", run_name, 0)
-            self.writer.add_text("config", "```\n" + json.dumps(config, indent=1) + "\n```", 0)
-
-    def log(self, values: dict[str, float], step: int) -> None:
-        for k, v in values.items():
-            self.writer.add_scalar(k, v, step)
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-def _tracker_id(run_dir: Path, name: str, resume: bool) -> str:
-    """A run id kept in the run dir, so a resumed run continues the same tracker run (a fresh run gets a new one)."""
-    path = run_dir / f".{name}_id"
-    if resume and path.is_file():
-        return path.read_text(encoding="utf-8").strip()
-    run_id = os.urandom(6).hex()
-    write_text_atomic(path, run_id)
-    return run_id
-
-
-class _Wandb:
-    def __init__(self, run_dir: Path, run_name: str, project: str, config: dict, resume: bool) -> None:
-        require("wandb", "log.report_to: wandb")
-        import wandb
-
-        # an absolute dir: a shared wandb-core service (WANDB_SERVICE) resolves relative paths against its own cwd
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", project), name=run_name, config=config,
-                              dir=str(run_dir.resolve()), id=_tracker_id(run_dir, "wandb", resume), resume="allow")
-
-    def log(self, values: dict[str, float], step: int) -> None:
-        self.run.log(values, step=step)
-
-    def close(self) -> None:
-        self.run.finish()
-
-
-class _Trackio:
-    def __init__(self, run_name: str, project: str, config: dict, resume: bool) -> None:
-        require("trackio", "log.report_to: trackio")
-        import trackio
-
-        self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", project), name=run_name, config=config,
-                                resume="allow" if resume else "never")
-
-    def log(self, values: dict[str, float], step: int) -> None:
-        self.run.log(values, step=step)
-
-    def close(self) -> None:
-        self.run.finish()
-
-
 class MetricsLogger:
     """metrics.jsonl plus the trackers of `report_to`. Records are dicts with a "step"."""
 
@@ -149,18 +87,11 @@ class MetricsLogger:
         elif self.path.exists():
             self.path.unlink()
         self._file = open(self.path, "a", encoding="utf-8")
-        name, config = run_name or run_dir.name, config or {}
-        self._trackers: list[Any] = []
+        run = TrackedRun(run_dir, run_name or run_dir.name, project, config or {}, resume_step)
+        self._trackers: list[Tracker] = []
         try:
-            for tracker in report_to:
-                if tracker == "tensorboard":
-                    self._trackers.append(_TensorBoard(run_dir, resume_step, name, config))
-                elif tracker == "wandb":
-                    self._trackers.append(_Wandb(run_dir, name, project, config, resume_step is not None))
-                elif tracker == "trackio":
-                    self._trackers.append(_Trackio(name, project, config, resume_step is not None))
-                else:
-                    raise ValueError(f"unknown tracker {tracker!r}")
+            for name in report_to:
+                self._trackers.append(tracker_class(name)(run))
         except BaseException:
             self.close()
             raise

@@ -30,7 +30,7 @@ from podsrl import waits
 from podsrl.batch import RolloutBatch
 from podsrl.build import rollout_engine, sampling_dtype
 from podsrl.config import Config
-from podsrl.engines import build_engine, engine_class
+from podsrl.engines import build_engine
 from podsrl.engines.base import RolloutEngine
 from podsrl.engines.capture_lock import CAPTURE_LOCK
 from podsrl.engines.weights_copy import compute_copy
@@ -50,7 +50,7 @@ def async_engines(cfg: Config, generation_model: torch.nn.Module, tokenizer, dis
     if distributed:
         raise UserError("train.async.enabled: one process only for now (under torchrun the generation shards "
                         "all-gather on the process group the update uses, from another thread)")
-    traits = engine_class(cfg.rollout.engine)
+    traits = cfg.rollout.engine_type
     if traits.compute_dtype_option:  # one copy, in the dtype its engine samples in (not a float32 one and the engine's)
         dtype = sampling_dtype(cfg, generation_model, compute_dtype)
         generator_model = compute_copy(generation_model, dtype) or copy.deepcopy(generation_model)

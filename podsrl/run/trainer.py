@@ -24,7 +24,6 @@ from podsrl.build import load_model, load_task, reward_manager, rollout_engine, 
 from podsrl.config import Config, dump_config
 from podsrl.config.facts import run_facts, unread_settings
 from podsrl.distributed import NullLogger, init_distributed
-from podsrl.engines import engine_class
 from podsrl.engines.capture_lock import CAPTURE_LOCK
 from podsrl.episodes.calls import CALLS, STOP, Interrupted
 from podsrl.episodes.runner import task_episodes
@@ -187,7 +186,7 @@ class Trainer:
         keeps the rest); the Ray pool's workers have theirs."""
         cfg, run_ahead = self.cfg, self.cfg.train.asynchronous
         self.threads = torch.get_num_threads()  # restored by close_engines
-        threads = split_threads(run_ahead.generator_threads) if engine_class(cfg.rollout.engine).in_process else 0
+        threads = split_threads(run_ahead.generator_threads) if cfg.rollout.engine_type.in_process else 0
         self.generator = BackgroundGenerator(self.producer.produce, self.generator_model, self.engine,
                                              run_ahead.max_staleness, self.step, cfg.train.max_steps, in_flight,
                                              threads=threads, start=self.generator_start)

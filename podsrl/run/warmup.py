@@ -64,7 +64,7 @@ def warmup_key(cfg: Config) -> str:
 
 
 # Warm-ups shipped with the package, one directory per key: the default run's, so every machine starts RL from the
-# same weights (tests/test_shipped_warmup.py checks the key and shapes against the current code).
+# same weights (tests/run/test_shipped_warmup.py checks the key and shapes against the current code).
 SHIPPED = Path(__file__).parents[1] / "warmups"
 
 

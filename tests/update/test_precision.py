@@ -132,7 +132,7 @@ def test_bfloat16_autocast_loss_and_gradients_near_float32(kind, shared):
 
 
 def test_bfloat16_compute_run_learns_and_checkpoints_float32_masters(tmp_path, warmup_cache, caplog):
-    """The learnable-reward run of tests/test_trainer.py (a random tiny model must raise the share of '1'
+    """The learnable-reward run of tests/run/test_trainer.py (a random tiny model must raise the share of '1'
     characters it writes) with bfloat16 compute: it learns as the float32 run does, and its checkpoint holds the
     float32 parameters and AdamW state, not a bfloat16 copy."""
     run = tmp_path / "run"

@@ -14,7 +14,7 @@ from transformers import Qwen2Config
 from podsrl.cli import main
 from podsrl.planning import memory as mp
 from podsrl.planning import workload as mw
-from tests.experiments.test_memory_plan import QWEN_1_5B, QWEN_7B, pods_work, qwen2, saved_bytes
+from tests.planning.test_memory_plan import QWEN_1_5B, QWEN_7B, pods_work, qwen2, saved_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,7 +12,7 @@ from podsrl.reporting.tracking import read_metrics
 from podsrl.run.trainer import Trainer
 from tests.conftest import tiny_overrides
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 
 
 def _steps(run_dir):

@@ -10,7 +10,7 @@ from podsrl.reporting.tracking import read_metrics
 from podsrl.run.trainer import Trainer
 from tests.conftest import tiny_overrides
 
-ROOT = Path(__file__).resolve().parents[1] / "podsrl"
+ROOT = Path(__file__).resolve().parents[2] / "podsrl"
 
 
 def test_default_preset_has_no_wall_clock_stop():

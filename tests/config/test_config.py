@@ -11,7 +11,7 @@ from podsrl.errors import ConfigError
 from tests.preset_configs import FIXTURE as PRESET_FIXTURE
 from tests.preset_configs import resolved_presets
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_overrides_win_over_the_file_and_are_typed():
