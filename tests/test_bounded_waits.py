@@ -25,7 +25,7 @@ from podsrl.run.async_generation import BackgroundGenerator
 from tests.conftest import tiny_overrides
 from tests.engines.test_vllm_contract import engine as vllm_engine
 from tests.engines.test_vllm_contract import tiny_model, vllm  # noqa: F401 (vllm: the fake's fixture)
-from tests.test_async_generation import SyncOnly, updates_model
+from tests.run.test_async_generation import SyncOnly, updates_model
 
 BOUND = 1.0  # seconds: small, so each hang is seen quickly
 
