@@ -11,6 +11,8 @@ import pytest
 from tests.engines.real_vllm.helpers import SKIP_REASON
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
+# one torch thread, as the main suite's engine tests: two threads on two busy cores spin (10 s for a 0.1 s step)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 import torch
 
