@@ -1,6 +1,6 @@
 """The vllm engine on real vLLM (CPU build) inside podsrl's runs: tool episodes (multi-turn, a calculator call and
 its answer in the context) equal the fast engine's, and `podsrl train rollout.engine=vllm` resumed from a
-checkpoint continues as the uninterrupted run does."""
+checkpoint equals the uninterrupted run."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from podsrl.config import EpisodeConfig
 from podsrl.engines.base import SamplingParams
 from podsrl.episodes.runner import EpisodeRunner
 from podsrl.models.loading import load_tiny_at_context
-from podsrl.reporting.tracking import read_metrics
 from podsrl.run.warmup import reference_rows, sft_batch
 from podsrl.tasks.arithmetic_tool import ArithmeticToolTask
 from tests.engines.real_vllm.helpers import WARMUP, completions, fast_engine, vllm_engine
+from tests.faults.common import assert_same_run
 from tests.journeys.user_kit import ok, podsrl
 
 
@@ -66,22 +66,20 @@ def test_tool_episodes_through_vllm_equal_the_fast_engines(tokenizer):
 
 
 def train_args(run, steps: int) -> list[str]:
+    # a constant LR: a cosine schedule would follow train.max_steps, which the resumed run changes
     return ["train", "rollout.engine=vllm", "rollout.engine_options.enforce_eager=true",
             "rollout.engine_options.kv_cache_gib=0.25", "rollout.prompts_per_step=4", "rollout.n=8", "pods.m=4",
-            "eval.size=64", "train.eval_every=1", f"train.max_steps={steps}", "train.save_every=1",
-            f"output_dir={run}"]
+            "optim.scheduler=constant", "eval.size=64", "train.eval_every=1", f"train.max_steps={steps}",
+            "train.save_every=1", f"output_dir={run}"]
 
 
-def test_train_on_vllm_and_resume_as_the_uninterrupted_run(tmp_path):
+def test_train_on_vllm_and_resume_equals_the_uninterrupted_run(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     ok(podsrl(*train_args(straight, 3), cwd=tmp_path, timeout=600))
     ok(podsrl(*train_args(resumed, 2), cwd=tmp_path, timeout=600))
     ok(podsrl("train", "--resume", str(resumed), "train.max_steps=3", cwd=tmp_path, timeout=600))
     summary = json.loads((resumed / "summary.json").read_text())
     assert summary["engine"] == "vllm" and summary["step"] == 3
-    a, b = read_metrics(straight / "metrics.jsonl"), read_metrics(resumed / "metrics.jsonl")
-    assert [r["step"] for r in b if "reward" in r] == [1, 2, 3]
-    keys = ("reward", "loss", "eval/accuracy")
-    last = [{k: r[k] for k in keys if k in r} for r in a if r.get("step") == 3]
-    again = [{k: r[k] for k in keys if k in r} for r in b if r.get("step") == 3]
-    assert last == again and any("reward" in r for r in last)  # step 3 from the checkpoint: the same numbers
+    # vLLM restarted from the checkpoint samples step 3 as the engine synced twice did: every metric (the
+    # sampler/trainer log-prob mismatch included) and the final weights equal
+    assert_same_run(resumed, straight)
