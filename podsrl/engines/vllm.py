@@ -10,7 +10,9 @@ vLLM's CPU platform (its CPU build, `current_platform.is_cpu()`): the KV cache i
 1 GiB by default there; vLLM's VLLM_CPU_KVCACHE_SPACE in GiB does the same and is left to it when set), since
 vLLM's CPU worker reads `gpu_memory_utilization` as the share of the machine's memory to reserve, which a trainer
 in the same process cannot spare; so that option and sleep mode (the CPU worker ignores sleep) are refused there.
-Its worker also lowers torch's threads to one and replaces `torch.set_num_threads` with a no-op in the whole
+Chunked prefill is off there (so one pass holds at least a whole context: max_num_batched_tokens is raised to
+the model's length): vLLM rewinds a seeded row's generator when a pass ends inside its prompt, which a CPU
+generator cannot do ("CPU Generator does not use offset"). Its worker also lowers torch's threads to one and replaces `torch.set_num_threads` with a no-op in the whole
 process: both are put back after start-up, so the trainer's update keeps its threads.
 
 What vLLM does that shapes the calls below:
@@ -85,6 +87,7 @@ from podsrl.engines.rows import (
 )
 from podsrl.errors import ConfigError
 from podsrl.models.transformers_api import base_model
+from podsrl.tasks.prompt_length import model_context
 
 MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses higher temperatures
 
@@ -213,6 +216,9 @@ class VLLMEngine(RolloutEngine):
             kv_cache_memory_bytes=kv_cache_bytes, tensor_parallel_size=1, enforce_eager=enforce_eager,
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
             enable_sleep_mode=enable_sleep_mode, logprobs_mode="processed_logprobs")
+        if on_cpu:  # a seeded row's prompt split across passes makes vLLM rewind its generator: CPU ones cannot
+            llm_kwargs.update(enable_chunked_prefill=False,
+                              max_num_batched_tokens=max(max_num_batched_tokens, max_model_len or model_context(model) or 0))
         if world > 1:
             llm_kwargs["distributed_executor_backend"] = "external_launcher"
         with preserved_process_state():

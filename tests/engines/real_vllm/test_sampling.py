@@ -199,3 +199,17 @@ def test_lora_merged_weights_at_start_and_after_syncs(tokenizer):
         seen.append(assert_same_greedy(vllm, fast, prompts))
     assert len({tuple(map(tuple, s)) for s in seen}) == len(seen)
     vllm.close()
+
+
+def test_seeded_rows_whose_prompts_split_across_forward_passes(tokenizer):
+    """vLLM's CPU sampler cannot rewind a seeded row's generator (CPU generators have no offset), which chunked
+    prefill does when a prompt is split across forward passes: on the CPU the engine turns chunked prefill off."""
+    model = load_policy()
+    vllm = vllm_engine(model, tokenizer, max_num_batched_tokens=64)  # a pass holds 64 prompt tokens: splits
+    prompts = [[int(t) for t in torch.randint(2, 60, (40,), generator=torch.Generator().manual_seed(i))]
+               for i in range(4)]
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    out = vllm.generate(prompts, [4] * 4, params, seeds_for(16))
+    alone = vllm.generate(prompts[1:2], [4], params, seeds_for(16)[4:8])
+    assert completions(alone) == completions(out)[4:8]
+    vllm.close()
