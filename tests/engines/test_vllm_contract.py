@@ -302,6 +302,9 @@ def cpu_vllm(vllm, monkeypatch):
 def test_cpu_build_sizes_the_kv_cache_in_bytes(cpu_vllm, monkeypatch):
     llm = engine(tiny_model()).llm
     assert llm.init_kwargs["kv_cache_memory_bytes"] == 2**30  # not a share of the machine's memory
+    # seeded rows: no prompt split across passes, so a pass holds a whole context (128 here)
+    assert llm.init_kwargs["enable_chunked_prefill"] is False and llm.init_kwargs["max_num_batched_tokens"] == 4096
+    assert engine(tiny_model(), max_num_batched_tokens=64).llm.init_kwargs["max_num_batched_tokens"] == 128
     assert engine(tiny_model(), kv_cache_gib=0.25).llm.init_kwargs["kv_cache_memory_bytes"] == 2**28
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # vLLM's own setting: left to vLLM, which reads it
     assert engine(tiny_model()).llm.init_kwargs["kv_cache_memory_bytes"] is None
