@@ -1,8 +1,9 @@
 """Rollout generation: podsrl's fast engine vs vLLM (the vllm engine over vLLM's CPU build), side by side in one run.
 
 Both engines sample the same request: the same float32 model, prompts, rows, completion length and sampling
-(temperature 1, log-probs returned, one seed per row), as a training step asks. Every row runs to max_new_tokens
-(the engines' EOS option is set to an id neither model samples), so both generate the same number of tokens. Arms
+(temperature 1, log-probs returned, one seed per row), as a training step asks. Rows run to max_new_tokens: the
+engines' EOS option is an id the built-in model does not sample and the random one samples with probability 1/V a
+token (a row may end early: each arm's tokens/s counts its own tokens, within 1% of each other). Arms
 interleave (benchmarks/timing.py), `--repeats` (>= 5) rounds after an untimed warm-up call each; tokens/s from the
 median round, the ratio (vLLM's time over the fast engine's) as the median and range of the per-round ratios.
 vLLM runs as the vllm engine starts it, compiled (vLLM's default on the CPU: torch.compile with inductor at
@@ -43,7 +44,7 @@ from podsrl.engines.vllm import VLLMEngine
 from podsrl.run.warmup import SHIPPED
 from podsrl.tasks.arithmetic import ArithmeticTask
 
-NEVER = 2  # the EOS option of both engines: <unk> in the built-in vocabulary, an unused id of the random model
+NEVER = 2  # the EOS option of both engines: <unk> in the built-in vocabulary, any id of the random model
 # name: (prompt tokens, completion tokens); the built-in model's context is 64 positions
 LENGTHS = {"builtin": (8, 48), "qwen2_18m": (64, 64)}
 
@@ -112,7 +113,8 @@ def measure(name: str, rows_list: list[int], repeats: int, eager: bool, out: Pat
         tokens: dict[str, int] = {}
         arms = {"fast": arm(fast, "fast", request, params, tokens), "vllm": arm(vllm, "vllm", request, params, tokens)}
         times = interleaved(arms, repeats=repeats)
-        assert tokens["fast"] == tokens["vllm"] == rows * new_tokens, tokens
+        # the random model samples the EOS option's id with probability ~1/V a token: a row may end early
+        assert min(tokens.values()) >= 0.99 * rows * new_tokens, tokens
         spreads = {k: Spread.of(v) for k, v in times.items()}
         speed = ratio(times["vllm"], times["fast"])
         record = {"model": name, "params_m": round(params_count / 1e6, 2), "rows": rows, "prompt": prompt_len,
