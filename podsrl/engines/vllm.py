@@ -86,8 +86,7 @@ from podsrl.engines.rows import (
     stop_ids,
 )
 from podsrl.errors import ConfigError
-from podsrl.models.transformers_api import base_model
-from podsrl.tasks.prompt_length import model_context
+from podsrl.models.transformers_api import base_model, model_context
 
 MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses higher temperatures
 
