@@ -14,12 +14,13 @@ from podsrl.distributed import DistContext
 from podsrl.engines import RolloutEngine, build_engine
 from podsrl.models.rank_loading import load_policy_on_ranks
 from podsrl.models.sharded_loading import load_sharded
+from podsrl.models.transformers_api import model_context
 from podsrl.rewards import RewardManager, build_reward_manager
 from podsrl.sandbox.box import SandboxLimits
 from podsrl.sandbox.isolation import allow_unisolated, require_isolation
 from podsrl.tasks import build_task
 from podsrl.tasks.base import Task
-from podsrl.tasks.prompt_length import limit_task_prompts, model_context
+from podsrl.tasks.prompt_length import limit_task_prompts
 
 Verify = Callable[..., torch.Tensor]  # (problems, group_index, completions, environments=None) -> [R] bool
 

@@ -110,9 +110,9 @@ def _evaluate(args, weights, pin) -> int:
     from podsrl.config.facts import run_facts
     from podsrl.episodes.runner import task_episodes
     from podsrl.models.loading import resolve_device
+    from podsrl.models.transformers_api import model_context
     from podsrl.run.evaluation import evaluate
     from podsrl.run.warmup import base_weights
-    from podsrl.tasks.prompt_length import model_context
 
     cfg = _load(args)
     # The trainer's own builders: a LoRA run's --model is its adapter (on top of the warm-up or model.name_or_path)

@@ -47,8 +47,9 @@ ROWS: tuple[Row, ...] = (
         "its GPU; `server` (a separate `trl vllm-serve` process) has no counterpart", accepted=True,
         values={"colocate": None}, refusal="set rollout.engine=vllm, which runs vLLM colocated with the trainer"),
     Row("vllm_gpu_memory_utilization", 0.3, ("rollout.engine_options.gpu_memory_utilization",), "**differs**: "
-        "the share of the GPU's memory vLLM may take (weights, activations, CUDA graphs and KV cache), an option of "
-        "the `vllm` engine (refused by the others)", accepted=True),
+        "the share of the GPU's memory vLLM may take (weights, activations, CUDA graphs and KV cache; `None` = 0.4), "
+        "an option of the `vllm` engine (refused by the others, and on vLLM's CPU build, whose KV cache "
+        "`kv_cache_gib` sizes)", accepted=True),
     Row("vllm_importance_sampling_correction", True, ("algo.rollout_correction",), "**differs** in where it "
         "applies: TRL corrects vLLM-sampled rollouts; podsrl's `auto` corrects with TRL's default mode for the "
         "vllm engine and asynchronous generation from older weights, with `token_tis` for a precision-only "

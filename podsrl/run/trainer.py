@@ -32,6 +32,7 @@ from podsrl.fileio import write_text_atomic
 from podsrl.fsdp import build_data_parallel, fsdp_sharding
 from podsrl.methods import METHODS
 from podsrl.models.loading import count_parameters, resolve_device
+from podsrl.models.transformers_api import model_context
 from podsrl.reporting.plotting import plot_run
 from podsrl.reporting.tracking import build_metrics_logger, build_progress, read_metrics
 from podsrl.run import faults
@@ -62,7 +63,6 @@ from podsrl.run.log import RankLog
 from podsrl.run.micro_batch import resolve_micro_batch
 from podsrl.run.producer import BatchProducer, ProducedBatch, StepRecord
 from podsrl.run.warmup import base_weights, resume_base_weights
-from podsrl.tasks.prompt_length import model_context
 from podsrl.update import PolicyUpdater, UpdateSettings
 from podsrl.update.optimizer import build_optimizer
 

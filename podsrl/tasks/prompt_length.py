@@ -24,12 +24,6 @@ log = logging.getLogger("podsrl")
 POLICIES = ("filter", "truncate_left", "error")
 
 
-def model_context(model: Any) -> int | None:
-    """Longest sequence (prompt + completion) the model's positions cover, or None when it does not say."""
-    value = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    return int(value) if isinstance(value, int) and value > 0 else None
-
-
 def resolve_limit(max_prompt_length: int, max_new_tokens: int, context: int | None,
                   budget_key: str = "rollout.max_new_tokens") -> int | None:
     """The prompt-token limit in force: task.max_prompt_length, or (0) whatever the context leaves after the

