@@ -122,6 +122,7 @@ def runs_main(args) -> int:
             f"{load_average()} (1/5/15 min); {args.repeats} rounds x {len(pairs)} pairs x {args.steps} steps of the "
             f"default run after {args.warm} untimed steps per process")
     print(head, flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a stopped benchmark still ends its competitor
     competitor = subprocess.Popen(COMPETITOR)
     competitor.send_signal(signal.SIGSTOP)
     times: dict[tuple[str, str], list[float]] = {pair: [] for pair in pairs}
