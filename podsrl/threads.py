@@ -1,14 +1,14 @@
 """Torch threads of one process, decided once at start-up from what the run is and what the machine has.
 
 Why: torch's CPU build splits each op over OpenMP threads that meet at a barrier when it ends, and OpenMP's default
-wait policy spins there before sleeping. The built-in model's ops are small, so a step is thousands of barriers;
-when other processes share the cores, a peer thread is often descheduled and the waiting one spins on a core the
-peer needs. benchmarks/busy_machine.py (docs/results.md, "The default run on a busy machine") measured the default
-step at ~150 s with two spinning threads on a loaded 2-core machine, ~4 s with two sleeping (OMP_WAIT_POLICY=PASSIVE)
-and ~8 s with one thread. So: threads that wait sleep (`prepare_openmp`), the built-in model gets one thread (it
-gains little from more: the one competitor a laptop always has cannot stall it), and a larger model the cores this
-process may use, shared with the other processes of the same run on this machine (torchrun ranks, local Ray
-workers), so that threads x processes never exceed the cores.
+wait policy spins there before it sleeps. The built-in model's ops are small, so a step is thousands of barriers;
+when other processes share the cores, a waiting thread spins on a core that its descheduled peer (or another
+process) needs. On the project's loaded 2-core VM (benchmarks/busy_machine.py; docs/results.md, "The default run on
+a busy machine") the default step took 110-207 s with two spinning threads, a median 1.5 s with two sleeping ones
+(OMP_WAIT_POLICY=PASSIVE) and 4.5 s with one thread, which gets one share of the cores where two get two. So
+waiting threads sleep (`prepare_openmp`), and a process takes the cores it may use, shared among the processes of
+the same run on this machine (torchrun ranks; the cores local Ray workers take are left to them): threads x
+processes never exceed the cores.
 
 `OMP_NUM_THREADS` (read by torch at import) and `train.threads` override the choice. `prepare_openmp` runs in the
 CLI entry before torch is imported, the one place the OpenMP runtime's start-up settings can still be set.
@@ -27,10 +27,6 @@ log = logging.getLogger(__name__)
 
 THREADS_ENV = "OMP_NUM_THREADS"
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
-# Below this many parameters one thread is as fast as several on an idle machine (ops too small to split) and far
-# faster on a busy one; the built-in model is 0.8M (benchmarks/busy_machine.py measures it).
-SMALL_MODEL_PARAMETERS = 5_000_000
-TINY_VOCAB = 128  # an upper bound of the built-in char-level vocabulary (podsrl/models/loading.py), for the estimate
 
 
 @dataclass(frozen=True)
@@ -53,17 +49,10 @@ def usable_cores() -> int:
 def prepare_openmp(environ: dict | None = None) -> None:
     """Before torch is imported: threads that finish early sleep at a barrier instead of spinning, unless the user
     chose a wait policy. A spinning thread holds a core another process (or a descheduled peer) needs; sleeping
-    costs a wake-up per parallel region, which the multi-threaded (larger) models amortise."""
+    costs a wake-up per parallel region instead."""
     env = os.environ if environ is None else environ
     if "torch" not in sys.modules:
         env.setdefault(WAIT_POLICY_ENV, "PASSIVE")
-
-
-def tiny_parameters(tiny) -> int:
-    """The built-in model's parameter count from its config (embeddings tied; attention keys/values at half)."""
-    h, i, layers = tiny.hidden_size, tiny.intermediate_size, tiny.num_layers
-    attention = h * h * 2 + 2 * h * (h // 2) + 2 * h + h  # q, o; k, v at half the heads; biases of q, k, v
-    return TINY_VOCAB * h + layers * (attention + 3 * h * i + 2 * h) + h
 
 
 def ray_local_cpus(cfg) -> int:
@@ -75,8 +64,8 @@ def ray_local_cpus(cfg) -> int:
 
 
 def choose_threads(cfg, cores: int, environ: dict) -> ThreadChoice:
-    """The thread count for this process: OMP_NUM_THREADS, else train.threads, else from the model and the cores
-    left to this process: those the local Ray workers do not take, shared by torchrun's ranks on this node."""
+    """The thread count for this process: OMP_NUM_THREADS, else train.threads, else the cores left to it: those the
+    local Ray workers do not take, shared by torchrun's ranks on this node."""
     given = environ.get(THREADS_ENV, "").strip()
     if given:
         if not given.isdigit() or int(given) < 1:
@@ -85,16 +74,9 @@ def choose_threads(cfg, cores: int, environ: dict) -> ThreadChoice:
     if cfg.train.threads > 0:
         return ThreadChoice(cfg.train.threads, f"train.threads={cfg.train.threads}")
     ranks, workers = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1") or 1)), ray_local_cpus(cfg)
-    share = max(1, (cores - workers) // ranks)
-    shared = f"{cores} cores" + (f", {workers} for Ray workers" if workers else "") + (
+    shared = f"{cores} usable cores" + (f", {workers} of them for Ray workers" if workers else "") + (
         f", shared by {ranks} ranks" if ranks > 1 else "")
-    if cfg.model.name_or_path == "tiny" and cfg.model.device in ("auto", "cpu"):
-        size = tiny_parameters(cfg.model.tiny)
-        if size < SMALL_MODEL_PARAMETERS:
-            return ThreadChoice(1, f"{shared}; the built-in model's {size / 1e6:.1f}M parameters gain little from "
-                                   "more, and lose most when another process shares the cores; train.threads or "
-                                   f"{THREADS_ENV} to change")
-    return ThreadChoice(share, f"{shared}; train.threads or {THREADS_ENV} to change")
+    return ThreadChoice(max(1, (cores - workers) // ranks), f"{shared}; train.threads or {THREADS_ENV} to change")
 
 
 def apply_threads(cfg, environ: dict | None = None) -> ThreadChoice:

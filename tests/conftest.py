@@ -5,8 +5,8 @@ import pytest
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: as podsrl's CLI (podsrl/threads.py)
 import torch  # noqa: E402
 
-# Each pytest-xdist worker gets its share of the cores: two workers of two threads on two cores wait at every op's
-# barrier for a descheduled peer (podsrl/threads.py); serially, two threads as before.
+# Each pytest-xdist worker gets its share of the cores (threads x processes <= cores, as podsrl/threads.py decides
+# for a run's processes); serially, two threads as before.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 

@@ -266,9 +266,9 @@ class TrainConfig:
     eval_every: int = _f(20, "Evaluate every N steps (and at the start and end).")
     save_every: int = _f(50, "Checkpoint every N steps (and at the end).")
     keep_checkpoints: int = _f(2, "Checkpoints kept on disk (older ones are deleted).")
-    threads: int = _f(0, "torch threads of each process (0 = auto: one for the built-in model on the CPU, else the "
-                      "usable cores shared among this run's processes on the machine; OMP_NUM_THREADS wins). "
-                      "Decided once at start-up and logged (podsrl/threads.py).")
+    threads: int = _f(0, "torch threads of each process (0 = auto: the usable cores, less those local Ray workers "
+                      "take, shared by torchrun's ranks on this node; OMP_NUM_THREADS wins). Decided once at start-up "
+                      "and logged (podsrl/threads.py).")
     max_nonfinite_steps: int = _f(3, "Consecutive non-finite losses/gradients (each skipped) before the run stops.")
     # Health checks (podsrl/run/health.py): each warns once, logs health/<check> and is listed in summary.json.
     health_steps: int = _f(10, "Steps in a row a collapse sign must hold before its health warning (0 = no "
