@@ -6,7 +6,8 @@ podsrl/warmups) and then takes the default run's steps on request. One competito
 at the same priority, is started once and paused (SIGSTOP) or resumed (SIGCONT): `idle` runs steps with it paused,
 `busy` with it running. Arms: `auto` (podsrl's choice: no OMP_NUM_THREADS), `1`, `2` (OMP_NUM_THREADS), `main`
 (as `podsrl train` started before it chose: torch's default threads, one per core, and OpenMP's default wait
-policy, which spins before it sleeps), and optionally `N:passive` / `N:active` (OMP_WAIT_POLICY too).
+policy, which spins before it sleeps), and optionally `N:passive` / `N:active` (OMP_WAIT_POLICY too) or `N:spinK`
+(GOMP_SPINCOUNT=K: GNU OpenMP spins K times, then sleeps).
 
 After `--warm` untimed steps per process, every round runs every (thread arm, machine) pair for `--steps` steps, in
 an order rotated by the round, so load from other users of the machine hits all arms alike (only one process works
@@ -44,11 +45,13 @@ RUN_OVERRIDES = ["train.save_every=100000", "train.eval_every=100000", "log.prog
 
 def thread_env(setting: str) -> dict[str, str]:
     """The environment of one thread arm: `auto`, `N` or `N:passive|active`."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     threads, _, policy = setting.partition(":")
     if threads not in ("auto", "main"):
         env["OMP_NUM_THREADS"] = str(int(threads))
-    if policy:
+    if policy.startswith("spin"):  # GNU OpenMP's spins before a waiting thread sleeps
+        env["GOMP_SPINCOUNT"] = str(int(policy[4:]))
+    elif policy:
         env["OMP_WAIT_POLICY"] = policy.upper()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return env
@@ -240,7 +243,8 @@ def ops_main(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", nargs="+", default=["auto", "1", "2", "main"],
-                        help="thread arms: auto (podsrl's choice), N, N:passive / N:active (OMP_WAIT_POLICY), main "
+                        help="thread arms: auto (podsrl's choice), N, N:passive / N:active (OMP_WAIT_POLICY), N:spinK "
+                        "(GOMP_SPINCOUNT), main "
                         "(torch's and OpenMP's defaults, as before podsrl chose)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per pair and round (default 2)")
     parser.add_argument("--warm", type=int, default=2, help="untimed steps per process first (default 2)")
