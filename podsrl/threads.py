@@ -5,7 +5,8 @@ wait policy spins there before it sleeps. The built-in model's ops are small, so
 when other processes share the cores, a waiting thread spins on a core that its descheduled peer (or another
 process) needs. On the project's loaded 2-core VM (benchmarks/busy_machine.py; docs/results.md, "The default run on
 a busy machine") the default step took 110-207 s with two spinning threads, a median 1.5 s with two sleeping ones
-(OMP_WAIT_POLICY=PASSIVE) and 4.5 s with one thread, which gets one share of the cores where two get two. So
+(OMP_WAIT_POLICY=PASSIVE) and 4.5 s with one thread, which gets one share of the cores where two get two; on a
+nearly idle machine sleeping costs 1.4x (0.39 s against 0.27 s: a wake-up per barrier; ACTIVE gives it back). So
 waiting threads sleep (`prepare_openmp`), and a process takes the cores it may use, shared among the processes of
 the same run on this machine (torchrun ranks; the cores local Ray workers take are left to them): threads x
 processes never exceed the cores.
