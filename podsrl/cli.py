@@ -11,12 +11,20 @@ import signal
 import sys
 from pathlib import Path
 
-from podsrl.config.presets import preset_path, preset_table
-from podsrl.errors import UnhealthyRun, UserError, WorkerLost
-from podsrl.exit_codes import ExitCode
-from podsrl.reporting.streams import guard_std_streams
-from podsrl.run import supervisor
-from podsrl.waits import WaitExpired
+from podsrl.threads import prepare_openmp
+
+# Run as a program (`podsrl`, `python -m podsrl`, torchrun), this process decides its torch threads once the config
+# is read; a host program that imported torch before calling main() keeps its own. The OpenMP runtime's wait policy
+# is read when torch loads it: set before the imports below bring torch in.
+OWNS_THREADS = "torch" not in sys.modules
+prepare_openmp()
+
+from podsrl.config.presets import preset_path, preset_table  # noqa: E402  (imports torch)
+from podsrl.errors import UnhealthyRun, UserError, WorkerLost  # noqa: E402
+from podsrl.exit_codes import ExitCode  # noqa: E402
+from podsrl.reporting.streams import guard_std_streams  # noqa: E402
+from podsrl.run import supervisor  # noqa: E402
+from podsrl.waits import WaitExpired  # noqa: E402
 
 DEFAULT_CONFIG = "default"  # no --config: the built-in task, tuned for a short CPU run (configs/default.yaml)
 
@@ -25,6 +33,14 @@ def _load(args):
     from podsrl.config import load_config
 
     return load_config(preset_path(args.config or DEFAULT_CONFIG), args.overrides)
+
+
+def _set_threads(cfg) -> None:
+    """This process's torch threads for the run `cfg` (podsrl/threads.py), when the CLI owns the process."""
+    if OWNS_THREADS:
+        from podsrl.threads import apply_threads
+
+        apply_threads(cfg)
 
 
 def cmd_train(args) -> int:
@@ -50,6 +66,7 @@ def cmd_train(args) -> int:
         return 0
     if args.supervised and supervisor.supported():  # the parent waits here, and exits with the trainer's code
         supervisor.supervise(Path(cfg.output_dir))
+    _set_threads(cfg)
     from podsrl.run.trainer import Trainer  # after the config: a bad one is reported without importing torch
 
     trainer = Trainer(cfg, resume=bool(args.resume))
@@ -84,6 +101,7 @@ def cmd_warmup(args) -> int:
     from podsrl.run.warmup import needs_warmup, run_warmup
 
     cfg = _load(args)
+    _set_threads(cfg)
     if not needs_warmup(cfg):
         print("nothing to do: warm-up applies to model.name_or_path=tiny with warmup.steps > 0")
         return 0
@@ -115,6 +133,7 @@ def _evaluate(args, weights, pin) -> int:
     from podsrl.run.warmup import base_weights
 
     cfg = _load(args)
+    _set_threads(cfg)
     # The trainer's own builders: a LoRA run's --model is its adapter (on top of the warm-up or model.name_or_path)
     # the warm-up is the base of a LoRA adapter or the model when no --model is given; full weights need none
     base = base_weights(cfg) if weights is None or cfg.model.lora_rank > 0 else None

@@ -1,9 +1,14 @@
 import os
 
 import pytest
-import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: as podsrl's CLI (podsrl/threads.py)
+import torch  # noqa: E402
+
+# Each pytest-xdist worker gets its share of the cores (threads x processes <= cores, as podsrl/threads.py decides
+# for a run's processes); serially, two threads as before.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 DEVICE_ENV = "PODSRL_TEST_DEVICE"
 DEVICES = ("cpu", "cuda")

@@ -26,7 +26,7 @@ FLOORS = [  # the top floor first
     ("engines/", "methods/", "integrations/", "sandbox/"),  # sandbox/: running model-written programs isolated
     ("prompt_stats.py", "lora.py", "math_verify_pool.py"),
     ("algo/", "reporting/"),  # the maths; where a run's metrics, progress and plot go
-    ("models/", "extras.py"),  # the only code that knows model internals
+    ("models/", "extras.py", "threads.py"),  # the only code that knows model internals; the process's torch threads
     ("batch.py", "answers.py", "options.py", "fileio.py", "errors.py", "exit_codes.py", "waits.py", "__init__.py"),
 ]
 
