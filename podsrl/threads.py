@@ -56,14 +56,6 @@ def prepare_openmp(environ: dict | None = None) -> None:
         env.setdefault(WAIT_POLICY_ENV, "PASSIVE")
 
 
-def ray_local_cpus(cfg) -> int:
-    """Cores the run's local Ray pool takes for its workers (each on `cpus_per_worker` threads); 0 without one."""
-    options = cfg.rollout.engine_options or {}
-    if cfg.rollout.engine != "ray" or options.get("address") is not None:
-        return 0
-    return int(options.get("num_workers", 1)) * int(options.get("cpus_per_worker", 1))
-
-
 def choose_threads(cfg, cores: int, environ: dict) -> ThreadChoice:
     """The thread count for this process: OMP_NUM_THREADS, else train.threads, else the cores left to it: those the
     local Ray workers do not take, shared by torchrun's ranks on this node."""
@@ -74,8 +66,9 @@ def choose_threads(cfg, cores: int, environ: dict) -> ThreadChoice:
         return ThreadChoice(int(given), f"{THREADS_ENV}={given}")
     if cfg.train.threads > 0:
         return ThreadChoice(cfg.train.threads, f"train.threads={cfg.train.threads}")
-    ranks, workers = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1") or 1)), ray_local_cpus(cfg)
-    shared = f"{cores} usable cores" + (f", {workers} of them for Ray workers" if workers else "") + (
+    ranks = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    workers = cfg.rollout.engine_type.local_worker_cores(cfg.rollout.engine_options or {})
+    shared = f"{cores} usable cores" + (f", {workers} of them for the engine's workers" if workers else "") + (
         f", shared by {ranks} ranks" if ranks > 1 else "")
     return ThreadChoice(max(1, (cores - workers) // ranks), f"{shared}; train.threads or {THREADS_ENV} to change")
 

@@ -36,6 +36,10 @@ def test_the_cores_are_shared_among_the_runs_processes():
                  "rollout.engine_options={num_workers: 2, cpus_per_worker: 2}")
     assert choose_threads(ray, 8, {}).threads == 4  # the local Ray workers take 4 of the 8 cores
     assert choose_threads(ray, 4, {}).threads == 1
+    defaults = config("model.name_or_path=some/model", "rollout.engine=ray")  # 2 workers of 1 core: the engine's own
+    assert choose_threads(defaults, 8, {}).threads == 6
+    cluster = config("model.name_or_path=some/model", "rollout.engine=ray", "rollout.engine_options={address: auto}")
+    assert choose_threads(cluster, 8, {}).threads == 8  # its workers run on the cluster's machines
 
 
 def test_omp_num_threads_then_the_config_key_override_the_choice():

