@@ -4,9 +4,10 @@ Each thread arm is one process that starts as `podsrl train` does (the CLI's own
 torch, the default config, the thread choice of podsrl/threads.py, the trainer with RL from the shipped warm-up in
 podsrl/warmups) and then takes the default run's steps on request. One competitor, `python -c "while True: pass"`
 at the same priority, is started once and paused (SIGSTOP) or resumed (SIGCONT): `idle` runs steps with it paused,
-`busy` with it running. Arms: `auto` (podsrl's choice: no OMP_NUM_THREADS), `1`, `2` (OMP_NUM_THREADS), `main`
-(as `podsrl train` started before it chose: torch's default threads, one per core, and OpenMP's default wait
-policy, which spins before it sleeps), and optionally `N:passive` / `N:active` (OMP_WAIT_POLICY too) or `N:spinK`
+`busy` with it running. Arms: `auto` (podsrl's choice: no OMP_NUM_THREADS; the threads fitted at each step to the
+cores other work leaves free), `1`, `2` (OMP_NUM_THREADS, which makes waiting threads sleep), `main` (as `podsrl
+train` started before it chose: torch's default threads, one per core, and OpenMP's default wait policy, which spins
+before it sleeps; never fitted), and optionally `N:passive` / `N:active` (OMP_WAIT_POLICY too) or `N:spinK`
 (GOMP_SPINCOUNT=K: GNU OpenMP spins K times, then sleeps).
 
 After `--warm` untimed steps per process, every round runs every (thread arm, machine) pair for `--steps` steps, in
@@ -84,8 +85,9 @@ def child(run_dir: str, torch_first: bool) -> int:
     print(json.dumps({"torch_threads": torch.get_num_threads(),
                       "wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}), flush=True)
     try:
-        for line in sys.stdin:
-            print(json.dumps([trainer.train_step().metrics["time/step"] for _ in range(int(line))]), flush=True)
+        for line in sys.stdin:  # each step's seconds and the torch threads it ran on (auto fits them per step)
+            steps = [(trainer.train_step().metrics["time/step"], torch.get_num_threads()) for _ in range(int(line))]
+            print(json.dumps(steps), flush=True)
     finally:
         trainer.close()  # the run directory's lock goes with the process
     return 0
@@ -108,7 +110,8 @@ class Arm:
             raise SystemExit(f"arm {self.setting} failed:\n{self.proc.stderr.read()[-3000:]}")
         return json.loads(line)
 
-    def steps(self, n: int) -> list[float]:
+    def steps(self, n: int) -> list[list]:
+        """[seconds, torch threads] of each of `n` steps."""
         self.proc.stdin.write(f"{n}\n")
         self.proc.stdin.flush()
         return self._read()
@@ -142,8 +145,9 @@ def runs_main(args) -> int:
                     competitor.send_signal(signal.SIGCONT if machine == "busy" else signal.SIGSTOP)
                     steps = arms[setting].steps(args.steps)
                     competitor.send_signal(signal.SIGSTOP)
-                    times[(setting, machine)].append(statistics.median(steps))
-                    record["steps"][f"{setting} {machine}"] = steps
+                    times[(setting, machine)].append(statistics.median(seconds for seconds, _ in steps))
+                    record["steps"][f"{setting} {machine}"] = [seconds for seconds, _ in steps]
+                    record.setdefault("threads", {})[f"{setting} {machine}"] = [n for _, n in steps]
                 record["load_after"] = load_average()
                 print(f"round {r}: " + ", ".join(f"{key} {statistics.median(v):.3f}"
                                                  for key, v in record["steps"].items())
