@@ -12,12 +12,15 @@ before it sleeps; never fitted), and optionally `N:passive` / `N:active` (OMP_WA
 
 After `--warm` untimed steps per process, every round runs every (thread arm, machine) pair for `--steps` steps, in
 an order rotated by the round, so load from other users of the machine hits all arms alike (only one process works
-at a time; the others wait on their stdin). A pair's figure for the round is the median of its steps;
+at a time; the others wait on their stdin); `--settle N` untimed steps open each pair, so that an arm that fits its
+threads to the load (auto) is timed in the state the pair names, not in the change. A pair's figure for the round is
+the median of its steps (their thread counts are recorded too);
 `busy/idle step time` is the median and range of the per-round ratios. "idle" means "without our competitor": the
 load average and the busiest other processes are recorded every round (`--out DIR`: rounds.jsonl, summary.txt).
 
     python benchmarks/busy_machine.py                          # auto, 1, 2, main; 5 rounds of 2 steps per pair
     python benchmarks/busy_machine.py --threads auto 1 2 main --out docs/results/busy_machine_DATE
+    python benchmarks/busy_machine.py --threads auto 1 main 2:passive --steps 3 --settle 2   # steady states
     python benchmarks/busy_machine.py --ops --threads 1 2 2:passive 2:active     # single ops: the cause
 Targets (the default run on a 2-core VM): auto's busy/idle <= 1.5x, auto idle no slower than main idle.
 """
@@ -126,7 +129,7 @@ def runs_main(args) -> int:
     out = Path(args.out) if args.out else None
     head = (f"machine: {os.cpu_count()} cores ({len(os.sched_getaffinity(0))} usable), load average "
             f"{load_average()} (1/5/15 min); {args.repeats} rounds x {len(pairs)} pairs x {args.steps} steps of the "
-            f"default run after {args.warm} untimed steps per process")
+            f"default run after {args.warm} untimed steps per process and {args.settle} per pair")
     print(head, flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a stopped benchmark still ends its competitor
     competitor = subprocess.Popen(COMPETITOR)
@@ -143,6 +146,8 @@ def runs_main(args) -> int:
                 record = {"round": r, "load_before": load_average(), "others": others_running(), "steps": {}}
                 for setting, machine in pairs[k:] + pairs[:k]:
                     competitor.send_signal(signal.SIGCONT if machine == "busy" else signal.SIGSTOP)
+                    if args.settle:  # untimed: the arm meets the machine state before it is timed in it
+                        arms[setting].steps(args.settle)
                     steps = arms[setting].steps(args.steps)
                     competitor.send_signal(signal.SIGSTOP)
                     times[(setting, machine)].append(statistics.median(seconds for seconds, _ in steps))
@@ -251,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(GOMP_SPINCOUNT), main "
                         "(torch's and OpenMP's defaults, as before podsrl chose)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per pair and round (default 2)")
+    parser.add_argument("--settle", type=int, default=0,
+                        help="untimed steps at the start of each pair, after the competitor is paused or resumed: the "
+                        "steady state of each machine state (auto fits its threads over a step or two); default 0")
     parser.add_argument("--warm", type=int, default=2, help="untimed steps per process first (default 2)")
     parser.add_argument("--repeats", type=int, default=MIN_REPEATS, help=f"rounds (default {MIN_REPEATS})")
     parser.add_argument("--out", help="folder for the raw records and summary.txt")

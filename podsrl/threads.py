@@ -8,8 +8,8 @@ step with two spinning threads on the 2-core VM, 0.39 s with two sleeping ones, 
 per barrier). When other runnable work shares the cores, a thread spins on a core that its descheduled peer (or the
 other process) needs: 3-50x slower steps. So the wait policy stays OpenMP's default and `ThreadFitter` gives the run
 no more threads than the cores other work leaves free: before each step it reads the machine's runnable tasks
-(/proc/loadavg, less this process's own running threads), drops to the free cores at once and rises again only after
-`RISE_AFTER` steps with room, so that it does not flap. Threads left out of a parallel region stop spinning after
+(/proc/loadavg, less this process's own running threads) and moves to the free cores once `STEPS_TO_CHANGE` steps
+in a row call for it, so that a passing task does not make it flap. Threads left out of a parallel region stop spinning after
 OpenMP's spin count and sleep.
 
 The most threads a process takes: the usable cores, shared among the processes of the same run on this machine
@@ -120,7 +120,8 @@ def runnable_elsewhere(proc: str = "/proc") -> int:
     return round(max(0, running - own) * share)
 
 
-RISE_AFTER = 2  # steps in a row with free cores before the threads rise again (one busy snapshot drops them)
+STEPS_TO_CHANGE = 2  # steps in a row that call for fewer (or more) threads before the count changes: a task seen
+# running in one snapshot is often gone by the next step (an editor, a shell), a competitor stays
 LOG_EVERY_S = 60.0  # a change of threads is logged at most this often
 
 
@@ -130,25 +131,22 @@ class ThreadFitter:
     def __init__(self, most: int, cores: int, set_threads, others, clock=time.monotonic) -> None:
         self.most, self.cores, self.threads = most, cores, most
         self.set_threads, self.others, self.clock = set_threads, others, clock
-        self.rising, self.room, self.changes, self.logged_at = 0, most, 0, None
+        self.direction, self.streak, self.room, self.changes, self.logged_at = 0, 0, most, 0, None
 
     def at_step(self) -> int:
         others = self.others()
         fit = max(1, min(self.most, self.cores - others))
-        if fit < self.threads:  # at once: one spinning thread beside a descheduled peer costs more than a step
-            self._set(fit, others)
-        elif fit > self.threads:  # after RISE_AFTER such steps, to the least room they showed
-            self.room = min(self.room, fit) if self.rising else fit
-            self.rising += 1
-            if self.rising >= RISE_AFTER:
-                self._set(self.room, others)
-        else:
-            self.rising = 0
+        direction = (fit > self.threads) - (fit < self.threads)
+        if direction != self.direction:  # a new run of steps that call for a change (or for none)
+            self.direction, self.streak, self.room = direction, 0, fit
+        self.streak, self.room = self.streak + 1, min(self.room, fit)  # the least room the run showed
+        if direction and self.streak >= STEPS_TO_CHANGE:
+            self._set(self.room, others)
         return self.threads
 
     def _set(self, threads: int, others: int) -> None:
         self.set_threads(threads)
-        self.threads, self.rising, self.changes = threads, 0, self.changes + 1
+        self.threads, self.direction, self.streak, self.changes = threads, 0, 0, self.changes + 1
         now = self.clock()
         if self.logged_at is None or now - self.logged_at >= LOG_EVERY_S:
             log.info("torch threads now %d of %d (%d other runnable task%s on %d cores; %d change%s since the "

@@ -13,7 +13,7 @@ from podsrl import threads
 from podsrl.config import load_config
 from podsrl.config.presets import preset_path
 from podsrl.errors import UserError
-from podsrl.threads import RISE_AFTER, ThreadFitter, choose_threads, runnable_elsewhere
+from podsrl.threads import STEPS_TO_CHANGE, ThreadFitter, choose_threads, runnable_elsewhere
 from tests.conftest import tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,20 +77,21 @@ class Machine:
         return ThreadFitter(most, cores, self.set.append, others=lambda: self.others.pop(0), clock=lambda: 0.0)
 
 
-def test_threads_drop_at_once_to_the_free_cores_and_rise_only_after_steps_with_room():
-    machine = Machine([0, 1, 1, 0, 1, 0, 0] + [0] * (RISE_AFTER - 2) + [3])
+def test_threads_follow_the_free_cores_once_two_steps_in_a_row_call_for_it():
+    assert STEPS_TO_CHANGE == 2
+    machine = Machine([0, 1, 0, 1, 1, 0, 1, 1, 0, 0, 3, 3])
     fitter = machine.fitter()
     seen = [fitter.at_step() for _ in range(len(machine.others))]
-    # idle: 2; one competitor: 1 at once; freed once, then busy again: still 1; freed RISE_AFTER steps: 2; three
-    # competitors on two cores: 1 (never 0)
-    assert seen == [2, 1, 1, 1, 1] + [1] * (RISE_AFTER - 1) + [2, 1]
+    # idle: 2; a task seen in one step only: still 2; one competitor two steps in a row: 1; free once, then busy
+    # again: still 1; free two steps: 2; three competitors on two cores: 1 (never 0)
+    assert seen == [2, 2, 2, 2, 1, 1, 1, 1, 1, 2, 2, 1]
     assert machine.set == [1, 2, 1]
 
 
-def test_threads_rise_to_the_least_room_the_free_steps_showed():
-    machine = Machine([6] + [2, 4] + [4] * RISE_AFTER)
+def test_threads_move_to_the_least_room_the_steps_showed():
+    machine = Machine([6, 6, 2, 4])
     fitter = machine.fitter(most=8, cores=8)
-    assert [fitter.at_step() for _ in range(1 + RISE_AFTER)] == [2] * RISE_AFTER + [4]
+    assert [fitter.at_step() for _ in range(4)] == [8, 2, 2, 4]
     assert machine.set == [2, 4]
 
 
@@ -125,5 +126,6 @@ def test_only_podsrls_own_choice_is_fitted_to_the_load(env, overrides, fitted, m
     monkeypatch.setattr(torch, "set_num_threads", set_to.append)
     monkeypatch.setattr(threads, "_fitter", None)  # restored after the test, as the rest is
     threads.apply_threads(config(*overrides), env)
-    threads.fit_threads_to_load()
+    for _ in range(STEPS_TO_CHANGE):
+        threads.fit_threads_to_load()
     assert set_to == ([2, 1] if fitted else [2])  # the start-up choice, then 1 thread beside the other work
