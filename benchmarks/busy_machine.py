@@ -129,11 +129,17 @@ def runs_main(args) -> int:
     out = Path(args.out) if args.out else None
     head = (f"machine: {os.cpu_count()} cores ({len(os.sched_getaffinity(0))} usable), load average "
             f"{load_average()} (1/5/15 min); {args.repeats} rounds x {len(pairs)} pairs x {args.steps} steps of the "
-            f"default run after {args.warm} untimed steps per process and {args.settle} per pair")
+            f"default run after {args.warm} untimed steps per process and {args.settle} per pair; busy: "
+            f"{args.competitors} competitor{'s' * (args.competitors != 1)}")
     print(head, flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a stopped benchmark still ends its competitor
-    competitor = subprocess.Popen(COMPETITOR)
-    competitor.send_signal(signal.SIGSTOP)
+    competitors = [subprocess.Popen(COMPETITOR) for _ in range(args.competitors)]
+
+    def signal_competitors(sig) -> None:
+        for competitor in competitors:
+            competitor.send_signal(sig)
+
+    signal_competitors(signal.SIGSTOP)
     times: dict[tuple[str, str], list[float]] = {pair: [] for pair in pairs}
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -145,11 +151,11 @@ def runs_main(args) -> int:
                 k = r % len(pairs)
                 record = {"round": r, "load_before": load_average(), "others": others_running(), "steps": {}}
                 for setting, machine in pairs[k:] + pairs[:k]:
-                    competitor.send_signal(signal.SIGCONT if machine == "busy" else signal.SIGSTOP)
+                    signal_competitors(signal.SIGCONT if machine == "busy" else signal.SIGSTOP)
                     if args.settle:  # untimed: the arm meets the machine state before it is timed in it
                         arms[setting].steps(args.settle)
                     steps = arms[setting].steps(args.steps)
-                    competitor.send_signal(signal.SIGSTOP)
+                    signal_competitors(signal.SIGSTOP)
                     times[(setting, machine)].append(statistics.median(seconds for seconds, _ in steps))
                     record["steps"][f"{setting} {machine}"] = [seconds for seconds, _ in steps]
                     record.setdefault("threads", {})[f"{setting} {machine}"] = [n for _, n in steps]
@@ -164,13 +170,15 @@ def runs_main(args) -> int:
             for arm in arms.values():
                 arm.close()
     finally:
-        competitor.send_signal(signal.SIGCONT)
-        competitor.kill()
-        competitor.wait()
+        signal_competitors(signal.SIGCONT)
+        for competitor in competitors:
+            competitor.kill()
+            competitor.wait()
     lines = [head] + [f"arm {setting}: {arm.info}" for setting, arm in arms.items()]
     for setting in args.threads:
         idle, busy = times[(setting, "idle")], times[(setting, "busy")]
-        lines += [f"threads {setting}: idle {Spread.of(idle).text(digits=3)} s/step, beside one busy process "
+        lines += [f"threads {setting}: idle {Spread.of(idle).text(digits=3)} s/step, beside {args.competitors} busy "
+                  f"process{'es' * (args.competitors != 1)} "
                   f"{Spread.of(busy).text(digits=3)} s/step",
                   f"threads {setting}: busy/idle step time: {ratio(busy, idle).text(unit='x')}"]
     for setting in args.threads:
@@ -256,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(GOMP_SPINCOUNT), main "
                         "(torch's and OpenMP's defaults, as before podsrl chose)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per pair and round (default 2)")
+    parser.add_argument("--competitors", type=int, default=1,
+                        help="CPU-bound processes beside the busy pairs (default 1; steps only, not --ops)")
     parser.add_argument("--settle", type=int, default=0,
                         help="untimed steps at the start of each pair, after the competitor is paused or resumed: the "
                         "steady state of each machine state (auto fits its threads over a step or two); default 0")
