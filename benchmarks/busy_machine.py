@@ -4,19 +4,23 @@ Each thread arm is one process that starts as `podsrl train` does (the CLI's own
 torch, the default config, the thread choice of podsrl/threads.py, the trainer with RL from the shipped warm-up in
 podsrl/warmups) and then takes the default run's steps on request. One competitor, `python -c "while True: pass"`
 at the same priority, is started once and paused (SIGSTOP) or resumed (SIGCONT): `idle` runs steps with it paused,
-`busy` with it running. Arms: `auto` (podsrl's choice: no OMP_NUM_THREADS), `1`, `2` (OMP_NUM_THREADS), `main`
-(as `podsrl train` started before it chose: torch's default threads, one per core, and OpenMP's default wait
-policy, which spins before it sleeps), and optionally `N:passive` / `N:active` (OMP_WAIT_POLICY too) or `N:spinK`
+`busy` with it running. Arms: `auto` (podsrl's choice: no OMP_NUM_THREADS; the threads fitted at each step to the
+cores other work leaves free), `1`, `2` (OMP_NUM_THREADS, which makes waiting threads sleep), `main` (as `podsrl
+train` started before it chose: torch's default threads, one per core, and OpenMP's default wait policy, which spins
+before it sleeps; never fitted), and optionally `N:passive` / `N:active` (OMP_WAIT_POLICY too) or `N:spinK`
 (GOMP_SPINCOUNT=K: GNU OpenMP spins K times, then sleeps).
 
 After `--warm` untimed steps per process, every round runs every (thread arm, machine) pair for `--steps` steps, in
 an order rotated by the round, so load from other users of the machine hits all arms alike (only one process works
-at a time; the others wait on their stdin). A pair's figure for the round is the median of its steps;
+at a time; the others wait on their stdin); `--settle N` untimed steps open each pair, so that an arm that fits its
+threads to the load (auto) is timed in the state the pair names, not in the change. A pair's figure for the round is
+the median of its steps (their thread counts are recorded too);
 `busy/idle step time` is the median and range of the per-round ratios. "idle" means "without our competitor": the
 load average and the busiest other processes are recorded every round (`--out DIR`: rounds.jsonl, summary.txt).
 
     python benchmarks/busy_machine.py                          # auto, 1, 2, main; 5 rounds of 2 steps per pair
     python benchmarks/busy_machine.py --threads auto 1 2 main --out docs/results/busy_machine_DATE
+    python benchmarks/busy_machine.py --threads auto 1 main 2:passive --steps 3 --settle 2   # steady states
     python benchmarks/busy_machine.py --ops --threads 1 2 2:passive 2:active     # single ops: the cause
 Targets (the default run on a 2-core VM): auto's busy/idle <= 1.5x, auto idle no slower than main idle.
 """
@@ -84,8 +88,9 @@ def child(run_dir: str, torch_first: bool) -> int:
     print(json.dumps({"torch_threads": torch.get_num_threads(),
                       "wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}), flush=True)
     try:
-        for line in sys.stdin:
-            print(json.dumps([trainer.train_step().metrics["time/step"] for _ in range(int(line))]), flush=True)
+        for line in sys.stdin:  # each step's seconds and the torch threads it ran on (auto fits them per step)
+            steps = [(trainer.train_step().metrics["time/step"], torch.get_num_threads()) for _ in range(int(line))]
+            print(json.dumps(steps), flush=True)
     finally:
         trainer.close()  # the run directory's lock goes with the process
     return 0
@@ -108,7 +113,8 @@ class Arm:
             raise SystemExit(f"arm {self.setting} failed:\n{self.proc.stderr.read()[-3000:]}")
         return json.loads(line)
 
-    def steps(self, n: int) -> list[float]:
+    def steps(self, n: int) -> list[list]:
+        """[seconds, torch threads] of each of `n` steps."""
         self.proc.stdin.write(f"{n}\n")
         self.proc.stdin.flush()
         return self._read()
@@ -123,11 +129,17 @@ def runs_main(args) -> int:
     out = Path(args.out) if args.out else None
     head = (f"machine: {os.cpu_count()} cores ({len(os.sched_getaffinity(0))} usable), load average "
             f"{load_average()} (1/5/15 min); {args.repeats} rounds x {len(pairs)} pairs x {args.steps} steps of the "
-            f"default run after {args.warm} untimed steps per process")
+            f"default run after {args.warm} untimed steps per process and {args.settle} per pair; busy: "
+            f"{args.competitors} competitor{'s' * (args.competitors != 1)}")
     print(head, flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a stopped benchmark still ends its competitor
-    competitor = subprocess.Popen(COMPETITOR)
-    competitor.send_signal(signal.SIGSTOP)
+    competitors = [subprocess.Popen(COMPETITOR) for _ in range(args.competitors)]
+
+    def signal_competitors(sig) -> None:
+        for competitor in competitors:
+            competitor.send_signal(sig)
+
+    signal_competitors(signal.SIGSTOP)
     times: dict[tuple[str, str], list[float]] = {pair: [] for pair in pairs}
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -139,11 +151,14 @@ def runs_main(args) -> int:
                 k = r % len(pairs)
                 record = {"round": r, "load_before": load_average(), "others": others_running(), "steps": {}}
                 for setting, machine in pairs[k:] + pairs[:k]:
-                    competitor.send_signal(signal.SIGCONT if machine == "busy" else signal.SIGSTOP)
+                    signal_competitors(signal.SIGCONT if machine == "busy" else signal.SIGSTOP)
+                    if args.settle:  # untimed: the arm meets the machine state before it is timed in it
+                        arms[setting].steps(args.settle)
                     steps = arms[setting].steps(args.steps)
-                    competitor.send_signal(signal.SIGSTOP)
-                    times[(setting, machine)].append(statistics.median(steps))
-                    record["steps"][f"{setting} {machine}"] = steps
+                    signal_competitors(signal.SIGSTOP)
+                    times[(setting, machine)].append(statistics.median(seconds for seconds, _ in steps))
+                    record["steps"][f"{setting} {machine}"] = [seconds for seconds, _ in steps]
+                    record.setdefault("threads", {})[f"{setting} {machine}"] = [n for _, n in steps]
                 record["load_after"] = load_average()
                 print(f"round {r}: " + ", ".join(f"{key} {statistics.median(v):.3f}"
                                                  for key, v in record["steps"].items())
@@ -155,13 +170,15 @@ def runs_main(args) -> int:
             for arm in arms.values():
                 arm.close()
     finally:
-        competitor.send_signal(signal.SIGCONT)
-        competitor.kill()
-        competitor.wait()
+        signal_competitors(signal.SIGCONT)
+        for competitor in competitors:
+            competitor.kill()
+            competitor.wait()
     lines = [head] + [f"arm {setting}: {arm.info}" for setting, arm in arms.items()]
     for setting in args.threads:
         idle, busy = times[(setting, "idle")], times[(setting, "busy")]
-        lines += [f"threads {setting}: idle {Spread.of(idle).text(digits=3)} s/step, beside one busy process "
+        lines += [f"threads {setting}: idle {Spread.of(idle).text(digits=3)} s/step, beside {args.competitors} busy "
+                  f"process{'es' * (args.competitors != 1)} "
                   f"{Spread.of(busy).text(digits=3)} s/step",
                   f"threads {setting}: busy/idle step time: {ratio(busy, idle).text(unit='x')}"]
     for setting in args.threads:
@@ -247,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
                         "(GOMP_SPINCOUNT), main "
                         "(torch's and OpenMP's defaults, as before podsrl chose)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per pair and round (default 2)")
+    parser.add_argument("--competitors", type=int, default=1,
+                        help="CPU-bound processes beside the busy pairs (default 1; steps only, not --ops)")
+    parser.add_argument("--settle", type=int, default=0,
+                        help="untimed steps at the start of each pair, after the competitor is paused or resumed: the "
+                        "steady state of each machine state (auto fits its threads over a step or two); default 0")
     parser.add_argument("--warm", type=int, default=2, help="untimed steps per process first (default 2)")
     parser.add_argument("--repeats", type=int, default=MIN_REPEATS, help=f"rounds (default {MIN_REPEATS})")
     parser.add_argument("--out", help="folder for the raw records and summary.txt")

@@ -1,18 +1,23 @@
-"""Torch threads of one process, decided once at start-up from what the run is and what the machine has.
+"""Torch threads of one process: decided at start-up from what the run is and what the machine has, then fitted at
+each step to the cores other work leaves free.
 
 Why: torch's CPU build splits each op over OpenMP threads that meet at a barrier when it ends, and OpenMP's default
-wait policy spins there before it sleeps. The built-in model's ops are small, so a step is thousands of barriers;
-when other processes share the cores, a waiting thread spins on a core that its descheduled peer (or another
-process) needs. On the project's loaded 2-core VM (benchmarks/busy_machine.py; docs/results.md, "The default run on
-a busy machine") the default step took 110-207 s with two spinning threads, a median 1.5 s with two sleeping ones
-(OMP_WAIT_POLICY=PASSIVE) and 4.5 s with one thread, which gets one share of the cores where two get two; on a
-nearly idle machine sleeping costs 1.4x (0.39 s against 0.27 s: a wake-up per barrier; ACTIVE gives it back). So
-waiting threads sleep (`prepare_openmp`), and a process takes the cores it may use, shared among the processes of
-the same run on this machine (torchrun ranks; the cores local Ray workers take are left to them): threads x
-processes never exceed the cores.
+wait policy spins there for a while before it sleeps. The built-in model's ops are small, so a step is thousands of
+barriers. On a machine with cores to spare, spinning is the fast way to wait (benchmarks/busy_machine.py: 0.27 s a
+step with two spinning threads on the 2-core VM, 0.39 s with two sleeping ones, OMP_WAIT_POLICY=PASSIVE: a wake-up
+per barrier). When other runnable work shares the cores, a thread spins on a core that its descheduled peer (or the
+other process) needs: 3-50x slower steps. So the wait policy stays OpenMP's default and `ThreadFitter` gives the run
+no more threads than the cores other work leaves free: before each step it reads the machine's runnable tasks
+(/proc/loadavg, less this process's own running threads) and moves to the free cores once `STEPS_TO_CHANGE` steps
+in a row call for it, so that a passing task does not make it flap. Threads left out of a parallel region stop
+spinning after OpenMP's spin count and sleep. Beside one busy process on two cores: 1.47x the idle step, which is
+as fast as two spinning threads' (docs/results.md, "The default run on a busy machine").
 
-`OMP_NUM_THREADS` (read by torch at import) and `train.threads` override the choice. `prepare_openmp` runs in the
-CLI entry before torch is imported, the one place the OpenMP runtime's start-up settings can still be set.
+The most threads a process takes: the usable cores, shared among the processes of the same run on this machine
+(torchrun ranks; the cores local Ray workers take are left to them). `OMP_NUM_THREADS` (read by torch at import),
+`train.threads` or `OMP_WAIT_POLICY` set by the user fix the count: no fitting. With `OMP_NUM_THREADS` the waiting
+threads sleep (`prepare_openmp`), as a fixed count beside other work needs. `prepare_openmp` runs in the CLI entry
+before torch is imported, the one place the OpenMP runtime's start-up settings can still be set.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 from podsrl.errors import UserError
@@ -48,11 +54,11 @@ def usable_cores() -> int:
 
 
 def prepare_openmp(environ: dict | None = None) -> None:
-    """Before torch is imported: threads that finish early sleep at a barrier instead of spinning, unless the user
-    chose a wait policy. A spinning thread holds a core another process (or a descheduled peer) needs; sleeping
-    costs a wake-up per parallel region instead."""
+    """Before torch is imported: with a thread count fixed by OMP_NUM_THREADS (never fitted to the load), threads that
+    finish early sleep at a barrier instead of spinning, unless the user chose a wait policy. A spinning thread holds
+    a core another process (or a descheduled peer) needs; sleeping costs a wake-up per parallel region instead."""
     env = os.environ if environ is None else environ
-    if "torch" not in sys.modules:
+    if "torch" not in sys.modules and env.get(THREADS_ENV, "").strip():
         env.setdefault(WAIT_POLICY_ENV, "PASSIVE")
 
 
@@ -74,11 +80,79 @@ def choose_threads(cfg, cores: int, environ: dict) -> ThreadChoice:
 
 
 def apply_threads(cfg, environ: dict | None = None) -> ThreadChoice:
-    """Set this process's torch threads once, at start-up, and log the choice in one line."""
+    """Set this process's torch threads at start-up and log the choice in one line; podsrl's own choice (nothing set
+    by the user, no train.async generator thread with threads of its own) is then fitted to the load at each step."""
     import torch
 
+    global _fitter
     env = os.environ if environ is None else environ
-    choice = choose_threads(cfg, usable_cores(), env)
+    cores = usable_cores()
+    choice = choose_threads(cfg, cores, env)
     torch.set_num_threads(choice.threads)
-    log.info(choice.line())
+    fitted = not (env.get(THREADS_ENV, "").strip() or env.get(WAIT_POLICY_ENV) or cfg.train.threads > 0
+                  or cfg.train.asynchronous.enabled)
+    _fitter = ThreadFitter(choice.threads, cores, torch.set_num_threads, runnable_elsewhere) if fitted else None
+    log.info(choice.line() + ("; fewer while other work takes cores" if fitted else ""))
     return choice
+
+
+def runnable_elsewhere(proc: str = "/proc") -> int:
+    """Runnable tasks on this process's usable cores that are not its own threads: the machine's running count in
+    /proc/loadavg (a snapshot, this reader included) less this process's threads in state R, scaled to the usable
+    share of the machine's cores (the count is the whole machine's; assumes the load spreads evenly)."""
+    with open(f"{proc}/loadavg") as f:
+        running = int(f.read().split()[3].split("/")[0])
+    own = 0
+    for task in os.scandir(f"{proc}/self/task"):
+        try:
+            with open(f"{task.path}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended
+            continue
+        own += stat[stat.rindex(")") + 2] == "R"  # the state follows the command name, which may hold spaces
+    share = usable_cores() / (os.cpu_count() or 1)
+    return round(max(0, running - own) * share)
+
+
+STEPS_TO_CHANGE = 2  # steps in a row that call for fewer (or more) threads before the count changes: a task seen
+# running in one snapshot is often gone by the next step (an editor, a shell), a competitor stays
+LOG_EVERY_S = 60.0  # a change of threads is logged at most this often
+
+
+class ThreadFitter:
+    """The torch threads of a step: at most `most`, no more than the cores other runnable work leaves free."""
+
+    def __init__(self, most: int, cores: int, set_threads, others, clock=time.monotonic) -> None:
+        self.most, self.cores, self.threads = most, cores, most
+        self.set_threads, self.others, self.clock = set_threads, others, clock
+        self.direction, self.streak, self.room, self.changes, self.logged_at = 0, 0, most, 0, None
+
+    def at_step(self) -> int:
+        others = self.others()
+        fit = max(1, min(self.most, self.cores - others))
+        direction = (fit > self.threads) - (fit < self.threads)
+        if direction != self.direction:  # a new run of steps that call for a change (or for none)
+            self.direction, self.streak, self.room = direction, 0, fit
+        self.streak, self.room = self.streak + 1, min(self.room, fit)  # the least room the run showed
+        if direction and self.streak >= STEPS_TO_CHANGE:
+            self._set(self.room, others)
+        return self.threads
+
+    def _set(self, threads: int, others: int) -> None:
+        self.set_threads(threads)
+        self.threads, self.direction, self.streak, self.changes = threads, 0, 0, self.changes + 1
+        now = self.clock()
+        if self.logged_at is None or now - self.logged_at >= LOG_EVERY_S:
+            log.info("torch threads now %d of %d (%d other runnable task%s on %d cores; %d change%s since the "
+                     "last line)", threads, self.most, others, "" if others == 1 else "s", self.cores, self.changes,
+                     "" if self.changes == 1 else "s")
+            self.logged_at, self.changes = now, 0
+
+
+_fitter: ThreadFitter | None = None
+
+
+def fit_threads_to_load() -> None:
+    """Before a step: this process's threads fitted to the free cores, when podsrl chose them (`apply_threads`)."""
+    if _fitter is not None:
+        _fitter.at_step()

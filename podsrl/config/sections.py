@@ -287,8 +287,9 @@ class TrainConfig:
     save_every: int = _f(50, "Checkpoint every N steps (and at the end).", ge=1)
     keep_checkpoints: int = _f(2, "Checkpoints kept on disk (older ones are deleted).", ge=1)
     threads: int = _f(0, "torch threads of each process (0 = auto: the usable cores, less those local Ray workers "
-                      "take, shared by torchrun's ranks on this node; OMP_NUM_THREADS wins). Decided once at start-up "
-                      "and logged (podsrl/threads.py).", ge=0, note="0 = auto")
+                      "take, shared by torchrun's ranks on this node, and fewer at a step where other work takes cores; "
+                      "OMP_NUM_THREADS wins). Logged (podsrl/threads.py); a number here is kept all run.", ge=0,
+                      note="0 = auto")
     max_nonfinite_steps: int = _f(3, "Consecutive non-finite losses/gradients (each skipped) before the run stops.")
     wait_timeout_s: float = _f(1800.0, "The longest any wait on another process or thread may last (a Ray worker's "
                                "result, a collective, the async generator's batch, vLLM's weight sync): past it the "

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from podsrl import waits
+from podsrl import threads, waits
 from podsrl.batch import RolloutBatch
 from podsrl.build import load_model, load_task, reward_manager, rollout_engine, verifier
 from podsrl.config import Config, dump_config
@@ -186,10 +186,10 @@ class Trainer:
         keeps the rest); the Ray pool's workers have theirs."""
         cfg, run_ahead = self.cfg, self.cfg.train.asynchronous
         self.threads = torch.get_num_threads()  # restored by close_engines
-        threads = split_threads(run_ahead.generator_threads) if cfg.rollout.engine_type.in_process else 0
+        generator_threads = split_threads(run_ahead.generator_threads) if cfg.rollout.engine_type.in_process else 0
         self.generator = BackgroundGenerator(self.producer.produce, self.generator_model, self.engine,
                                              run_ahead.max_staleness, self.step, cfg.train.max_steps, in_flight,
-                                             threads=threads, start=self.generator_start)
+                                             threads=generator_threads, start=self.generator_start)
         self.dropped_batches += self.generator.dropped
 
     # ------------------------------------------------------------------------------------------- one step
@@ -197,6 +197,7 @@ class Trainer:
     def train_step(self) -> StepRecord:
         cfg = self.cfg
         t0, cpu0 = time.perf_counter(), time.process_time()
+        threads.fit_threads_to_load()  # no more torch threads than the cores other work leaves free
         waits.at_step(self.step + 1)  # named by a wait that expires in it
         faults.fire("step", self.step + 1)
         if self.generator is None:
