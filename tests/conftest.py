@@ -2,7 +2,9 @@ import os
 
 import pytest
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: as podsrl's CLI (podsrl/threads.py)
+# before torch loads OpenMP: waiting threads sleep, here and in every `podsrl` subprocess the tests start (a set
+# policy also keeps their thread count fixed: podsrl/threads.py), since the suite's own processes share the cores
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 # Each pytest-xdist worker gets its share of the cores (threads x processes <= cores, as podsrl/threads.py decides
