@@ -22,6 +22,7 @@ from podsrl.experiments.analysis import (
     compare_runs,
     load_run,
 )
+from podsrl.experiments.expectation import binding_expectation
 from podsrl.experiments.paired_test import fewest_seeds, format_p, interval_label, interval_level
 from podsrl.experiments.stats import ALPHA, POWER, PairedStat, seeds_range_text
 from podsrl.experiments.tokenizers import run_tokenizer, tokenizer_note
@@ -439,7 +440,9 @@ def add_analysis_arguments(parser: argparse.ArgumentParser) -> None:
         "--expect",
         choices=("better", "worse"),
         help="the side you expected before the runs: one-sided tests for it, and no verdict on the other side "
-        "(default: two-sided; naming a side after seeing the results doubles the false-positive rate)",
+        "(default: two-sided; naming a side after seeing the results doubles the false-positive rate). "
+        "`podsrl compare` records it (or two-sided) in the folder's expect.json before the first run; a later "
+        "compare or report on those runs keeps it and refuses another",
     )
 
 
@@ -479,7 +482,7 @@ def report_main(args: argparse.Namespace) -> int:
         target_mode=args.target_mode,
         interpolate=not args.no_interpolate,
         header=header,
-        expect=args.expect,
+        expect=binding_expectation(given, args.expect),  # the side a compare folder's runs were started with
     )
     print("\n".join(verdict_lines(rows)))
     print(f"{len(rows)} config(s) compared; wrote {out / 'results.md'}, results.csv, runs.csv, accuracy.png")

@@ -36,6 +36,7 @@ from rich.progress import (
 
 from podsrl.config.presets import preset_path
 from podsrl.errors import UserError
+from podsrl.experiments.expectation import record_expectation
 from podsrl.experiments.report import HEADER_FILE, add_analysis_arguments, build_report, verdict_lines
 from podsrl.run.lock import LOCK_FILE, RunLock
 
@@ -209,8 +210,9 @@ def compare_header(
     budget_rollouts: int | None,
     overrides: Sequence[str],
     command: str | None,
+    expect: str | None = None,
 ) -> str:
-    """Markdown lines naming the machine and the commands, for the top of results.md."""
+    """Markdown lines naming the machine, the commands and the side expected, for the top of results.md."""
     try:  # torch's version without importing it (seconds); the GPU from nvidia-smi when there is one
         torch_text = f"torch {importlib.metadata.version('torch')}"
     except importlib.metadata.PackageNotFoundError:
@@ -238,6 +240,8 @@ def compare_header(
         ),
         f"- configs: {', '.join(str(c) for c in configs)}; seeds: {', '.join(map(str, seeds))}",
         f"- budget per run: {budget}; overrides: {' '.join(overrides) or 'none'}",
+        "- side named before the runs: "
+        + (f"{expect} (one-sided tests)" if expect else "none (two-sided tests)"),
     ]
     if command:
         lines.append(f"- command: `{command}`")
@@ -282,7 +286,12 @@ def run_compare(
             raise UserError(f"--baseline {baseline!r} is not one of the configs: {', '.join(labels)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    header = compare_header(configs, seeds, budget_seconds, budget_rollouts, extra_overrides, command)
+    # the side is fixed with the folder's first runs: a later compare or report on them tests the same one
+    report_options = {**(report_options or {})}
+    report_options["expect"] = record_expectation(out, report_options.get("expect"))
+    header = compare_header(
+        configs, seeds, budget_seconds, budget_rollouts, extra_overrides, command, report_options["expect"]
+    )
     (out / HEADER_FILE).write_text(header, encoding="utf-8")
     prefix = list(train_command) if train_command else [sys.executable, "-m", "podsrl"]
     console = console or Console(stderr=True)
@@ -345,7 +354,7 @@ def run_compare(
     else:
         try:
             result.rows = build_report(
-                list(finished), baseline, out, header=header, labels=finished, **(report_options or {})
+                list(finished), baseline, out, header=header, labels=finished, **report_options
             )
         except UserError as exc:
             result.report_error = str(exc)

@@ -217,3 +217,37 @@ def test_compare_takes_preset_names_as_train_does(tmp_path, monkeypatch):
     assert taken == [PRESET_DIR / "grpo.yaml", PRESET_DIR / "pods.yaml"]
     with pytest.raises(UserError, match=r"^podsrl compare: no file 'gpro' and no bundled preset of that name"):
         compare_main(parser.parse_args(["gpro", "--out", str(tmp_path)]))
+
+
+def test_the_side_named_before_the_runs_binds_every_later_compare_and_report(tmp_path, fake, capsys):
+    """`--expect` is fixed with a folder's first runs: recorded in expect.json and the header, kept by a resumed
+    compare and by `podsrl report` without the flag, and another side refused with one line (exit 2)."""
+    cmd, cfg = fake
+    out = tmp_path / "out"
+    kw = {"budget_seconds": 8, "train_command": cmd, "progress": False, "console": Console(file=io.StringIO())}
+    run_compare([cfg["grpo"], cfg["pods"]], [1, 2], out, report_options={"expect": "worse"}, **kw)
+    assert json.loads((out / "expect.json").read_text()) == {"expect": "worse"}
+    assert "- side named before the runs: worse (one-sided tests)" in (out / "results.md").read_text()
+    resumed = run_compare([cfg["grpo"], cfg["pods"]], [1, 2], out, **kw)  # no --expect: the recorded side
+    assert resumed.ok and "one-sided p for worse (Holm)" in (out / "results.md").read_text()
+    with pytest.raises(UserError, match=r"--expect better: the runs in .* were started expecting worse"):
+        run_compare([cfg["grpo"], cfg["pods"]], [1, 2], out, report_options={"expect": "better"}, **kw)
+
+    parser = argparse.ArgumentParser()
+    add_report_arguments(parser)
+    report = tmp_path / "report"
+    assert report_main(parser.parse_args([str(out), "--out", str(report)])) == 0
+    assert "one-sided p for worse (Holm)" in (report / "results.md").read_text()
+    # run dirs inside the folder carry its side too
+    assert report_main(parser.parse_args([str(out / "grpo"), str(out / "pods"), "--out", str(report)])) == 0
+    assert "one-sided p for worse (Holm)" in (report / "results.md").read_text()
+    with pytest.raises(UserError, match="a side named after the runs is not a test"):
+        report_main(parser.parse_args([str(out), "--out", str(report), "--expect", "better"]))
+
+    two_sided = tmp_path / "two_sided"  # two-sided is recorded and as binding
+    run_compare([cfg["grpo"], cfg["pods"]], [1], two_sided, **kw)
+    assert json.loads((two_sided / "expect.json").read_text()) == {"expect": None}
+    with pytest.raises(UserError, match="were started expecting no side"):
+        report_main(parser.parse_args([str(two_sided), "--out", str(report), "--expect", "better"]))
+    with pytest.raises(UserError, match="started expecting different sides"):
+        report_main(parser.parse_args([str(out), str(two_sided), "--out", str(report)]))
