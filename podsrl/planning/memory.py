@@ -1,7 +1,7 @@
 """The memory model behind `podsrl plan --memory`: the predicted peak memory of a step's generation and of its update,
 from the model's config alone (built on the meta device, no weights), and the largest micro-batch that fits a device.
 What it plans for (the model's shape, the step's workload) is podsrl/planning/workload.py; its table and command
-line are podsrl/planning/memory_report.py; what a run holds before its first step (the start-up row, rank 0's host
+line are podsrl/memory_plan.py; what a run holds before its first step (the start-up row, rank 0's host
 memory) and each checkpoint's size are podsrl/planning/startup.py.
 
 Every term is bytes = count x element size, the count read off the code that allocates it (each function's
@@ -46,12 +46,11 @@ CPU's counterpart is (benchmarks/memory_plan_check.py), a GPU run measures it (b
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 from podsrl.planning.attention import attention_saved
 from podsrl.planning.startup import ADAM_STATES, host_load, startup_peak
-from podsrl.planning.workload import ModelShape, Workload
+from podsrl.planning.workload import MicroBatch, ModelShape, Workload
 
 GIB = 2**30
 # What a phase costs beyond its tensors, per device: on CPU the process's growth around a phase of a negligible model
@@ -69,35 +68,6 @@ CACHE_BLOCK = 64  # the fast engine's default cache_block: on CUDA its kept posi
 
 
 # ---- the update ----
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    """Geometry of one micro-batch's packed stream (podsrl/models/packed_layout.py) with every row at full length:
-    G distinct prompts of Lp tokens, then each row's Lc - 1 completion inputs; T positions predict a token."""
-
-    rows: int
-    groups: int
-    prompt_length: int
-    completion_length: int
-
-    @classmethod
-    def of(cls, rows: int, m: int, work: Workload) -> MicroBatch:
-        # rows run in group order, m per prompt: a micro-batch spans rows/m prompts, one more where it straddles
-        groups = math.ceil(rows / m) + (0 if rows % m == 0 or m % rows == 0 else 1)
-        return cls(rows, min(groups, rows), work.prompt_length, work.completion_length)
-
-    @property
-    def width(self) -> int:  # completion inputs per row
-        return self.completion_length - 1
-
-    @property
-    def tokens(self) -> int:  # N
-        return self.groups * self.prompt_length + self.rows * self.width
-
-    @property
-    def predicted(self) -> int:  # T
-        return self.rows * self.completion_length
 
 
 def layer_activations(shape: ModelShape, mb: MicroBatch, work: Workload, last: bool = False,

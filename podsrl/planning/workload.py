@@ -1,9 +1,10 @@
 """What `podsrl plan --memory` plans for: the model's shape, read off its config on the meta device (no weights), and
-the step's workload (prompts, rollouts, lengths, precision, ranks); parse_memory reads a device size. The memory
-model over them is podsrl/planning/memory.py."""
+the step's workload (prompts, rollouts, lengths, precision, ranks) and a micro-batch's geometry; parse_memory reads
+a device size. The memory model over them is podsrl/planning/memory.py."""
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from dataclasses import dataclass
@@ -233,3 +234,32 @@ class Workload:
     def trained_rows(self) -> int:
         """A rank's share of a step's trained rows (DataParallel.micro_batches: equal shares, one more for some)."""
         return -(-self.prompts * self.m // self.world_size)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Geometry of one micro-batch's packed stream (podsrl/models/packed_layout.py) with every row at full length:
+    G distinct prompts of Lp tokens, then each row's Lc - 1 completion inputs; T positions predict a token."""
+
+    rows: int
+    groups: int
+    prompt_length: int
+    completion_length: int
+
+    @classmethod
+    def of(cls, rows: int, m: int, work: Workload) -> MicroBatch:
+        # rows run in group order, m per prompt: a micro-batch spans rows/m prompts, one more where it straddles
+        groups = math.ceil(rows / m) + (0 if rows % m == 0 or m % rows == 0 else 1)
+        return cls(rows, min(groups, rows), work.prompt_length, work.completion_length)
+
+    @property
+    def width(self) -> int:  # completion inputs per row
+        return self.completion_length - 1
+
+    @property
+    def tokens(self) -> int:  # N
+        return self.groups * self.prompt_length + self.rows * self.width
+
+    @property
+    def predicted(self) -> int:  # T
+        return self.rows * self.completion_length
