@@ -244,6 +244,7 @@ def workload_from_config(cfg, prompt_length: int, device: str, world_size: int =
         beta=cfg.algo.beta, logits_chunk=cfg.update.logits_chunk, top_p=cfg.rollout.top_p, device=device,
         async_generator=async_generator(cfg), rows_in_flight=rows_in_flight(cfg),
         kept_decode_state=keeps_decode_state(cfg, device),
+        engine=cfg.rollout.engine_type.device_memory(cfg.rollout.engine_options),
         world_size=world_size, strategy=cfg.train.strategy, cpu_offload=cfg.train.cpu_offload,
     )
 

@@ -154,6 +154,25 @@ def model_shape(config, lora_rank: int = 0, lora_targets: list[str] | tuple[str,
     )
 
 
+CACHE_BLOCK = 64  # on CUDA a decode step's cache positions are a multiple of it: the fast engine's default cache_block
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """What a rollout engine holds on the device to sample, as the memory plan prices it; each engine declares its
+    own (RolloutEngine.device_memory). The defaults are the fast engine's at its defaults.
+    - kv_cache: it decodes from a KV cache of its rows in flight (each row's prompt and completion positions, the
+      prefill's cache of the wave's prompts); without one, each step runs the model's forward over every row's
+      whole sequence, and that forward's workspace is what it holds (memory.whole_sequence_workspace);
+    - cache_block: on CUDA a row's cache positions are rounded up to a multiple of it;
+    - fused_weights: it samples through the decode stack's fused q/k/v and gate/up weights (models/decode.py
+      DecodeStack) and keeps them between calls."""
+
+    kv_cache: bool = True
+    cache_block: int = CACHE_BLOCK
+    fused_weights: bool = True
+
+
 @dataclass(frozen=True)
 class Workload:
     """One step's shape and the precision it runs in."""
@@ -186,6 +205,7 @@ class Workload:
     world_size: int = 1  # torchrun ranks (N)
     strategy: str = "ddp"  # train.strategy
     cpu_offload: bool = False  # train.cpu_offload (fsdp)
+    engine: EngineMemory = EngineMemory()  # what the rollout engine holds on the device to sample
 
     @property
     def sharded(self) -> bool:
