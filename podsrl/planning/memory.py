@@ -449,8 +449,9 @@ def make_plan(shape: ModelShape, work: Workload, memory: int, reserve: float = R
 
 
 def with_rows_in_flight(shape: ModelShape, work: Workload, budget: int) -> Workload:
-    """`work` with its rows in flight set (when 0) to what `budget` holds beside generation's resident state."""
-    if work.rows_in_flight:
+    """`work` with its rows in flight set (when 0, for an engine that decodes in waves) to what `budget` holds beside
+    generation's resident state."""
+    if work.rows_in_flight or not work.engine.waves:
         return work
     resident = {k: v for k, v in generation_peak(shape, work).items() if k not in ("kv_cache", "workspace")}
     return replace(work, rows_in_flight=rows_in_flight(shape, work, budget - sum(resident.values())))

@@ -166,11 +166,14 @@ class EngineMemory:
       whole sequence, and that forward's workspace is what it holds (memory.whole_sequence_workspace);
     - cache_block: on CUDA a row's cache positions are rounded up to a multiple of it;
     - fused_weights: it samples through the decode stack's fused q/k/v and gate/up weights (models/decode.py
-      DecodeStack) and keeps them between calls."""
+      DecodeStack) and keeps them between calls;
+    - waves: unless its `rows_option` is set, it decodes as many rows at once as fit the device, refilling
+      finished ones from the queue (memory.rows_in_flight); False: all of a rank's rows at once."""
 
     kv_cache: bool = True
     cache_block: int = CACHE_BLOCK
     fused_weights: bool = True
+    waves: bool = True
 
 
 @dataclass(frozen=True)
@@ -195,7 +198,7 @@ class Workload:
     # the update runs on the same device), "workers" (an engine whose worker processes sample, the Ray pool: the
     # generator's full copy stays here)
     async_generator: str = "none"
-    rows_in_flight: int = 0  # rows the fast engine decodes at once (one wave; 0: all of a rank's rows)
+    rows_in_flight: int = 0  # rows the engine decodes at once (one wave; 0: all of a rank's rows)
     # the fast engine keeps its decode state (KV cache, step state, CUDA graphs) through the update (make_plan keeps
     # it only where it fits: memory.decode_state_fits)
     kept_decode_state: bool = False

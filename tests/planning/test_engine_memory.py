@@ -1,7 +1,7 @@
 """An engine declares the device memory it holds to sample (RolloutEngine.device_memory, planning/workload.py
 EngineMemory), and the memory plan prices what it declares: `podsrl plan --memory` and optim.micro_batch_size=auto
 work for any registered engine. Shown with the example engine of docs/architecture.md, registered as written: no KV
-cache (a whole forward a step) and no fused weights."""
+cache (a whole forward a step over every row at once) and no fused weights."""
 
 from __future__ import annotations
 
@@ -25,14 +25,16 @@ MODEL = "docs/models/qwen2.5-math-1.5b.json"
 # bfloat16 masters: the fast engine samples them through fused copies (no weights copy of its own)
 overrides = ["model.dtype=bfloat16", f"model.name_or_path={MODEL}", "rollout.max_new_tokens=512",
              "task.max_prompt_length=256"]
-plain, fast = (load_config(None, overrides + [f"rollout.engine={name}"]) for name in ("plain", "fast"))
+PRESET = "podsrl/configs/default.yaml"
+plain, fast = (load_config(PRESET, overrides + [f"rollout.engine={name}"]) for name in ("plain", "fast"))
 config = transformers_config(plain, MODEL)
 shape, memory = model_shape(config), 24 * 2**30
 work = workload_from_config(plain, 256, "cuda")
-assert work.engine == EngineMemory(kv_cache=False, fused_weights=False), work.engine
+assert work.engine == EngineMemory(kv_cache=False, fused_weights=False, waves=False), work.engine
 
 plan = mp.make_plan(shape, work, memory)
 assert plan.generation["kv_cache"] == 0 and plan.generation["fused_weights"] == 0, plan.generation
+assert plan.work.generation_rows == plan.work.rank_rows  # every row at once
 assert plan.generation["workspace"] == mp.whole_sequence_workspace(shape, plan.work) > 0
 assert plan.update[False]["fused_weights"] == 0
 priced_as_fast = mp.make_plan(shape, workload_from_config(fast, 256, "cuda"), memory)
@@ -47,7 +49,7 @@ assert rows["plain"] == mp.largest_micro_batch(shape, released, budget, False) >
 # the command line prints the same plan: no KV cache in generation's row
 out = io.StringIO()
 with contextlib.redirect_stdout(out):
-    assert main(["plan", "default", *overrides, "rollout.engine=plain", "--memory", "--gpu-memory", "24GiB"]) == 0
+    assert main(["plan", PRESET, *overrides, "rollout.engine=plain", "--memory", "--gpu-memory", "24GiB"]) == 0
 row = next(line for line in out.getvalue().splitlines() if line.startswith("| generation"))
 header = next(line for line in out.getvalue().splitlines() if line.startswith("| phase"))
 cells = dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in row.split("|")]))
@@ -61,7 +63,7 @@ def test_the_registered_engines_declare_what_the_plan_assumed_of_them():
     """The fast engine's description follows its cache_block option; the others keep the default, the fast
     engine's at its defaults, so their plans are the ones recorded in docs/gpu.md and the fixtures."""
     fast = engine_class("fast")
-    assert fast.device_memory({}) == EngineMemory() == EngineMemory(True, CACHE_BLOCK, True)
+    assert fast.device_memory({}) == EngineMemory() == EngineMemory(True, CACHE_BLOCK, True, True)
     assert fast.device_memory({"cache_block": 16}).cache_block == 16
     for name in ("hf", "ray", "vllm"):
         assert engine_class(name).device_memory({}) == EngineMemory(), name
