@@ -2,7 +2,7 @@
 
 Each field is declared with `option` (default, help text and bounds), so docs/config.md documents it; a method's own section
 lives in its module (podsrl/methods/<name>.py) and is composed in here from the method registry, so adding a method
-never touches this file.
+never touches this file. The task section is the tasks' own (podsrl/tasks/section.py TaskConfig).
 """
 
 from __future__ import annotations
