@@ -208,8 +208,8 @@ def study_micro_batch(device_gib: float) -> tuple[int, str]:
     """(rows, why): optim.micro_batch_size=auto as a run of the study (at its own width) decides it at start-up on
     a CUDA device of `device_gib` GiB (podsrl/run/micro_batch.py)."""
     from podsrl.config import load_config
+    from podsrl.memory_plan import auto_micro_batch, transformers_config
     from podsrl.models.loading import build_char_tokenizer
-    from podsrl.planning.memory_report import auto_micro_batch, transformers_config
     from podsrl.tasks import build_task
     from podsrl.tasks.prompt_length import longest_prompt
 

@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_arguments(p)
     p.set_defaults(func=report_main)
     from podsrl.experiments.step_costs import add_plan_arguments, plan_main
-    from podsrl.planning.memory_report import add_memory_arguments, memory_main
+    from podsrl.memory_plan import add_memory_arguments, memory_main
 
     p = sub.add_parser("plan", help="measure step costs here, predict the step time of (prompts, n, m) settings; "
                        "--memory: predict peak memory and the largest micro-batch that fits a device")

@@ -2,7 +2,7 @@
 
 Each field is declared with `option` (default, help text and bounds), so docs/config.md documents it; a method's own section
 lives in its module (podsrl/methods/<name>.py) and is composed in here from the method registry, so adding a method
-never touches this file.
+never touches this file. The task section is the tasks' own (podsrl/tasks/section.py TaskConfig).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from podsrl.engines import DEFAULT_ENGINE, ENGINES, RolloutEngine, engine_class
 from podsrl.methods import METHODS
 from podsrl.options import option
 from podsrl.reporting.trackers import TRACKERS
-from podsrl.tasks import DEFAULT_TASK, TASKS
+from podsrl.tasks import TaskConfig
 
 _f = option
 
@@ -50,28 +50,6 @@ class ModelConfig:
     lora_dropout: float = _f(0.0, "LoRA dropout.")
     lora_target_modules: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj"], "Modules LoRA adapts.")
     trust_remote_code: bool = _f(False, "Passed to from_pretrained; off unless you trust the model repo.")
-
-
-@dataclass
-class TaskConfig:
-    # the names are the task registry's, checked when the config is loaded (a task registered later counts)
-    name: str = _f(DEFAULT_TASK, "Task (podsrl.tasks.TASKS): " + ", ".join(
-        f"'{name}' ({about})" for name, (_, about) in TASKS.items()) + ".")
-    args: dict[str, Any] = _f({}, "Task-specific arguments (e.g. operands/digits/train_size/solution for arithmetic, "
-                              "dataset path and columns).")
-    eval_size: int = _f(2000, "Held-out problems; fixed by the task seed (0 = no eval set: trains, says so).", ge=0)
-    seed: int = _f(1234, "Seed of the problem generator and held-out set (shared by every run of a comparison).")
-    # Bring-your-own data: held-out set of dataset tasks and prompt length.
-    eval_fraction: float = _f(0.05, "Dataset tasks without task.args.eval_split: fraction of the distinct questions "
-                              "held out for evaluation (seeded by task.seed, at most task.eval_size, never "
-                              "trained on; task.args.eval_fraction wins); 0 = no eval set.", ge=0, lt=1)
-    max_prompt_length: int = _f(0, "Longest prompt in tokens (TRL: max_prompt_length); 0 = the model's context "
-                                "minus rollout.max_new_tokens. Checked against the context at start-up.",
-        ge=0, note="0 = the model's context")
-    overlong_prompts: Literal["filter", "truncate_left", "error"] = _f(
-        "filter", "Prompts longer than max_prompt_length: drop them (counted at start-up; verl: "
-        "filter_overlong_prompts), keep their last tokens, or stop naming the file and row."
-    )
 
 
 @dataclass

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from podsrl.planning.workload import EngineMemory
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -58,7 +60,8 @@ class RolloutEngine(ABC):
     # update; the trainer then skips `release` before the update where the memory plan counts that state
     keeps_state_across_updates: bool = False
 
-    # Traits: what the loop, the config checks and the memory planner read about an engine, instead of its name.
+    # Traits: what the loop, the config checks and the memory planner read about an engine, instead of its name
+    # (the device memory it holds: `device_memory`).
     # may sample in train.async's generator thread while the learner updates (else `no_async_reason` says why not)
     may_run_async: bool = False
     no_async_reason: str = "it cannot sample beside the learner"
@@ -81,6 +84,13 @@ class RolloutEngine(ABC):
         """Whether an engine of these options on this device keeps a decode state between calls (what
         keeps_state_across_updates says of a built one), for the planner to count before anything is built."""
         return False
+
+    @classmethod
+    def device_memory(cls, options: dict) -> EngineMemory:
+        """What an engine of these options holds on the device to sample, which the memory plan prices (the plan of
+        `podsrl plan --memory`, optim.micro_batch_size=auto, the decode state kept through the update): by default
+        the fast engine's at its defaults, a KV cache of its rows in flight and the decode stack's fused weights."""
+        return EngineMemory()
 
     @classmethod
     def local_worker_cores(cls, options: dict) -> int:

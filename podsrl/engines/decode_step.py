@@ -27,6 +27,7 @@ from podsrl.engines.capture_lock import CAPTURE_LOCK
 from podsrl.engines.sampling import row_uniforms, sample_next
 from podsrl.models.decode import DecodeStack
 from podsrl.models.static_cache import StepCache
+from podsrl.planning.workload import CACHE_BLOCK
 
 RECOMPILE_LIMIT = 1024  # compiled steps per code object: one per bucket visited (torch's default stops at 8)
 
@@ -46,7 +47,7 @@ class Buckets:
     """The step's static shapes: batch rows rounded up to a power of two, the cache read up to the filled length
     rounded up to a multiple of `block`; `exact` keeps the live shapes (eager decoding: no padded work)."""
 
-    block: int = 64
+    block: int = CACHE_BLOCK
     exact: bool = False
 
     def rows(self, live: int) -> int:

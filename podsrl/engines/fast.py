@@ -64,7 +64,7 @@ from podsrl.models.transformers_api import (
     llama_layout_problem,
     new_dynamic_cache,
 )
-from podsrl.planning.workload import ModelShape, model_shape
+from podsrl.planning.workload import CACHE_BLOCK, EngineMemory, ModelShape, model_shape
 
 logger = logging.getLogger("podsrl")
 # Under buckets (CUDA graphs, compile) the host reads the finished rows and the top column every SYNC_EVERY steps,
@@ -118,7 +118,7 @@ class FastEngine(RolloutEngine):
         layer_loop: bool = True,
         cuda_graphs: bool | None = None,
         compile: bool | str = False,
-        cache_block: int = 64,
+        cache_block: int = CACHE_BLOCK,
         weights_dtype: torch.dtype | str | None = None,
         max_rows: int | None = None,
         **options: Any,
@@ -190,6 +190,11 @@ class FastEngine(RolloutEngine):
         """Its static-shape step under CUDA graphs (on by default on CUDA) or compiled keeps a state between calls."""
         buckets = bool(options.get("compile")) or (device == "cuda" and options.get("cuda_graphs") is not False)
         return bool(options.get("layer_loop", True) and options.get("cache", "static") == "static" and buckets)
+
+    @classmethod
+    def device_memory(cls, options: dict) -> EngineMemory:
+        """A KV cache of its rows in flight, its positions in blocks of cache_block, and the fused weights."""
+        return EngineMemory(cache_block=options.get("cache_block", CACHE_BLOCK))
 
     @property
     def keeps_state_across_updates(self) -> bool:

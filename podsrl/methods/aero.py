@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
@@ -29,11 +29,8 @@ from podsrl.algo.group_stats import group_outcomes
 from podsrl.algo.selection import aero_select, selection_metrics
 from podsrl.batch import RolloutBatch, concat_batches
 from podsrl.errors import ConfigError
-from podsrl.methods.base import Method, StepContext
+from podsrl.methods.base import ConfigView, Method, StepContext
 from podsrl.options import option
-
-if TYPE_CHECKING:
-    from podsrl.config import Config
 
 GenerateAndScore = Callable[[list[int], list[int]], RolloutBatch]
 
@@ -63,7 +60,7 @@ class AERO(Method):
     uses_rollout_n = False  # n_explore / n_max size the groups
 
     @classmethod
-    def validate(cls, cfg: Config) -> None:
+    def validate(cls, cfg: ConfigView) -> None:
         a = cfg.aero
 
         def need(cond: bool, key: str, msg: str) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -22,8 +22,42 @@ from podsrl.algo.selection import selection_metrics
 from podsrl.batch import Problem, RolloutBatch
 from podsrl.prompt_stats import PromptStats
 
-if TYPE_CHECKING:  # podsrl.config composes its sections from the methods, so the methods import it for types only
-    from podsrl.config import Config
+
+class ConfigView(Protocol):
+    """The run's config as a method reads it: podsrl.config.Config, which composes its sections from the method
+    registry, so the methods describe what they read here instead of importing it. A method reads these fields
+    and its own section, `cfg.<name>` (an instance of its `section`); tests/methods/test_config_view.py holds this
+    description to Config and to what the methods read."""
+
+    method: str
+    rewards: list[Any]
+    rollout: RolloutView
+    algo: AlgoView
+    filter: FilterView
+    log: LogView
+
+    def __getattr__(self, section: str) -> Any: ...  # a method's own section
+
+
+class RolloutView(Protocol):
+    prompts_per_step: int
+    n: int
+
+
+class AlgoView(Protocol):
+    scale: str
+    advantage_epsilon: float
+    epsilon_low: float
+    epsilon_high: float
+
+
+class FilterView(Protocol):
+    zero_variance: bool
+
+
+class LogView(Protocol):
+    grad_noise: bool
+
 
 # (problems, indices, counts) -> counts[j] scored rollouts of problems[indices[j]]; group_index refers to `problems`
 Generate = Callable[[list[Problem], list[int], list[int]], RolloutBatch]
@@ -37,7 +71,7 @@ TokenModulation = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 class StepContext:
     """What a method may touch during one step (built by the loop each step)."""
 
-    cfg: Config
+    cfg: ConfigView
     stats: PromptStats  # run-long per-prompt history; the loop records each collected batch once
     rng: torch.Generator  # the run's generator (random rules, rejection)
     step: int  # 0-based index of the step being taken
@@ -57,15 +91,15 @@ class Method:
     # False for a method that sizes its own groups and ignores rollout.n (so rollout.n = 1 is no error).
     uses_rollout_n: ClassVar[bool] = True
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: ConfigView) -> None:
         self.cfg = cfg
 
     @classmethod
-    def validate(cls, cfg: Config) -> None:
+    def validate(cls, cfg: ConfigView) -> None:
         """Cross-field checks of the method's own section; raise ConfigError naming the key."""
 
     @classmethod
-    def trained_per_prompt(cls, cfg: Config) -> int:
+    def trained_per_prompt(cls, cfg: ConfigView) -> int:
         """The most rollouts of one prompt a step trains (what the memory plan sizes the update for)."""
         return cfg.rollout.n
 
@@ -114,7 +148,7 @@ class Method:
         pass
 
 
-def offline_context(cfg: Config, rng: torch.Generator, stats: PromptStats | None = None) -> StepContext:
+def offline_context(cfg: ConfigView, rng: torch.Generator, stats: PromptStats | None = None) -> StepContext:
     """A context for calling a method's `select` on a ready batch outside the loop (tests, benchmarks): it cannot
     generate or draw problems."""
 

@@ -9,17 +9,14 @@ first prompt began, and the snapshot travels in the checkpoint.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from podsrl.algo.allocation import allocate_by_variance, allocation_metrics
 from podsrl.algo.modulation import dynamo_modulation
 from podsrl.batch import RolloutBatch
 from podsrl.errors import ConfigError, UserError
-from podsrl.methods.base import Method, StepContext, TokenModulation
+from podsrl.methods.base import ConfigView, Method, StepContext, TokenModulation
 from podsrl.options import option
-
-if TYPE_CHECKING:
-    from podsrl.config import Config
 from podsrl.prompt_stats import PromptStats
 
 
@@ -52,13 +49,13 @@ class DynaMO(Method):
     name = "dynamo"
     section = DynamoConfig
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: ConfigView) -> None:
         super().__init__(cfg)
         self._snapshot: PromptStats | None = None  # refresh=epoch: the statistics at the start of ...
         self._snapshot_epoch = -1  # ... this epoch
 
     @classmethod
-    def validate(cls, cfg: Config) -> None:
+    def validate(cls, cfg: ConfigView) -> None:
         d, n = cfg.dynamo, cfg.rollout.n
 
         def need(cond: bool, key: str, msg: str) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
@@ -28,11 +28,8 @@ from podsrl.algo.greso import (
 from podsrl.algo.group_stats import group_outcomes
 from podsrl.batch import Problem, RolloutBatch
 from podsrl.errors import ConfigError
-from podsrl.methods.base import Method, StepContext
+from podsrl.methods.base import ConfigView, Method, StepContext
 from podsrl.options import option
-
-if TYPE_CHECKING:
-    from podsrl.config import Config
 
 
 @dataclass
@@ -60,13 +57,13 @@ class Greso(Method):
     name = "greso"
     section = GresoConfig
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: ConfigView) -> None:
         super().__init__(cfg)
         self.p_easy = self.p_hard = cfg.greso.p_init
         self._skipped = [0, 0, 0]  # this step's prompts skipped easy, skipped hard, kept (codes 0, 1, 2)
 
     @classmethod
-    def validate(cls, cfg: Config) -> None:
+    def validate(cls, cfg: ConfigView) -> None:
         g = cfg.greso
         if not 0 < g.p_min <= g.p_init <= g.p_max < 1:
             raise ConfigError("greso.p_init: need 0 < greso.p_min <= greso.p_init <= greso.p_max < 1 "

@@ -11,17 +11,13 @@ advantages to ±5 in both arms: `algo.advantage_clip: 5` in the preset and its G
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from podsrl.algo.group_stats import group_outcomes, zero_variance_groups
 from podsrl.algo.knapsack import knapsack_allocation, success_rate
 from podsrl.batch import Problem, RolloutBatch
 from podsrl.errors import ConfigError
-from podsrl.methods.base import Method, StepContext
+from podsrl.methods.base import ConfigView, Method, StepContext
 from podsrl.options import option
-
-if TYPE_CHECKING:
-    from podsrl.config import Config
 from podsrl.prompt_stats import RING
 
 
@@ -45,7 +41,7 @@ class Knapsack(Method):
     section = KnapsackConfig
 
     @classmethod
-    def validate(cls, cfg: Config) -> None:
+    def validate(cls, cfg: ConfigView) -> None:
         k, n = cfg.knapsack, cfg.rollout.n
         for key in ("min_n", "negative_n", "positive_n"):
             value = getattr(k, key)

@@ -5,16 +5,13 @@ a group's live episodes between turns once its finished ones hold the max-varian
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from podsrl.algo.selection import max_variance_decided, pods_keep, selection_metrics
 from podsrl.batch import RolloutBatch
 from podsrl.errors import ConfigError
-from podsrl.methods.base import EpisodeStopRule, Method, StepContext
+from podsrl.methods.base import ConfigView, EpisodeStopRule, Method, StepContext
 from podsrl.options import option
-
-if TYPE_CHECKING:
-    from podsrl.config import Config
 
 
 @dataclass
@@ -35,16 +32,16 @@ class PODS(Method):
     name = "pods"
     section = PodsConfig
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: ConfigView) -> None:
         super().__init__(cfg)
         self.m = self.trained_per_prompt(cfg)
 
     @classmethod
-    def trained_per_prompt(cls, cfg: Config) -> int:
+    def trained_per_prompt(cls, cfg: ConfigView) -> int:
         return cfg.pods.m or cfg.rollout.n  # 0 = all n
 
     @classmethod
-    def validate(cls, cfg: Config) -> None:
+    def validate(cls, cfg: ConfigView) -> None:
         m, n = cfg.pods.m, cfg.rollout.n
         if not 0 <= m <= n:
             raise ConfigError(f"pods.m: must be in [0, rollout.n={n}] (0 = n), got {m}")
@@ -55,7 +52,7 @@ class PODS(Method):
             cls._validate_stop(cfg)
 
     @staticmethod
-    def _validate_stop(cfg: Config) -> None:
+    def _validate_stop(cfg: ConfigView) -> None:
         """The stopping rule is exact for the max-variance rule over rewards in [0, 1] (the `correct` reward)."""
         p, n = cfg.pods, cfg.rollout.n
         if p.rule != "max_variance" or not 0 < p.m < n:

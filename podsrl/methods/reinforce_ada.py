@@ -14,7 +14,7 @@ test, so it exited iff its final pool passes it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
@@ -23,11 +23,8 @@ from podsrl.algo.reinforce_ada import balanced_keep, exit_test, pool_advantages
 from podsrl.algo.selection import selection_metrics
 from podsrl.batch import Problem, RolloutBatch, concat_batches
 from podsrl.errors import ConfigError
-from podsrl.methods.base import Method, StepContext
+from podsrl.methods.base import ConfigView, Method, StepContext
 from podsrl.options import option
-
-if TYPE_CHECKING:
-    from podsrl.config import Config
 
 
 @dataclass
@@ -47,7 +44,7 @@ class ReinforceAda(Method):
     section = ReinforceAdaConfig
 
     @classmethod
-    def validate(cls, cfg: Config) -> None:
+    def validate(cls, cfg: ConfigView) -> None:
         r = cfg.reinforce_ada
         if r.round_repeat < 1:
             raise ConfigError(f"reinforce_ada.round_repeat: must be >= 1, got {r.round_repeat}")

@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING
 from podsrl.models.shape_ladder import ladder_default, rung
 
 if TYPE_CHECKING:
-    from podsrl.planning.memory import MicroBatch
-    from podsrl.planning.workload import ModelShape, Workload
+    from podsrl.planning.workload import MicroBatch, ModelShape, Workload
 
 
 def attention_saved(shape: ModelShape, mb: MicroBatch, work: Workload) -> int:

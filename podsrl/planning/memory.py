@@ -1,7 +1,7 @@
 """The memory model behind `podsrl plan --memory`: the predicted peak memory of a step's generation and of its update,
 from the model's config alone (built on the meta device, no weights), and the largest micro-batch that fits a device.
 What it plans for (the model's shape, the step's workload) is podsrl/planning/workload.py; its table and command
-line are podsrl/planning/memory_report.py; what a run holds before its first step (the start-up row, rank 0's host
+line are podsrl/memory_plan.py; what a run holds before its first step (the start-up row, rank 0's host
 memory) and each checkpoint's size are podsrl/planning/startup.py.
 
 Every term is bytes = count x element size, the count read off the code that allocates it (each function's
@@ -10,7 +10,8 @@ meet). Notation: L layers, D hidden, I MLP width, H query heads, Hkv key/value h
 the compute dtype's bytes, p the master (model.dtype) bytes; G prompts and b rows in a micro-batch, Lp prompt and Lc
 completion tokens, N = G Lp + b (Lc - 1) packed tokens, T = b Lc predicting positions.
 
-Generation (the fast engine; a wave of rows in flight, by default as many as fit beside the resident state):
+Generation (the rollout engine as it declares what it holds, workload.EngineMemory: by default the fast engine's; a
+wave of rows in flight, by default as many as fit beside the resident state):
     resident state (master weights; in a training run also their AdamW state; a reference model)
   + the engine's weights copy in the compute dtype when it is narrower than the masters (podsrl/build.py)
   + fused q/k/v and gate/up weights (DecodeStack binds them per generate call and keeps them), unless the engine
@@ -46,12 +47,11 @@ CPU's counterpart is (benchmarks/memory_plan_check.py), a GPU run measures it (b
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 from podsrl.planning.attention import attention_saved
 from podsrl.planning.startup import ADAM_STATES, host_load, startup_peak
-from podsrl.planning.workload import ModelShape, Workload
+from podsrl.planning.workload import MicroBatch, ModelShape, Workload
 
 GIB = 2**30
 # What a phase costs beyond its tensors, per device: on CPU the process's growth around a phase of a negligible model
@@ -65,39 +65,9 @@ CUBLAS_WORKSPACE = 33 * 2**20
 RUNTIME_BYTES = {"cpu": {"update": 17 * 2**20, "generation": 14 * 2**20},
                  "cuda": {"update": CUBLAS_WORKSPACE, "generation": 2 * CUBLAS_WORKSPACE}}
 RESERVE = 0.1  # share of the device kept free by default (--reserve; the fast engine's default rows in flight)
-CACHE_BLOCK = 64  # the fast engine's default cache_block: on CUDA its kept positions are a multiple of it
 
 
 # ---- the update ----
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    """Geometry of one micro-batch's packed stream (podsrl/models/packed_layout.py) with every row at full length:
-    G distinct prompts of Lp tokens, then each row's Lc - 1 completion inputs; T positions predict a token."""
-
-    rows: int
-    groups: int
-    prompt_length: int
-    completion_length: int
-
-    @classmethod
-    def of(cls, rows: int, m: int, work: Workload) -> MicroBatch:
-        # rows run in group order, m per prompt: a micro-batch spans rows/m prompts, one more where it straddles
-        groups = math.ceil(rows / m) + (0 if rows % m == 0 or m % rows == 0 else 1)
-        return cls(rows, min(groups, rows), work.prompt_length, work.completion_length)
-
-    @property
-    def width(self) -> int:  # completion inputs per row
-        return self.completion_length - 1
-
-    @property
-    def tokens(self) -> int:  # N
-        return self.groups * self.prompt_length + self.rows * self.width
-
-    @property
-    def predicted(self) -> int:  # T
-        return self.rows * self.completion_length
 
 
 def layer_activations(shape: ModelShape, mb: MicroBatch, work: Workload, last: bool = False,
@@ -301,10 +271,13 @@ def engine_has_own_copy(work: Workload) -> bool:
 
 
 def engine_fused_weights(shape: ModelShape, work: Workload) -> int:
-    """The decode step's fused q/k/v and gate/up weights (models/decode.py DecodeStack.begin): concatenated copies
-    when the engine samples weights it does not own; nothing when it has its own copy, whose projections are views
-    of the fused tensors (models/llama.py share_fused_storage)."""
-    return 0 if engine_has_own_copy(work) else shape.layers * shape.fused_weights * work.engine_e
+    """The decode step's fused q/k/v and gate/up weights (models/decode.py DecodeStack.begin), for an engine that
+    samples through them (EngineMemory.fused_weights): concatenated copies when it samples weights it does not own;
+    nothing when it has its own copy, whose projections are views of the fused tensors (models/llama.py
+    share_fused_storage)."""
+    if not work.engine.fused_weights or engine_has_own_copy(work):
+        return 0
+    return shape.layers * shape.fused_weights * work.engine_e
 
 
 def generator_weights(shape: ModelShape, work: Workload) -> int:
@@ -315,19 +288,36 @@ def generator_weights(shape: ModelShape, work: Workload) -> int:
 
 def generation_in_flight(shape: ModelShape, work: Workload) -> dict[str, int]:
     """What a generate call allocates for its rows in flight, one wave of work.generation_rows (see
-    generation_peak): the step's KV cache and state, the prefill's cache, and the larger workspace."""
+    generation_peak): the step's KV cache and state, the prefill's cache, and the larger workspace; for an engine
+    without a KV cache (EngineMemory.kv_cache) the workspace of a forward over the rows' whole sequences."""
+    if not work.engine.kv_cache:
+        return {"kv_cache": 0, "workspace": whole_sequence_workspace(shape, work)}
     rows, length, e = work.generation_rows, kept_positions(work), work.engine_e
     kv_position = shape.layers * 2 * shape.kv_heads * shape.head_dim * e
     prompts = min(work.rank_prompts, rows)  # distinct prompts prefilled at once (a wave's)
     step_cache, step_workspace = decode_step_terms(shape, work)
     prefill_tokens = prompts * work.prompt_length
-    prefill = (2 * prompts * shape.heads * work.prompt_length**2 * 4
-               + prefill_tokens * (3 * shape.intermediate + shape.qkv_width + 2 * shape.hidden) * e)
+    prefill = forward_workspace(shape, prompts, work.prompt_length, e)
     # episodes: the session's copies of the rank's live episodes' caches (engines/continuation.py), kept between
     # turns and through the next turn's call
     sessions = kv_position * work.rank_rows * length if work.episodes else 0
     return {"kv_cache": step_cache + kv_position * prefill_tokens + sessions,
             "workspace": max(step_workspace, prefill)}
+
+
+def forward_workspace(shape: ModelShape, sequences: int, length: int, e: int) -> int:
+    """A forward's workspace over `sequences` of `length` tokens without a cache (the prefill's): the [G, H, L, L]
+    float32 attention scores twice, and per token the MLP's gate/up and product, q/k/v and two hidden-sized
+    tensors in the compute dtype."""
+    return (2 * sequences * shape.heads * length**2 * 4
+            + sequences * length * (3 * shape.intermediate + shape.qkv_width + 2 * shape.hidden) * e)
+
+
+def whole_sequence_workspace(shape: ModelShape, work: Workload) -> int:
+    """An engine without a KV cache runs each step's forward over every row in flight's whole sequence (at most
+    prompt + completion tokens): that forward's workspace, and its logits [rows, L, V] at every position."""
+    rows, length, e = work.generation_rows, work.prompt_length + work.completion_length, work.engine_e
+    return forward_workspace(shape, rows, length, e) + rows * length * shape.vocab * e
 
 
 def decode_step_terms(shape: ModelShape, work: Workload) -> tuple[int, int]:
@@ -356,8 +346,8 @@ def decode_state_fits(shape: ModelShape, work: Workload, budget: int, rows: int,
 
 def kept_positions(work: Workload) -> int:
     """Cache positions of a row: prompt + completion, on CUDA rounded up to the engine's cache block (its buckets)."""
-    length = work.prompt_length + work.completion_length
-    return -(-length // CACHE_BLOCK) * CACHE_BLOCK if work.device == "cuda" else length
+    length, block = work.prompt_length + work.completion_length, work.engine.cache_block
+    return -(-length // block) * block if work.device == "cuda" else length
 
 
 def rows_in_flight(shape: ModelShape, work: Workload, available: int) -> int:
@@ -459,8 +449,9 @@ def make_plan(shape: ModelShape, work: Workload, memory: int, reserve: float = R
 
 
 def with_rows_in_flight(shape: ModelShape, work: Workload, budget: int) -> Workload:
-    """`work` with its rows in flight set (when 0) to what `budget` holds beside generation's resident state."""
-    if work.rows_in_flight:
+    """`work` with its rows in flight set (when 0, for an engine that decodes in waves) to what `budget` holds beside
+    generation's resident state."""
+    if work.rows_in_flight or not work.engine.waves:
         return work
     resident = {k: v for k, v in generation_peak(shape, work).items() if k not in ("kv_cache", "workspace")}
     return replace(work, rows_in_flight=rows_in_flight(shape, work, budget - sum(resident.values())))

@@ -1,9 +1,10 @@
 """What `podsrl plan --memory` plans for: the model's shape, read off its config on the meta device (no weights), and
-the step's workload (prompts, rollouts, lengths, precision, ranks); parse_memory reads a device size. The memory
-model over them is podsrl/planning/memory.py."""
+the step's workload (prompts, rollouts, lengths, precision, ranks) and a micro-batch's geometry; parse_memory reads
+a device size. The memory model over them is podsrl/planning/memory.py."""
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from dataclasses import dataclass
@@ -153,6 +154,28 @@ def model_shape(config, lora_rank: int = 0, lora_targets: list[str] | tuple[str,
     )
 
 
+CACHE_BLOCK = 64  # on CUDA a decode step's cache positions are a multiple of it: the fast engine's default cache_block
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """What a rollout engine holds on the device to sample, as the memory plan prices it; each engine declares its
+    own (RolloutEngine.device_memory). The defaults are the fast engine's at its defaults.
+    - kv_cache: it decodes from a KV cache of its rows in flight (each row's prompt and completion positions, the
+      prefill's cache of the wave's prompts); without one, each step runs the model's forward over every row's
+      whole sequence, and that forward's workspace is what it holds (memory.whole_sequence_workspace);
+    - cache_block: on CUDA a row's cache positions are rounded up to a multiple of it;
+    - fused_weights: it samples through the decode stack's fused q/k/v and gate/up weights (models/decode.py
+      DecodeStack) and keeps them between calls;
+    - waves: unless its `rows_option` is set, it decodes as many rows at once as fit the device, refilling
+      finished ones from the queue (memory.rows_in_flight); False: all of a rank's rows at once."""
+
+    kv_cache: bool = True
+    cache_block: int = CACHE_BLOCK
+    fused_weights: bool = True
+    waves: bool = True
+
+
 @dataclass(frozen=True)
 class Workload:
     """One step's shape and the precision it runs in."""
@@ -175,7 +198,7 @@ class Workload:
     # the update runs on the same device), "workers" (an engine whose worker processes sample, the Ray pool: the
     # generator's full copy stays here)
     async_generator: str = "none"
-    rows_in_flight: int = 0  # rows the fast engine decodes at once (one wave; 0: all of a rank's rows)
+    rows_in_flight: int = 0  # rows the engine decodes at once (one wave; 0: all of a rank's rows)
     # the fast engine keeps its decode state (KV cache, step state, CUDA graphs) through the update (make_plan keeps
     # it only where it fits: memory.decode_state_fits)
     kept_decode_state: bool = False
@@ -185,6 +208,7 @@ class Workload:
     world_size: int = 1  # torchrun ranks (N)
     strategy: str = "ddp"  # train.strategy
     cpu_offload: bool = False  # train.cpu_offload (fsdp)
+    engine: EngineMemory = EngineMemory()  # what the rollout engine holds on the device to sample
 
     @property
     def sharded(self) -> bool:
@@ -233,3 +257,32 @@ class Workload:
     def trained_rows(self) -> int:
         """A rank's share of a step's trained rows (DataParallel.micro_batches: equal shares, one more for some)."""
         return -(-self.prompts * self.m // self.world_size)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Geometry of one micro-batch's packed stream (podsrl/models/packed_layout.py) with every row at full length:
+    G distinct prompts of Lp tokens, then each row's Lc - 1 completion inputs; T positions predict a token."""
+
+    rows: int
+    groups: int
+    prompt_length: int
+    completion_length: int
+
+    @classmethod
+    def of(cls, rows: int, m: int, work: Workload) -> MicroBatch:
+        # rows run in group order, m per prompt: a micro-batch spans rows/m prompts, one more where it straddles
+        groups = math.ceil(rows / m) + (0 if rows % m == 0 or m % rows == 0 else 1)
+        return cls(rows, min(groups, rows), work.prompt_length, work.completion_length)
+
+    @property
+    def width(self) -> int:  # completion inputs per row
+        return self.completion_length - 1
+
+    @property
+    def tokens(self) -> int:  # N
+        return self.groups * self.prompt_length + self.rows * self.width
+
+    @property
+    def predicted(self) -> int:  # T
+        return self.rows * self.completion_length

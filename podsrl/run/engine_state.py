@@ -12,7 +12,7 @@ import os
 import torch
 
 from podsrl.engines import RolloutEngine
-from podsrl.planning.memory_report import kept_decode_rows
+from podsrl.memory_plan import kept_decode_rows
 from podsrl.tasks.prompt_length import longest_prompt
 
 log = logging.getLogger("podsrl")

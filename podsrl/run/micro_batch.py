@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from podsrl.planning.memory_report import auto_micro_batch
+from podsrl.memory_plan import auto_micro_batch
 from podsrl.run.engine_state import device_memory
 from podsrl.tasks.prompt_length import longest_prompt
 

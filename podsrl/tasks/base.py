@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 from podsrl.batch import Problem
 from podsrl.errors import ConfigError
+from podsrl.tasks.section import TaskConfig
 from podsrl.tasks.templates import prompt_formatter
 
 if TYPE_CHECKING:
-    from podsrl.config import TaskConfig
     from podsrl.episodes.environment import Environment
 
 PROMPT_KEYS = ("prompt_mode", "system_prompt", "template")  # task.args that format a dataset's questions

@@ -16,9 +16,9 @@ from transformers import Qwen2Config
 from podsrl.config import load_config
 from podsrl.engines import fast
 from podsrl.engines.decode_step import Buckets
+from podsrl.memory_plan import workload_from_config
 from podsrl.planning import memory as mp
 from podsrl.planning import workload as mw
-from podsrl.planning.memory_report import workload_from_config
 from podsrl.run import engine_state
 from tests.engines.test_engines import make_model
 from tests.tiny_lm import TokStub as Tok

@@ -14,11 +14,9 @@ import pytest
 ROOT = Path(__file__).parents[2]
 
 # Run in a fresh interpreter: the example registers as a module of podsrl.engines would, before anything reads the
-# registry, and leaves this process's registry alone.
-RUN = r"""
+# registry, and leaves this process's registry alone. REGISTER registers it from the module's file and the line (argv).
+REGISTER = r"""
 import importlib.util, sys
-
-import torch
 
 import podsrl.engines as engines
 
@@ -28,6 +26,9 @@ module = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = module
 spec.loader.exec_module(module)
 exec(f"engines.ENGINES.update({{{line}}})", {"engines": engines})
+"""
+RUN = REGISTER + r"""
+import torch
 
 from podsrl.config import ConfigError, load_config
 from podsrl.engines import SamplingParams, build_engine
@@ -82,10 +83,15 @@ def test_the_example_is_one_module_and_one_line():
 
 @pytest.mark.slow  # a fresh interpreter importing torch and transformers
 def test_the_example_engine_samples_the_fast_engines_tokens_and_loads_from_the_registry(tmp_path):
+    assert run_with_the_example(RUN, tmp_path).endswith("ok")
+
+
+def run_with_the_example(script: str, tmp_path: Path) -> str:
+    """`script` (which starts with REGISTER) in a fresh interpreter with the page's example engine; its stdout."""
     module, line = doc_example()
     source = tmp_path / "plain.py"
     source.write_text(module, encoding="utf-8")
-    out = subprocess.run([sys.executable, "-c", RUN, str(source), line], cwd=ROOT, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", script, str(source), line], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().endswith("ok")
+    return out.stdout.strip()

@@ -172,7 +172,7 @@ def test_train_async_adds_the_generator_copy_and_overlaps_generation_with_the_up
     meanwhile (so a smaller micro-batch fits); with the Ray pool the copy is in the master dtype and generation is
     elsewhere. Read through the CLI's own mapping from train.async and rollout.engine."""
     from podsrl.config import load_config
-    from podsrl.planning.memory_report import workload_from_config
+    from podsrl.memory_plan import workload_from_config
 
     config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
@@ -202,7 +202,7 @@ def test_the_engines_decode_state_is_counted_through_the_update_or_freed_before_
     freed before the update. The plan keeps it beside each mode's largest micro-batch where that still fits (the
     micro-batch never shrinks for it); the trainer decides the same at its configured micro-batch."""
     from podsrl.config import load_config
-    from podsrl.planning.memory_report import kept_decode_rows, workload_from_config
+    from podsrl.memory_plan import kept_decode_rows, workload_from_config
 
     config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
@@ -238,7 +238,7 @@ def test_the_default_pods_step_at_1_5b_generates_in_waves_that_fit():
     once would not fit; the plan's generation is one wave, the most rows (a power of two, the engine's bucket) that
     fit beside the resident state, and the update's recommended micro-batches fit too."""
     from podsrl.config import load_config
-    from podsrl.planning.memory_report import workload_from_config
+    from podsrl.memory_plan import workload_from_config
 
     config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
@@ -324,7 +324,7 @@ QWEN_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num
 def pods_work(overrides=(), world_size=1):
     """PODS' default step (32 prompts x 64, 16 trained) at 256 + 1,024 tokens, bf16 compute over float32 masters."""
     from podsrl.config import load_config
-    from podsrl.planning.memory_report import workload_from_config
+    from podsrl.memory_plan import workload_from_config
 
     cfg = load_config("podsrl/configs/pods.yaml", ["rollout.max_new_tokens=1024", *overrides])
     return workload_from_config(cfg, 256, "cuda", world_size)
@@ -382,7 +382,7 @@ def test_a_7b_full_fine_tune_on_one_rank_is_advised_what_fits(tmp_path, capsys):
     """Nothing fits one 80 GiB device: the advice names LoRA and FSDP2 (with and without offload) as overrides,
     each of which the plan says fits, cheapest predicted step first; no "lower the lengths"."""
     from podsrl.config import load_config
-    from podsrl.planning.memory_report import advice, update_flops
+    from podsrl.memory_plan import advice, update_flops
 
     Qwen2Config(**QWEN_7B).save_pretrained(tmp_path / "7b")
     args = ["plan", "pods", "rollout.max_new_tokens=1024", "--memory", "--gpu-memory", "80GiB", "--prompt-length",
@@ -462,7 +462,7 @@ def test_an_episode_task_is_planned_with_its_whole_episode_and_the_sessions_cach
     """arithmetic_tool's rows hold whole episodes (episode.max_tokens), and between turns the fast engine's session
     keeps every live episode's cache beside the turn's own (engines/continuation.py): the plan counts both."""
     from podsrl.config import load_config
-    from podsrl.planning.memory_report import workload_from_config
+    from podsrl.memory_plan import workload_from_config
 
     cfg = load_config("podsrl/configs/arithmetic_tool.yaml")
     work = workload_from_config(cfg, 40, "cpu")

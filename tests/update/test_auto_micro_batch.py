@@ -17,14 +17,14 @@ from podsrl.algo.micro_batches import row_tokens
 from podsrl.cli import main
 from podsrl.config import load_config, to_dict
 from podsrl.errors import UserError
-from podsrl.planning.memory import GIB, RESERVE, largest_micro_batch, with_rows_in_flight
-from podsrl.models.loading import build_char_tokenizer
-from podsrl.planning.memory_report import (
+from podsrl.memory_plan import (
     AUTO_MICRO_BATCH_CPU,
     auto_micro_batch,
     transformers_config,
     workload_from_config,
 )
+from podsrl.models.loading import build_char_tokenizer
+from podsrl.planning.memory import GIB, RESERVE, largest_micro_batch, with_rows_in_flight
 from podsrl.planning.workload import model_shape
 from podsrl.run import micro_batch
 from podsrl.run.micro_batch import resolve_micro_batch

@@ -24,12 +24,12 @@ from podsrl.algo.modulation import dynamo_modulation
 from podsrl.batch import Problem, RolloutBatch
 from podsrl.config import TinyModelConfig, load_config
 from podsrl.config.facts import run_facts
+from podsrl.memory_plan import AUTO_MICRO_BATCH_CPU
 from podsrl.methods.dynamo import DynamoConfig
 from podsrl.models import packed_layout
 from podsrl.models.loading import build_char_tokenizer, build_tiny_model
 from podsrl.models.packed import packed_forward_problem
 from podsrl.models.packed_layout import build_plan, distinct_rows
-from podsrl.planning.memory_report import AUTO_MICRO_BATCH_CPU
 from podsrl.reporting.tracking import read_metrics
 from podsrl.run.trainer import Trainer
 from podsrl.update import PolicyUpdater, UpdateSettings

@@ -1,5 +1,7 @@
-"""`podsrl plan CONFIG --memory`: the command line and the table (or JSON) of the memory plan that
-podsrl/planning/memory.py predicts."""
+"""A config's memory plan: the model of podsrl/planning/ (which the engines stand on) applied to a podsrl config,
+the workload the config means, the micro-batch `optim.micro_batch_size: auto` takes and the rows an engine keeps
+through the update; and `podsrl plan CONFIG --memory`, its command line and table (or JSON). It reads a Config,
+the methods and the tasks, so it stands above config/."""
 
 from __future__ import annotations
 
@@ -9,19 +11,31 @@ import os
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from podsrl.config import load_config
+from podsrl.config.facts import async_generator, keeps_decode_state, rows_in_flight
 from podsrl.errors import UserError
+from podsrl.methods import METHODS
+from podsrl.models.precision import resolve_compute_dtype
 from podsrl.planning.memory import (
     GIB,
     RESERVE,
     MemoryPlan,
-    MicroBatch,
     decode_state_fits,
     largest_micro_batch,
     make_plan,
     with_rows_in_flight,
 )
 from podsrl.planning.startup import describe_checkpoints, planned_checkpoint, streamed
-from podsrl.planning.workload import LINEAR_MODULES, Workload, load_model_config, model_shape, parse_memory
+from podsrl.planning.workload import (
+    LINEAR_MODULES,
+    MicroBatch,
+    Workload,
+    load_model_config,
+    model_shape,
+    parse_memory,
+)
+from podsrl.tasks import build_task, has_episodes
+from podsrl.tasks.prompt_length import longest_prompt
 
 ADVICE_LORA_RANK = 64  # the Qwen presets' rank, on all seven projections
 ADVICE_WORLD_SIZES = (2, 4, 8)  # FSDP2 over one node's GPUs
@@ -220,12 +234,6 @@ def add_memory_arguments(parser) -> None:
 
 def workload_from_config(cfg, prompt_length: int, device: str, world_size: int = 1) -> Workload:
     """P, n, m, lengths and precision of a podsrl config (m: what the method trains of each prompt at most)."""
-
-    from podsrl.config.facts import async_generator, keeps_decode_state, rows_in_flight
-    from podsrl.methods import METHODS
-    from podsrl.models.precision import resolve_compute_dtype
-    from podsrl.tasks import has_episodes
-
     m = METHODS[cfg.method].trained_per_prompt(cfg)
     compute = str(resolve_compute_dtype(cfg, device))
     episodes = has_episodes(cfg.task.name)  # a row holds a whole episode: up to episode.max_tokens
@@ -236,6 +244,7 @@ def workload_from_config(cfg, prompt_length: int, device: str, world_size: int =
         beta=cfg.algo.beta, logits_chunk=cfg.update.logits_chunk, top_p=cfg.rollout.top_p, device=device,
         async_generator=async_generator(cfg), rows_in_flight=rows_in_flight(cfg),
         kept_decode_state=keeps_decode_state(cfg, device),
+        engine=cfg.rollout.engine_type.device_memory(cfg.rollout.engine_options),
         world_size=world_size, strategy=cfg.train.strategy, cpu_offload=cfg.train.cpu_offload,
     )
 
@@ -308,9 +317,6 @@ def shape_from_config(cfg, model: str):
 def prompt_length_from_data(cfg, model: str) -> int:
     """The longest prompt of the task's problems in tokens of the model's tokenizer (loaded from `model` locally,
     nothing downloaded): what the plan sizes when task.max_prompt_length is unset."""
-    from podsrl.tasks import build_task
-    from podsrl.tasks.prompt_length import longest_prompt
-
     hint = "set task.max_prompt_length or --prompt-length"
     if model == "tiny":
         from podsrl.models.loading import build_char_tokenizer
@@ -341,8 +347,6 @@ def world_size_default() -> int:
 
 
 def memory_main(args, config: Path) -> int:
-    from podsrl.config import load_config
-
     if not args.gpu_memory:
         raise UserError("--memory needs --gpu-memory SIZE (e.g. 80GiB): the memory to fit in")
     memory = parse_memory(args.gpu_memory)
