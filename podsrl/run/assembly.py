@@ -57,6 +57,11 @@ class Models:
     data_parallel: Any  # podsrl.distributed.DataParallel under torchrun, else None
     generation_model: torch.nn.Module  # the engines' (unsharded) policy: the policy itself in one process
 
+    @property
+    def sharded(self) -> bool:
+        """FSDP2: every rank holds its own shards of the weights and optimiser state."""
+        return self.data_parallel is not None and self.data_parallel.sharded
+
 
 @dataclass(frozen=True)
 class Engines:
@@ -68,7 +73,8 @@ class Engines:
 
 @dataclass(frozen=True)
 class RunParts(Start, Models, Engines):
-    """Everything the loop steps with; the loop's own state (step, clocks, the generator thread) is the trainer's."""
+    """Everything the loop steps with: the fields of Start, Models and Engines (each built by one function below),
+    then these. The loop's own state (step, clocks, the generator thread) is the trainer's."""
     task: Any
     eval_problems: list
     micro_batch: int  # optim.micro_batch_size as this run takes it (auto decided on this device)
@@ -81,11 +87,6 @@ class RunParts(Start, Models, Engines):
     producer: BatchProducer
     accountant: ComputeAccountant
     update_rng: torch.Generator  # mini-batch order and the gradient-noise probe
-
-    @property
-    def sharded(self) -> bool:
-        """FSDP2: every rank holds its own shards of the weights and optimiser state."""
-        return self.data_parallel is not None and self.data_parallel.sharded
 
 
 def assemble(cfg: Config, dist: DistContext, run_dir: Path, resume: bool) -> RunParts:
@@ -106,8 +107,7 @@ def assemble(cfg: Config, dist: DistContext, run_dir: Path, resume: bool) -> Run
     rewards = reward_manager(cfg, task)
     verify = verifier(rewards, task)
     method = METHODS[cfg.method](cfg)
-    optimizer, scheduler = build_optimizer(cfg, models.model, models.data_parallel is not None
-                                           and models.data_parallel.sharded)
+    optimizer, scheduler = build_optimizer(cfg, models.model, models.sharded)
     updater = PolicyUpdater(models.model, optimizer, scheduler, UpdateSettings.of(cfg, micro_batch_size=micro_batch),
                             start.facts, models.ref_model, modulation=method.token_modulation(),
                             data_parallel=models.data_parallel)

@@ -287,8 +287,8 @@ def test_kl_reference_logps_are_computed_on_the_kept_rows_only(tmp_path, monkeyp
     trainer = PODSGRPOTrainer(model=str(tmp_path / "tiny"), reward_funcs=_varied_reward, args=args,
                               train_dataset=ds, processing_class=tok)
     ref_rows: list[int] = []
-    ref_forward = trainer.parts.ref_model.forward
-    monkeypatch.setattr(trainer.parts.ref_model, "forward",
+    ref_forward = trainer.ref_model.forward
+    monkeypatch.setattr(trainer.ref_model, "forward",
                         lambda *a, **kw: ref_rows.append(kw["input_ids"].size(0)) or ref_forward(*a, **kw))
     _, loss_batches = _record(monkeypatch, trainer)
     trainer.train()
