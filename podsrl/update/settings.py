@@ -28,5 +28,5 @@ class UpdateSettings:
         size = cfg.optim.micro_batch_size if micro_batch_size is None else micro_batch_size
         return cls(optim=cfg.optim, micro_batch_size=size, update=cfg.update, algo=cfg.algo,
                    temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens,
-                   grad_noise=cfg.log.grad_noise,
-                   lora=cfg.model.lora_rank > 0, unchecked_staleness=uncorrected_staleness(cfg))
+                   grad_noise=cfg.log.grad_noise, lora=cfg.model.lora_rank > 0,
+                   unchecked_staleness=uncorrected_staleness(cfg))
