@@ -165,7 +165,7 @@ def trainer_part(opts, results: Results) -> dict:
                   f"{m['time/generate'] * 1e3:.0f} ms, update {m['time/update'] * 1e3:.0f} ms", flush=True)
             results.put("training_steps", {"shape": opts.train_shape, "rows": 16 * opts.train_prompts, "steps": steps})
     trainer.logger.close()
-    trainer.engine.close()
+    trainer.parts.engine.close()
     return {"steps": steps}
 
 

@@ -69,7 +69,7 @@ def podsrl_trainer(overrides: list[str], preset: str | None = None) -> Trainer:
 
 def close(trainer: Trainer) -> None:
     trainer.logger.close()
-    trainer.engine.close()
+    trainer.parts.engine.close()
 
 
 def alternate_steps(trainers: dict[str, Trainer], repeats: int) -> dict[str, list[dict]]:
@@ -110,13 +110,13 @@ def work_ratios(batch, trl_prompt_len: int, new_tokens: int, trl_checkpointing: 
 def recorded_batches(trainer: Trainer) -> list:
     """The list every batch the trainer's updater trains on is appended to from now on."""
     batches: list = []
-    update = trainer.updater.update
+    update = trainer.parts.updater.update
 
     def recording_update(batch, generator):
         batches.append(batch)
         return update(batch, generator)
 
-    trainer.updater.update = recording_update
+    trainer.parts.updater.update = recording_update
     return batches
 
 

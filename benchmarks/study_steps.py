@@ -59,7 +59,7 @@ def run_steps(opts) -> dict:
             count, seconds = captures.since(before)
             steps.append({**{k: metrics[k] for k in KEYS}, "captures": count, "capture_s": seconds})
     trainer.logger.close()
-    trainer.engine.close()
+    trainer.parts.engine.close()
     return {"first": steps[0], "steps": steps[1:]}
 
 

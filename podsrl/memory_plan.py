@@ -249,16 +249,17 @@ def workload_from_config(cfg, prompt_length: int, device: str, world_size: int =
     )
 
 
-def kept_decode_rows(cfg, model_config, prompt_length: int, device: str, world_size: int, memory: int) -> int:
+def kept_decode_rows(cfg, model_config, prompt_length: int, device: str, world_size: int, memory: int,
+                     micro_batch: int) -> int:
     """A run's start-up decision for an engine that keeps a decode state between calls: the rows in flight the
-    plan fits beside the update at the configured micro-batch (optim.micro_batch_size,
-    update.activation_checkpointing) on a device of `memory` bytes (less the default reserve), which the engine
-    then decodes at most; 0 where the state does not fit beside the update."""
+    plan fits beside the update at the run's micro-batch (`micro_batch` rows: optim.micro_batch_size as the run
+    decided it; update.activation_checkpointing) on a device of `memory` bytes (less the default reserve), which
+    the engine then decodes at most; 0 where the state does not fit beside the update."""
     shape = model_shape(model_config, cfg.model.lora_rank, cfg.model.lora_target_modules)
     work = replace(workload_from_config(cfg, prompt_length, device, world_size), kept_decode_state=True)
     budget = int(memory * (1 - RESERVE))
     work = with_rows_in_flight(shape, work, budget)
-    fits = decode_state_fits(shape, work, budget, cfg.optim.micro_batch_size, cfg.update.activation_checkpointing)
+    fits = decode_state_fits(shape, work, budget, micro_batch, cfg.update.activation_checkpointing)
     return work.generation_rows if fits else 0
 
 

@@ -93,7 +93,7 @@ def run_case(case: str, run_dir: str, warmup_cache: str) -> list[dict]:
     try:
         records = [trainer.train_step().metrics for _ in range(STEPS)]
     finally:
-        trainer.engine.close()
+        trainer.parts.engine.close()
         trainer.logger.close()
     return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records]
 

@@ -102,18 +102,18 @@ def test_lora_reference_is_the_policy_with_its_adapters_disabled(tmp_path, warmu
     overrides = tiny_overrides(tmp_path, warmup_cache, **{"rollout.n": 8, "pods.m": 4, "model.lora_rank": 4,
                                                           "algo.beta": 0.04})
     trainer = Trainer(load_config("podsrl/configs/pods.yaml", overrides))
-    assert trainer.ref_model is None
+    assert trainer.parts.ref_model is None
     with torch.no_grad():
-        for name, p in trainer.model.named_parameters():
+        for name, p in trainer.parts.model.named_parameters():
             if "lora_" in name:
                 p.add_(0.2 * torch.randn_like(p))
-    batch = trainer.producer.produce(0).kept
-    reference = trainer.updater.reference_logprobs(batch)
-    base, _ = load_policy(trainer.cfg.model, trainer.base_path, seed=trainer.cfg.seed)
+    batch = trainer.parts.producer.produce(0).kept
+    reference = trainer.parts.updater.reference_logprobs(batch)
+    base, _ = load_policy(trainer.cfg.model, trainer.parts.base_path, seed=trainer.cfg.seed)
     base.to(device_under_test()).eval()
-    updater = trainer.updater
+    updater = trainer.parts.updater
     assert torch.allclose(reference, updater._precompute(base, batch), atol=1e-5)
-    assert not torch.allclose(reference, updater._precompute(trainer.model, batch), atol=1e-3)
+    assert not torch.allclose(reference, updater._precompute(trainer.parts.model, batch), atol=1e-3)
 
 
 def test_the_start_up_line_says_where_it_runs_and_what_trains(tmp_path, warmup_cache, caplog):
@@ -129,10 +129,10 @@ def test_the_start_up_line_says_where_it_runs_and_what_trains(tmp_path, warmup_c
     with caplog.at_level(logging.INFO, logger="podsrl"):
         trainer = Trainer(load_config("podsrl/configs/pods.yaml", overrides))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("run: ")]
-    trained = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in trainer.model.parameters())
+    trained = sum(p.numel() for p in trainer.parts.model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in trainer.parts.model.parameters())
     device = device_under_test()
     compute = "bfloat16" if device.type == "cuda" else "float32"
-    assert lines == [f"run: one process on {trainer.device}; master float32, compute {compute}; LoRA rank 4 on "
+    assert lines == [f"run: one process on {trainer.dist.device}; master float32, compute {compute}; LoRA rank 4 on "
                      f"{','.join(trainer.cfg.model.lora_target_modules)}: {trained / 1e6:.2f}M trainable (float32) "
-                     f"of {total / 1e6:.2f}M parameters; engine {trainer.engine.name}"]
+                     f"of {total / 1e6:.2f}M parameters; engine {trainer.parts.engine.name}"]

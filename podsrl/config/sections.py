@@ -202,7 +202,7 @@ class OptimConfig:
                                "micro-batch the memory plan fits on the run's device (`podsrl plan --memory` shows "
                                "it), at most a rank's mini-batch, so one micro-batch where the plan fits it (each "
                                "costs the update its kernel launches again); on the CPU 256. The run's config.yaml "
-                               "records the size chosen; a number sets it.", ge=0, note="0 = auto")
+                               "keeps auto (a resume decides again, on its device); a number sets it.", ge=0, note="0 = auto")
     micro_batch_tokens: int = _f(0, "Tokens (prompt + completion, per row) per micro-batch on each rank, as verl's "
                                  "ppo_max_token_len_per_gpu: rows in their order are cut where the next would pass "
                                  "the budget (a longer row runs alone), still at most optim.micro_batch_size rows; "

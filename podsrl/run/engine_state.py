@@ -25,23 +25,24 @@ def device_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def keeps_engine_state(cfg, engine: RolloutEngine, model: torch.nn.Module, task, tokenizer, device: torch.device,
-                       world_size: int, speak: bool) -> bool:
+def keeps_engine_state(cfg, micro_batch: int, engine: RolloutEngine, model: torch.nn.Module, task, tokenizer,
+                       device: torch.device, world_size: int, speak: bool) -> bool:
     """True where the (synchronous) run's engine keeps a decode state between calls and the plan fits it beside the
-    update at the configured micro-batch on this device; the engine then decodes no more rows at once than the plan
-    counted (RolloutEngine.plan_rows): the first call's free memory does not hold the optimiser's state and the
-    gradients yet, and a state sized by it would stay that size through every update."""
+    update at the run's micro-batch (`micro_batch` rows: optim.micro_batch_size, auto decided) on this device; the
+    engine then decodes no more rows at once than the plan counted (RolloutEngine.plan_rows): the first call's free
+    memory does not hold the optimiser's state and the gradients yet, and a state sized by it would stay that size
+    through every update."""
     if cfg.train.asynchronous.enabled or not engine.keeps_state_across_updates:
         return False
     prompt_length = cfg.task.max_prompt_length or longest_prompt(task, tokenizer)
     memory = device_memory(device)
-    rows = kept_decode_rows(cfg, model.config, prompt_length, device.type, world_size, memory)
+    rows = kept_decode_rows(cfg, model.config, prompt_length, device.type, world_size, memory, micro_batch)
     if rows:
         engine.plan_rows(rows)
         return True
     if speak:
         log.info("the engine's decode state (KV cache, CUDA graphs) is freed before each update: the memory plan "
-                 "does not fit it beside the update (optim.micro_batch_size=%d) in this device's %.1f GiB, so each "
+                 "does not fit it beside the update (micro-batches of %d rows) in this device's %.1f GiB, so each "
                  "step captures its graphs anew (`podsrl plan --memory` shows the terms)",
-                 cfg.optim.micro_batch_size, memory / 2**30)
+                 micro_batch, memory / 2**30)
     return False

@@ -5,6 +5,7 @@ Each check watches one logged metric; it fires when the metric is bad for train.
 non-finite skip fires at once). A firing check is one WARNING line, `health/<check>` = 1 in the metrics of every
 step it holds (0 otherwise), and an entry in summary.json's `health_warnings`. With train.stop_on_collapse the
 run stops instead (exit code 3), except for non-finite skips, which train.max_nonfinite_steps already bounds.
+A run slower than train.warn_seconds expects says so once too, and goes on.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from podsrl.config import TrainConfig
 from podsrl.errors import UnhealthyRun
@@ -57,6 +59,7 @@ class HealthMonitor:
         self.streaks = dict.fromkeys((c.name for c in CHECKS), 0)
         self.warnings: list[dict] = []  # {check, step, message}, one per check that fired, for summary.json
         self.stop_message = ""
+        self.warned_slow = False
 
     def observe(self, metrics: dict, step: int) -> dict[str, float]:
         """The `health/*` metrics of this step; warns on the step a check first fires."""
@@ -81,6 +84,23 @@ class HealthMonitor:
             if self.speak:
                 log.warning("health: step %d: %s", step, message)
         return out
+
+    def warn_if_slow(self, elapsed: float, step: int) -> None:
+        """train.warn_seconds: say once that this machine is slower than expected; the run goes on to max_steps."""
+        limit = self.train.warn_seconds
+        if limit and elapsed > limit and not self.warned_slow and self.speak:
+            self.warned_slow = True
+            eta = elapsed / step * (self.train.max_steps - step)
+            log.warning("training has taken %.0f s at step %d of %d, past train.warn_seconds=%g: this machine is "
+                        "slower or busier than expected. The run continues to max_steps (~%.0f s more), so its "
+                        "result does not depend on the machine's speed.", elapsed, step, self.train.max_steps,
+                        limit, eta)
+
+    def stop_if_nonfinite(self, in_a_row: int, step: int, checkpoints: Path) -> None:
+        """train.max_nonfinite_steps: the run stops after so many updates in a row skipped as non-finite."""
+        if in_a_row >= self.train.max_nonfinite_steps:
+            raise UnhealthyRun(f"training stopped: {in_a_row} consecutive steps with a non-finite loss or gradient "
+                               f"(step {step}); try a lower optim.lr. The last good checkpoint is in {checkpoints}")
 
     def stop_if_asked(self, checkpoints: str) -> None:
         if self.stop_message:

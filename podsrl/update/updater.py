@@ -38,9 +38,9 @@ class PolicyUpdater:
         self.cfg, self.device, self.ref_model = cfg, facts.device, ref_model
         if cfg.algo.beta > 0 and ref_model is None and not has_adapters(model):
             raise ValueError("algo.beta > 0: a reference model, or LoRA adapters to disable for one")
-        if cfg.optim.micro_batch_size < 1:
-            raise ValueError("optim.micro_batch_size=0 (auto) is decided at start-up: pass the config through "
-                             "podsrl.run.micro_batch.resolve_micro_batch first")
+        if cfg.micro_batch_size < 1:
+            raise ValueError("optim.micro_batch_size=0 (auto) is decided at start-up: pass the size "
+                             "podsrl.run.micro_batch.resolve_micro_batch decides (UpdateSettings.of)")
         self.modulation = modulation  # f(advantages, log_ratio, logprobs, entropy, mask) -> (factor, metrics)
         # podsrl.distributed.DataParallel (or any implementation of its interface): splits each mini-batch across
         # ranks, sums what they computed; None in one process
@@ -72,11 +72,11 @@ class PolicyUpdater:
         return self.cfg.optim.epochs * self.cfg.optim.mini_batches > 1 or self.rollout_correction != "none"
 
     def _micro_batches(self, batch: RolloutBatch, rows: torch.Tensor) -> list[torch.Tensor]:
-        optim = self.cfg.optim
-        lengths = row_tokens(batch.prompt_mask, batch.completion_mask) if optim.micro_batch_tokens > 0 else None
+        size, tokens = self.cfg.micro_batch_size, self.cfg.optim.micro_batch_tokens
+        lengths = row_tokens(batch.prompt_mask, batch.completion_mask) if tokens > 0 else None
         if self.dp is not None:  # this rank's share; the same number of micro-batches on every rank
-            return self.dp.micro_batches(rows, optim.micro_batch_size, lengths, optim.micro_batch_tokens)
-        return split_rows(rows, optim.micro_batch_size, lengths, optim.micro_batch_tokens)
+            return self.dp.micro_batches(rows, size, lengths, tokens)
+        return split_rows(rows, size, lengths, tokens)
 
     def _probe(self, batch: RolloutBatch, mini: torch.Tensor, generator: torch.Generator):
         """Split-half gradient-noise probe of this mini-batch (None with fewer than two groups in it)."""

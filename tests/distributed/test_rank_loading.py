@@ -106,7 +106,7 @@ def _rank_main(rank: int, world: int, tmp: str, directory: str) -> None:
         torch.manual_seed(cfg.seed)
         out[name] = snapshot(load_model(cfg, None, None, trainable=True, ctx=ctx)[0])
     trainer = build_trainer(directory, Path(tmp) / "run")
-    out["trainer"] = {"policy": snapshot(trainer.model), "reference": snapshot(trainer.ref_model)}
+    out["trainer"] = {"policy": snapshot(trainer.parts.model), "reference": snapshot(trainer.parts.ref_model)}
     out["reads"] = list(reads)
     out["sharded"], sharded_reads = {}, len(reads)
     for name in SHARDED:

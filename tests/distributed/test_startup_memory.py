@@ -66,14 +66,15 @@ def _rank_main(rank: int, world: int, tmp: str, directory: str) -> None:
     import gc
 
     from podsrl.config import load_config
-    from podsrl.run import trainer as trainer_module
+    from podsrl.run import assembly
+    from podsrl.run.trainer import Trainer
 
     torch.set_num_threads(1)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world)})
     dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
     cfg = load_config(None, run_overrides(directory, f"{tmp}/run"))
     peaks: list[int] = []  # after the policy's load, the reference's, the rest of the start-up
-    load_model = trainer_module.load_model
+    load_model = assembly.load_model
 
     def measured(*args, **kwargs):
         out = load_model(*args, **kwargs)
@@ -81,11 +82,11 @@ def _rank_main(rank: int, world: int, tmp: str, directory: str) -> None:
         reset_peak()
         return out
 
-    trainer_module.load_model = measured
+    assembly.load_model = measured
     gc.collect()
     before = status_kib("VmRSS")
     reset_peak()
-    trainer = trainer_module.Trainer(cfg)
+    trainer = Trainer(cfg)
     peaks.append(status_kib("VmHWM"))
     trainer.close_engines()
     trainer._release_run_dir()

@@ -75,7 +75,8 @@ def test_a_kept_decode_state_is_sized_by_the_plan_not_by_the_first_calls_free_me
     assert engine.keeps_state_across_updates
     monkeypatch.setattr(engine_state, "device_memory", lambda device: 80 * GIB)
     model = SimpleNamespace(config=QWEN_1_5B)
-    assert engine_state.keeps_engine_state(cfg, engine, model, None, None, torch.device("cuda"), 1, False)
+    assert engine_state.keeps_engine_state(cfg, cfg.optim.micro_batch_size, engine, model, None, None,
+                                           torch.device("cuda"), 1, False)
     work = dataclasses.replace(workload_from_config(cfg, 256, "cuda"), kept_decode_state=True)
     budget = int(80 * GIB * (1 - mp.RESERVE))
     planned = mp.with_rows_in_flight(SHAPE, work, budget).generation_rows

@@ -47,9 +47,9 @@ def count_down(context: str, seed: int) -> str:
 def test_a_countdown_environment_is_scored_by_its_turn_rewards(tmp_path, warmup_cache):
     trainer = Trainer(load_config(None, overrides(tmp_path, warmup_cache, "Countdown", COUNTDOWNS,
                                                   args={"env_args": {"say": "Count down from"}})))
-    assert trainer.task.name == "environment:Countdown"
-    trainer.producer.episodes.engine = ScriptedEngine(count_down)
-    produced = trainer.producer.produce(0)
+    assert trainer.parts.task.name == "environment:Countdown"
+    trainer.parts.producer.episodes.engine = ScriptedEngine(count_down)
+    produced = trainer.parts.producer.produce(0)
     seen = 0
     for batch in produced.generated:
         for row, completion in enumerate(batch.completions):
@@ -79,9 +79,9 @@ def test_a_tool_environment_subclass_gets_the_runs_tool_timeout_and_scores_itsel
     rows = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(1, 5) for b in range(1, 4)]
     trainer = Trainer(load_config(None, overrides(tmp_path, warmup_cache, "CalculatorEnv", rows,
                                                   **{"rollout.max_new_tokens": 96, "episode.tool_timeout_s": 7})))
-    assert trainer.task.environment(7.0).env.tool_timeout_s == 7.0
-    trainer.producer.episodes.engine = ScriptedEngine(ask_the_calculator)
-    produced = trainer.producer.produce(0)
+    assert trainer.parts.task.environment(7.0).env.tool_timeout_s == 7.0
+    trainer.parts.producer.episodes.engine = ScriptedEngine(ask_the_calculator)
+    produced = trainer.parts.producer.produce(0)
     correct = [float(r) for b in produced.generated for r in b.reward_components["correct"]]
     assert 0 < sum(correct) < len(correct)
     assert produced.metrics["episode/tool_calls/calculator"] == len(correct)  # the calls ran, one per episode

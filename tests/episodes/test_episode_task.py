@@ -23,7 +23,7 @@ EPISODES = {"task.name": "arithmetic_tool", "model.tiny.max_position_embeddings"
 def train_two_episode_steps(run_dir, overrides: list[str]) -> list[dict]:
     """Train a tiny run of 2 steps of episodes; the steps' metrics, checked to be those of episodes."""
     trainer = Trainer(load_config(None, overrides))
-    assert trainer.producer.episodes is not None
+    assert trainer.parts.producer.episodes is not None
     trainer.train()
     steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2]
@@ -47,8 +47,8 @@ def right_on_even_seeds(context: str, seed: int) -> str:
 def test_scripted_tool_episodes_go_through_the_producer_into_the_update(tmp_path, warmup_cache):
     overrides = tiny_overrides(tmp_path, warmup_cache, **{**EPISODES, "rollout.max_new_tokens": 96})
     trainer = Trainer(load_config(None, overrides))
-    trainer.producer.episodes.engine = ScriptedEngine(right_on_even_seeds)
-    produced = trainer.producer.produce(0)
+    trainer.parts.producer.episodes.engine = ScriptedEngine(right_on_even_seeds)
+    produced = trainer.parts.producer.produce(0)
     kept = produced.kept
     assert kept.loss_mask is not None and kept.loss_mask.shape == kept.completion_mask.shape
     tool_tokens = (kept.completion_mask - kept.loss_mask).sum(dim=1)
@@ -61,16 +61,16 @@ def test_scripted_tool_episodes_go_through_the_producer_into_the_update(tmp_path
     every = produced.generated
     assert produced.generated_tokens == sum(int(b.loss_mask.sum()) for b in every)
     assert produced.environment_tokens == sum(int((b.completion_mask - b.loss_mask).sum()) for b in every) > 0
-    before = [p.detach().clone() for p in trainer.model.parameters()]
-    metrics = trainer.updater.update(kept, torch.Generator().manual_seed(0))
+    before = [p.detach().clone() for p in trainer.parts.model.parameters()]
+    metrics = trainer.parts.updater.update(kept, torch.Generator().manual_seed(0))
     assert math.isfinite(metrics["loss"])
-    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.parts.model.parameters()))
     trainer.close_engines()
 
 
 def test_a_task_without_an_environment_samples_single_turn(tmp_path, warmup_cache):
     trainer = Trainer(load_config(None, tiny_overrides(tmp_path, warmup_cache)))
-    assert trainer.producer.episodes is None
-    produced = trainer.producer.produce(0)
+    assert trainer.parts.producer.episodes is None
+    produced = trainer.parts.producer.produce(0)
     assert produced.kept.loss_mask is None and not any(k.startswith("episode/") for k in produced.metrics)
     trainer.close_engines()

@@ -142,8 +142,8 @@ def test_pods_trains_the_max_variance_subset_of_finished_episodes_and_counts_onl
     produced = {}
     for stop in (False, True):
         trainer = pods_trainer(tmp_path / str(stop), warmup_cache, stop)
-        trainer.producer.episodes.engine = ScriptedEngine(by_seed)
-        produced[stop] = trainer.producer.produce(0)
+        trainer.parts.producer.episodes.engine = ScriptedEngine(by_seed)
+        produced[stop] = trainer.parts.producer.produce(0)
     off, on = produced[False], produced[True]
     every_off, = off.generated
     every_on, = on.generated
@@ -180,13 +180,13 @@ def test_pods_trains_the_max_variance_subset_of_finished_episodes_and_counts_onl
 
 def test_the_stop_rule_is_never_asked_for_a_single_turn_task(tmp_path, warmup_cache):
     trainer = pods_trainer(tmp_path, warmup_cache, True, task="arithmetic")
-    assert trainer.producer.episodes is None
+    assert trainer.parts.producer.episodes is None
 
     def never(*_args):
         raise AssertionError("asked for a single-turn task")
 
-    trainer.producer.method.episode_stop_rule = never
-    produced = trainer.producer.produce(0)
+    trainer.parts.producer.method.episode_stop_rule = never
+    produced = trainer.parts.producer.produce(0)
     assert sum(b.num_rollouts for b in produced.generated) == 4 * 8 and "episode/stopped" not in produced.metrics
 
 

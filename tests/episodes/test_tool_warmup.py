@@ -123,9 +123,10 @@ def test_the_trainer_evaluates_an_episode_task_on_episodes(tmp_path, warmup_cach
                                                                   "rollout.max_new_tokens": 16})
     trainer = Trainer(load_config(None, overrides))
     try:
-        assert trainer.eval_episodes is not None and trainer.eval_episodes.engine is trainer.eval_engine
+        episodes = trainer.parts.eval_episodes
+        assert episodes is not None and episodes.engine is trainer.parts.eval_engine
         metrics = trainer.run_eval()
         assert {"eval/accuracy", "eval/tool_calls", "eval/tool_faults", "eval/turns"} <= set(metrics)
-        assert trainer.model.device.type == device_under_test().type
+        assert trainer.parts.model.device.type == device_under_test().type
     finally:
         trainer.close_engines()

@@ -129,8 +129,8 @@ def test_each_episode_is_rewarded_by_its_own_environment(tmp_path, warmup_cache)
     rewards = json.dumps(["correct", f"{__name__}:sums_taken"])
     overrides = run_overrides(tmp_path, warmup_cache, **{"rollout.max_new_tokens": 96, "rewards": rewards})
     trainer = Trainer(load_config(None, overrides))
-    trainer.producer.episodes.engine = ScriptedEngine(add_right_on_even_seeds)
-    produced = trainer.producer.produce(0)
+    trainer.parts.producer.episodes.engine = ScriptedEngine(add_right_on_even_seeds)
+    produced = trainer.parts.producer.produce(0)
     for batch in produced.generated:
         assert batch.reward_components["sums_taken"].tolist() == [1.0] * batch.num_rollouts
         for row, completion in enumerate(batch.completions):
@@ -156,9 +156,9 @@ def test_held_out_evaluation_runs_episodes_scored_by_their_environments(tmp_path
     overrides = run_overrides(tmp_path, warmup_cache, **{"rollout.max_new_tokens": 96, "task.eval_fraction": 0.25,
                                                           "eval.samples": 2})
     trainer = Trainer(load_config(None, overrides))
-    held_out = [p.prompt for p in trainer.eval_problems]
-    assert len(held_out) == 3 and not set(held_out) & {p.prompt for p in trainer.task.train_problems}
-    trainer.eval_episodes.engine = ScriptedEngine(add_right_for_even_a)
+    held_out = [p.prompt for p in trainer.parts.eval_problems]
+    assert len(held_out) == 3 and not set(held_out) & {p.prompt for p in trainer.parts.task.train_problems}
+    trainer.parts.eval_episodes.engine = ScriptedEngine(add_right_for_even_a)
     metrics = trainer.run_eval()
     even = sum(int(p.split("+")[0]) % 2 == 0 for p in held_out) / len(held_out)
     assert 0 < even < 1  # both kinds of episode held out

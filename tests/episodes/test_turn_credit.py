@@ -56,8 +56,8 @@ def test_token_advantages_by_hand():
 def test_the_producer_credits_each_countdown_turn_from_its_turn_on(tmp_path, warmup_cache):
     trainer = Trainer(load_config(None, overrides(tmp_path, warmup_cache, "Countdown", COUNTDOWNS,
                                                   **{"episode.credit": "turn", "method": "grpo"})))
-    trainer.producer.episodes.engine = ScriptedEngine(count_down)
-    kept = trainer.producer.produce(0).kept
+    trainer.parts.producer.episodes.engine = ScriptedEngine(count_down)
+    kept = trainer.parts.producer.produce(0).kept
     assert kept.token_advantages is not None and kept.token_advantages.shape == kept.completion_mask.shape
     checked = 0
     for row in range(kept.num_rollouts):

@@ -158,9 +158,11 @@ def test_measure_closes_its_trainers_as_a_run_closes_on_an_async_config(tmp_path
         threads_after = torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
-    assert len(built) == 2 and all(t.generator is not None and t.eval_engine is not t.engine for t in built)
+    assert len(built) == 2 and all(t.generator is not None and t.parts.eval_engine is not t.parts.engine
+                                   for t in built)
     assert not any(t.generator._thread.is_alive() for t in built)
-    assert all(any(e is t.engine for e in closed) and any(e is t.eval_engine for e in closed) for t in built)
+    assert all(any(e is t.parts.engine for e in closed) and any(e is t.parts.eval_engine for e in closed)
+               for t in built)
     assert threads_after == 2
 
 

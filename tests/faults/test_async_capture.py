@@ -131,5 +131,5 @@ def test_async_run_with_cuda_graphs_on(tmp_path, warm_cache, monkeypatch):
     trainer = Trainer(config(tmp_path / "run", warm_cache, staleness=1, **{"train.eval_every": 2}))
     summary = trainer.train()
     assert summary["step"] == trainer.cfg.train.max_steps and summary["engine"] == "fast"
-    assert trainer.engine.runner.graphs is not None and trainer.eval_engine.runner.graphs is not None
+    assert trainer.parts.engine.runner.graphs is not None and trainer.parts.eval_engine.runner.graphs is not None
     assert GENERATOR in captures and any(name != GENERATOR for name in captures)  # the eval's, on the learner

@@ -111,7 +111,8 @@ def test_prompt_history_sees_each_trained_batch_once(tmp_path, warm_cache):
     trainer = Trainer(config(tmp_path / "run", warm_cache, staleness=1, **GRESO_REFILL))
     trainer.train()
     # every rollout generated for a trained step recorded once; nothing generated beyond the last step
-    assert sum(trainer.producer.stats.state_dict()["attempts"]) == trainer.accountant.totals["rollouts_generated"]
+    generated = trainer.parts.accountant.totals["rollouts_generated"]
+    assert sum(trainer.parts.producer.stats.state_dict()["attempts"]) == generated
 
 
 RESUMED = {
@@ -168,9 +169,9 @@ def test_the_correction_weighs_a_stale_batch_against_the_learners_weights(tmp_pa
     cfg = config(tmp_path / "run", warm_cache, 1, **{"algo.rollout_correction": "sequence_tis",
                                                       "algo.rollout_correction_cap": 1.001})
     trainer = Trainer(cfg)
-    sampler_weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}  # w_0
+    sampler_weights = {k: v.clone() for k, v in trainer.parts.model.state_dict().items()}  # w_0
     trainer.train_step()  # step 0 trains the batch of w_0; the learner now holds w_1
-    trainer.generator.publish(1, trainer.model)
+    trainer.generator.publish(1, trainer.parts.model)
     produced, _ = trainer.generator.take(1)  # step 1's batch: sampled under w_0, one step stale
     assert produced.version == 0 and produced.kept.policy_version.unique().tolist() == [0]
     batch = produced.kept.trim_padding()
@@ -178,17 +179,17 @@ def test_the_correction_weighs_a_stale_batch_against_the_learners_weights(tmp_pa
 
     def logprobs(model):
         with torch.no_grad():
-            return plain_logprobs(model, batch, rows, width, trainer.device, cfg.rollout.temperature, 1024)[0]
+            return plain_logprobs(model, batch, rows, width, trainer.dist.device, cfg.rollout.temperature, 1024)[0]
 
-    learner_weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    learner = logprobs(trainer.model)
-    trainer.model.load_state_dict(sampler_weights)
-    assert torch.allclose(logprobs(trainer.model), batch.sampler_logprobs, atol=1e-4)  # the sampler was w_0
-    trainer.model.load_state_dict(learner_weights)
+    learner_weights = {k: v.clone() for k, v in trainer.parts.model.state_dict().items()}
+    learner = logprobs(trainer.parts.model)
+    trainer.parts.model.load_state_dict(sampler_weights)
+    assert torch.allclose(logprobs(trainer.parts.model), batch.sampler_logprobs, atol=1e-4)  # the sampler was w_0
+    trainer.parts.model.load_state_dict(learner_weights)
     # by hand: rho = exp(sum over the sequence of learner - sampler log-probs), truncated to [0, cap]
     cap = cfg.algo.rollout_correction_cap
     rho = torch.exp(((learner - batch.sampler_logprobs) * batch.completion_mask).sum(dim=1))
-    metrics = trainer.updater.update(batch, trainer.update_rng)
+    metrics = trainer.parts.updater.update(batch, trainer.parts.update_rng)
     trainer.close_engines()
     assert metrics["sampling/importance_sampling_ratio/mean"] == pytest.approx(float(rho.clamp(max=cap).mean()),
                                                                                abs=1e-5)
@@ -233,9 +234,9 @@ def test_the_generator_keeps_one_copy_in_the_dtype_it_samples_in(tmp_path, warm_
     trainer = Trainer(config(tmp_path / "run", warm_cache, 1, **{"model.compute_dtype": compute,
                                                                  "train.max_steps": 2}))
     trainer.train()
-    assert {p.dtype for p in trainer.generator_model.parameters()} == {getattr(torch, compute)}
-    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
-    assert trainer.engine.copy is None and trainer.engine.model is trainer.generator_model
-    for plan, layer in zip(trainer.engine.forward.plans, trainer.engine.forward.layers, strict=True):
+    assert {p.dtype for p in trainer.parts.generator_model.parameters()} == {getattr(torch, compute)}
+    assert {p.dtype for p in trainer.parts.model.parameters()} == {torch.float32}
+    assert trainer.parts.engine.copy is None and trainer.parts.engine.model is trainer.parts.generator_model
+    for plan, layer in zip(trainer.parts.engine.forward.plans, trainer.parts.engine.forward.layers, strict=True):
         assert plan.qkv[0].data_ptr() == layer.self_attn.q_proj.weight.data_ptr()
         assert plan.gate_up.data_ptr() == layer.mlp.gate_proj.weight.data_ptr()

@@ -117,16 +117,16 @@ def test_a_new_method_plugs_in_with_clip_and_refill(tmp_path, warmup_cache, monk
         "rollout.prompts_per_step": 4, "train.max_steps": 1, "rewards": GRADED})
     trainer = Trainer(load_config(ROOT / "podsrl/configs/grpo.yaml", overrides))
     seen = []
-    update = trainer.updater.update
-    monkeypatch.setattr(trainer.updater, "update",
+    update = trainer.parts.updater.update
+    monkeypatch.setattr(trainer.parts.updater, "update",
                         lambda batch, rng: seen.append(batch.advantages) or update(batch, rng))
     record = trainer.train_step()
-    trainer.engine.close()
+    trainer.parts.engine.close()
     assert seen and seen[0].abs().max() <= 0.5 and (seen[0].abs() == 0.5).any()
     rounds = int(record.metrics["select/refill_rounds"])
     assert rounds == 1 and WideAdvantages.refills == [(2, 0.5)]  # seeded: 2 of the first 4 groups had no variance
     drawn = 4 + sum(2 * missing for missing, _ in WideAdvantages.refills)
-    assert trainer.producer.data_position == drawn and sum(b.num_groups for b in record.generated) == drawn
+    assert trainer.parts.producer.data_position == drawn and sum(b.num_groups for b in record.generated) == drawn
     assert set(record.timers) >= {"time/generate", "time/score", "time/select", "time/update"}
 
 
@@ -140,9 +140,9 @@ def test_dynamo_epoch_refresh_uses_the_epoch_of_the_steps_first_problem(tmp_path
     epochs, attempts = [], []
     for _ in range(3):
         trainer.train_step()
-        state = trainer.producer.method.state_dict()
+        state = trainer.parts.producer.method.state_dict()
         epochs.append(state["snapshot_epoch"])
         attempts.append(sum(state["snapshot"]["attempts"]))
-    trainer.engine.close()
+    trainer.parts.engine.close()
     assert epochs == [0, 0, 1]
     assert attempts[:2] == [0, 0] and attempts[2] == 2 * 4 * 4  # steps 1 and 2: 8 prompts x 4 rollouts

@@ -230,7 +230,7 @@ def test_the_engines_decode_state_is_counted_through_the_update_or_freed_before_
     for checkpointing, fits in ((True, True), (False, False)):  # the configured micro-batch of 6 rows: 35.6 GiB
         configured = load_config("podsrl/configs/grpo.yaml", base + [
             "optim.micro_batch_size=6", f"update.activation_checkpointing={str(checkpointing).lower()}"])
-        assert (kept_decode_rows(configured, config, 64, "cuda", 1, 40 * 2**30) > 0) is fits
+        assert (kept_decode_rows(configured, config, 64, "cuda", 1, 40 * 2**30, 6) > 0) is fits
 
 
 def test_the_default_pods_step_at_1_5b_generates_in_waves_that_fit():

@@ -20,30 +20,30 @@ def test_a_producer_continues_exactly_from_its_state_dict(tmp_path, warmup_cache
     step 0 produces the same step-1 batch, with no update and no learner state in between."""
     overrides = tiny_overrides(tmp_path / "a", warmup_cache, **{"method": "greso", "filter.zero_variance": True})
     first = Trainer(load_config(None, overrides))
-    first.producer.produce(0)
-    state = first.producer.state_dict()
-    expected = first.producer.produce(1)
+    first.parts.producer.produce(0)
+    state = first.parts.producer.state_dict()
+    expected = first.parts.producer.produce(1)
     second = Trainer(load_config(None, tiny_overrides(tmp_path / "b", warmup_cache,
                                                       **{"method": "greso", "filter.zero_variance": True})))
-    second.producer.load_state_dict(state)
-    got = second.producer.produce(1)
+    second.parts.producer.load_state_dict(state)
+    got = second.parts.producer.produce(1)
     for a, b in zip(_batch_fields(expected), _batch_fields(got)):
         assert torch.equal(a, b)
     untimed = [{k: v for k, v in m.items() if not k.startswith("time/")} for m in (expected.metrics, got.metrics)]
     assert untimed[0] == untimed[1] and len(untimed[0]) > 10
-    assert second.producer.data_position == first.producer.data_position > 0
+    assert second.parts.producer.data_position == first.parts.producer.data_position > 0
     for trainer in (first, second):
         trainer.close_engines()
 
 
 def test_the_learner_does_not_reach_into_the_producer():
-    """trainer.py drives the producer through produce / state_dict / load_state_dict / rng only: the stages of a
-    step live in the producer."""
+    """trainer.py, and the assembly and checkpoint state it hands the producer to, drive the producer through
+    produce / state_dict / load_state_dict / rng only: the stages of a step live in the producer."""
     import inspect
 
-    from podsrl.run import trainer
+    from podsrl.run import assembly, learner_state, trainer
 
-    source = inspect.getsource(trainer)
+    source = "".join(inspect.getsource(module) for module in (trainer, assembly, learner_state))
     for stage in ("collect_and_select", "generate_and_score", "next_problems", "method.collect", "method.select",
                   "end_step", "stats.record"):
         assert stage not in source, stage

@@ -180,11 +180,11 @@ def test_kept_graphs_are_not_captured_again_after_an_update(tmp_path, warmup_cac
     overrides, events = _graphed_run(tmp_path, warmup_cache, monkeypatch)
     trainer = Trainer(load_config(None, overrides))
     trainer.train()
-    assert trainer.keep_engine_state
+    assert trainer.parts.keep_engine_state
     assert _captures_per_step(events) == [1, 0, 0], events
     prompts, params, seeds = random_prompts([3, 5]), SamplingParams(max_new_tokens=4, temperature=1.0), torch.arange(8)
-    eager = FastEngine(trainer.generation_model, trainer.tokenizer, compaction=False)
-    replayed = trainer.engine.generate(prompts, [4, 4], params, seeds)
+    eager = FastEngine(trainer.parts.generation_model, trainer.parts.tokenizer, compaction=False)
+    replayed = trainer.parts.engine.generate(prompts, [4, 4], params, seeds)
     assert torch.equal(replayed.completion_ids, eager.generate(prompts, [4, 4], params, seeds).completion_ids)
 
 
@@ -196,7 +196,7 @@ def test_evals_keep_the_training_engines_graphs(tmp_path, warmup_cache, monkeypa
                                      **{"train.max_steps": 10, "train.eval_every": 5})
     trainer = Trainer(load_config(None, overrides))
     trainer.train()
-    assert trainer.keep_engine_state
+    assert trainer.parts.keep_engine_state
     captures = [event[1] for event in events if event[0] == "capture"]
     assert len(captures) == 2 and sum(key[2].greedy for key in captures) == 1, events
 
@@ -212,7 +212,7 @@ def test_decode_state_the_plan_does_not_fit_is_released_before_each_update(tmp_p
     with caplog.at_level(logging.INFO, logger="podsrl"):
         trainer = Trainer(load_config(None, overrides))
         trainer.train()
-    assert not trainer.keep_engine_state
+    assert not trainer.parts.keep_engine_state
     assert _captures_per_step(events) == [1, 1, 1], events
     lines = [r.getMessage() for r in caplog.records if "decode state" in r.getMessage()]
     assert len(lines) == 1 and "freed before each update" in lines[0]

@@ -57,12 +57,12 @@ def test_gsm8k_pods_preset_starts_with_a_stand_in_and_lora_adapter_reloads(tmp_p
     cfg = load_config(ROOT / "configs/gsm8k_qwen_pods.yaml", _stand_in_overrides(tmp_path, stand_in_model, data)
                       + [f"rewards=[correct, '{ones}:ones_share']", "optim.lr=1e-2"])
     trainer = Trainer(cfg)
-    before = {k: v.clone() for k, v in trainer.model.named_parameters() if "lora_B" in k}
+    before = {k: v.clone() for k, v in trainer.parts.model.named_parameters() if "lora_B" in k}
     trainer.train()
     steps = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert steps[-1]["rollouts/generated"] == 8 and steps[-1]["rollouts/trained"] == 4
-    trained = dict(trainer.model.named_parameters())
+    trained = dict(trainer.parts.model.named_parameters())
     assert any(not torch.equal(before[k], trained[k]) for k in before), "LoRA weights did not move"
     # The checkpoint holds the adapter; loaded onto the base it reproduces the trained policy.
     from podsrl.lora import load_adapter
@@ -71,12 +71,12 @@ def test_gsm8k_pods_preset_starts_with_a_stand_in_and_lora_adapter_reloads(tmp_p
 
     base, tokenizer = load_pretrained(str(stand_in_model))
     reloaded = load_adapter(base, latest_checkpoint(tmp_path / "run") / "model")
-    device = next(trainer.model.parameters()).device
+    device = next(trainer.parts.model.parameters()).device
     reloaded.to(device)
     ids = tokenizer("Tom has 3 apples", return_tensors="pt").input_ids.to(device)
-    trainer.model.eval()
+    trainer.parts.model.eval()
     with torch.no_grad():
-        assert torch.allclose(reloaded(ids).logits, trainer.model(ids).logits, atol=1e-5)
+        assert torch.allclose(reloaded(ids).logits, trainer.parts.model(ids).logits, atol=1e-5)
     assert (tmp_path / "run" / "merged" / "config.json").is_file()
 
 

@@ -29,6 +29,7 @@ from podsrl.planning.workload import model_shape
 from podsrl.run import micro_batch
 from podsrl.run.micro_batch import resolve_micro_batch
 from podsrl.tasks import build_task
+from podsrl.update import UpdateSettings
 from tests.update.test_micro_batch_tokens import count_micro_steps
 from tests.update.test_shared_prompt import grads, hf_model, make_batch, make_updater, rel
 
@@ -81,12 +82,12 @@ def test_cpu_falls_back_to_the_stated_rows_and_says_so(caplog):
     cfg = load_config(None, [*RUN, "optim.micro_batch_size=auto"])
     with caplog.at_level(logging.INFO, logger="podsrl"):
         resolved = resolve_micro_batch(cfg, make(), None, None, torch.device("cpu"), 1, speak=True)
-    assert resolved.optim.micro_batch_size == AUTO_MICRO_BATCH_CPU == 256
-    assert cfg.optim.micro_batch_size == 0  # the loaded config is not changed in place
+    assert resolved == AUTO_MICRO_BATCH_CPU == 256
+    assert cfg.optim.micro_batch_size == 0  # the loaded config is not changed
     lines = [r.getMessage() for r in caplog.records if "optim.micro_batch_size=auto" in r.getMessage()]
     assert len(lines) == 1 and "256 rows" in lines[0] and "no device memory" in lines[0], lines
     set_cfg = load_config(None, [*RUN, "optim.micro_batch_size=4"])
-    assert resolve_micro_batch(set_cfg, make(), None, None, torch.device("cpu"), 1, speak=True) is set_cfg
+    assert resolve_micro_batch(set_cfg, make(), None, None, torch.device("cpu"), 1, speak=True) == 4
 
 
 @pytest.mark.parametrize("tokens", [False, True], ids=["rows", "token_budget"])
@@ -98,7 +99,7 @@ def test_auto_gives_the_gradients_of_small_micro_batches(tokens, monkeypatch):
     lengths = row_tokens(batch.prompt_mask, batch.completion_mask)
     budget = [f"optim.micro_batch_tokens={int(lengths.max()) + 6}"] if tokens else []
     cfg = load_config(None, [*RUN, "optim.micro_batch_size=auto", *budget])
-    rows = resolve_micro_batch(cfg, make(), None, None, torch.device("cuda"), 1, speak=False).optim.micro_batch_size
+    rows = resolve_micro_batch(cfg, make(), None, None, torch.device("cuda"), 1, speak=False)
     assert rows == 15
     out = []
     for overrides in (["optim.micro_batch_size=4"], [f"optim.micro_batch_size={rows}", *budget]):
@@ -130,17 +131,19 @@ def study_run(*overrides: str):
 
 def test_the_default_is_auto_one_micro_batch_of_the_study_on_cuda_and_256_rows_on_the_cpu(monkeypatch):
     """The default config decides its size at start-up: on a (faked) H200 the plan fits the study's whole step of 512
-    trained rows, so one micro-batch; on the CPU the 256 rows of the default before auto, the rest of the config as
-    an explicit 256 gives it (so every CPU run keeps its bits)."""
+    trained rows, so one micro-batch; on the CPU the 256 rows of the default before auto, the update's settings as
+    an explicit 256 gives them (so every CPU run keeps its bits)."""
     assert load_config(None).optim.micro_batch_size == 0
     cfg, model, task, tokenizer = study_run()
     assert cfg.optim.micro_batch_size == 0
     monkeypatch.setattr(micro_batch, "device_memory", lambda device: int(139 * GIB))
     cuda = resolve_micro_batch(cfg, model, task, tokenizer, torch.device("cuda"), 1, speak=False)
     trained = cfg.rollout.prompts_per_step * cfg.pods.m
-    assert cuda.optim.micro_batch_size == trained == 512
+    assert cuda == trained == 512
     cpu = resolve_micro_batch(cfg, model, task, tokenizer, torch.device("cpu"), 1, speak=False)
-    assert to_dict(cpu) == to_dict(study_run("optim.micro_batch_size=256")[0])
+    explicit = study_run("optim.micro_batch_size=256")[0]
+    assert cpu == 256 and to_dict(replace(cfg, optim=explicit.optim)) == to_dict(explicit)
+    assert UpdateSettings.of(cfg, micro_batch_size=cpu) == replace(UpdateSettings.of(explicit), optim=cfg.optim)
 
 
 def test_plan_memory_says_what_the_configs_micro_batch_is_on_the_device(capsys):

@@ -43,3 +43,10 @@ def test_the_settings_are_the_configs_values():
     stale = UpdateSettings.of(load_config(None, ["train.async.enabled=true", "train.async.max_staleness=1",
                                                  "algo.rollout_correction=none"]))
     assert stale.unchecked_staleness.startswith("algo.rollout_correction: none with train.async.max_staleness 1")
+
+
+def test_the_micro_batch_is_the_runs_decision_and_the_optim_section_as_loaded():
+    auto = load_config(None, ["optim.micro_batch_size=auto"])
+    decided = UpdateSettings.of(auto, micro_batch_size=256)  # what a run on the CPU decides for auto
+    assert decided.micro_batch_size == 256 and decided.optim is auto.optim and auto.optim.micro_batch_size == 0
+    assert UpdateSettings.of(load_config(None, ["optim.micro_batch_size=8"])).micro_batch_size == 8
