@@ -22,12 +22,14 @@ load average and the busiest other processes are recorded every round (`--out DI
     python benchmarks/busy_machine.py --threads auto 1 2 main --out docs/results/busy_machine_DATE
     python benchmarks/busy_machine.py --threads auto 1 main 2:passive --steps 3 --settle 2   # steady states
     python benchmarks/busy_machine.py --ops --threads 1 2 2:passive 2:active     # single ops: the cause
+    sudo python benchmarks/busy_machine.py --cpu-quota 1 --threads auto main 1  # a container's CPU limit (cgroup)
 Targets (the default run on a 2-core VM): auto's busy/idle <= 1.5x, auto idle no slower than main idle.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -96,15 +98,41 @@ def child(run_dir: str, torch_first: bool) -> int:
     return 0
 
 
-class Arm:
-    """A started arm process, asked for steps one batch at a time."""
+@contextlib.contextmanager
+def cpu_quota_cgroup(cpus: float | None):
+    """--cpu-quota: a cgroup (v2 cpu.max, else v1's cpu controller) allowing `cpus` CPUs per period, as a container's
+    CPU limit does; yields the file a process joins it by writing its pid (None: no quota). Needs root."""
+    if cpus is None:
+        yield None
+        return
+    period = 100_000
+    v2 = Path("/sys/fs/cgroup/cgroup.controllers")
+    base = Path("/sys/fs/cgroup") if v2.is_file() and "cpu" in v2.read_text().split() else Path("/sys/fs/cgroup/cpu")
+    group = base / f"podsrl_busy_machine_{os.getpid()}"
+    group.mkdir()
+    try:
+        if (group / "cpu.max").exists():
+            (group / "cpu.max").write_text(f"{int(cpus * period)} {period}")
+        else:
+            (group / "cpu.cfs_period_us").write_text(str(period))
+            (group / "cpu.cfs_quota_us").write_text(str(int(cpus * period)))
+        yield group / "cgroup.procs"
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():  # arms still alive go back to the root group
+            (base / "cgroup.procs").write_text(pid)
+        group.rmdir()
 
-    def __init__(self, setting: str, workdir: Path) -> None:
+
+class Arm:
+    """A started arm process, asked for steps one batch at a time (inside the quota's cgroup, if one is given)."""
+
+    def __init__(self, setting: str, workdir: Path, cgroup_procs: Path | None = None) -> None:
         self.setting = setting
         command = [sys.executable, __file__, "--child", tempfile.mkdtemp(dir=workdir)]
+        join = None if cgroup_procs is None else (lambda: cgroup_procs.write_text(str(os.getpid())))
         self.proc = subprocess.Popen(command + ["--torch-first"] * (setting == "main"),
                                      cwd=ROOT, env=thread_env(setting), stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=join)
         self.info = self._read()
 
     def _read(self):
@@ -130,7 +158,8 @@ def runs_main(args) -> int:
     head = (f"machine: {os.cpu_count()} cores ({len(os.sched_getaffinity(0))} usable), load average "
             f"{load_average()} (1/5/15 min); {args.repeats} rounds x {len(pairs)} pairs x {args.steps} steps of the "
             f"default run after {args.warm} untimed steps per process and {args.settle} per pair; busy: "
-            f"{args.competitors} competitor{'s' * (args.competitors != 1)}")
+            f"{args.competitors} competitor{'s' * (args.competitors != 1)}"
+            + (f"; the arms in a cgroup of {args.cpu_quota:g} CPUs (its quota)" if args.cpu_quota else ""))
     print(head, flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a stopped benchmark still ends its competitor
     competitors = [subprocess.Popen(COMPETITOR) for _ in range(args.competitors)]
@@ -142,8 +171,8 @@ def runs_main(args) -> int:
     signal_competitors(signal.SIGSTOP)
     times: dict[tuple[str, str], list[float]] = {pair: [] for pair in pairs}
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            arms = {setting: Arm(setting, Path(tmp)) for setting in args.threads}
+        with tempfile.TemporaryDirectory() as tmp, cpu_quota_cgroup(args.cpu_quota) as cgroup_procs:
+            arms = {setting: Arm(setting, Path(tmp), cgroup_procs) for setting in args.threads}
             for setting, arm in arms.items():
                 print(f"arm {setting}: {arm.info}", flush=True)
                 arm.steps(args.warm)
@@ -274,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="folder for the raw records and summary.txt")
     parser.add_argument("--ops", action="store_true", help="time single ops of the step's shapes instead of steps")
     parser.add_argument("--op-seconds", type=float, default=2.0, help="--ops: seconds of calls per op and arm")
+    parser.add_argument("--cpu-quota", type=float, metavar="CPUS",
+                        help="run the arms in a cgroup allowing CPUS CPUs (a container's CPU limit; needs root)")
     parser.add_argument("--child", metavar="RUN_DIR", help=argparse.SUPPRESS)
     parser.add_argument("--torch-first", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -46,11 +46,72 @@ class ThreadChoice:
 
 
 def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask: a container's or taskset's limit, not the host's)."""
+    """The cores this process may run on: its affinity mask (taskset's, a cpuset's: not the host's count), and no more
+    than its cgroup's CPU quota allows (a container's CPU limit, e.g. Kubernetes' `limits.cpu`: threads beyond it are
+    throttled, each barrier waiting for a thread the quota has stopped)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+    quota = cpu_quota()
+    return cores if quota is None else max(1, min(cores, int(quota)))
+
+
+def cpu_quota(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> float | None:
+    """The CPUs per period this process's cgroup and its parents allow at most (cgroup v2 cpu.max, v1
+    cpu.cfs_quota_us / cpu.cfs_period_us), the tightest on the way up; None where none is set or none can be read."""
+    try:
+        with open(f"{proc}/self/cgroup") as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return None
+    limits = []
+    for _, controllers, path in (line for line in lines if len(line) == 3):
+        if controllers == "":  # v2: one hierarchy
+            limits += [_v2_limit(d) for d in _up(f"{cgroup_root}{path}", cgroup_root)]
+        elif "cpu" in controllers.split(","):  # v1: the cpu controller's hierarchy
+            base = next((f"{cgroup_root}/{n}" for n in (controllers, "cpu", "cpu,cpuacct")
+                         if os.path.isdir(f"{cgroup_root}/{n}")), None)
+            if base is not None:
+                limits += [_v1_limit(d) for d in _up(f"{base}{path}", base)]
+    limits = [x for x in limits if x is not None]
+    return min(limits) if limits else None
+
+
+def _up(directory: str, root: str) -> list[str]:
+    """`directory` and its parents up to `root`, the ones that exist (inside a container's cgroup namespace the
+    process's own cgroup is the root)."""
+    found, d = [], os.path.normpath(directory)
+    root = os.path.normpath(root)
+    while True:
+        if os.path.isdir(d):
+            found.append(d)
+        if d == root or not d.startswith(root):
+            return found
+        d = os.path.dirname(d)
+
+
+def _v2_limit(directory: str) -> float | None:
+    text = _read(f"{directory}/cpu.max")  # "max 100000" (none) or "QUOTA PERIOD"
+    fields = text.split() if text else []
+    if len(fields) != 2 or fields[0] == "max":
+        return None
+    return int(fields[0]) / int(fields[1])
+
+
+def _v1_limit(directory: str) -> float | None:
+    quota, period = _read(f"{directory}/cpu.cfs_quota_us"), _read(f"{directory}/cpu.cfs_period_us")
+    if not quota or not period or int(quota) <= 0:  # -1: none
+        return None
+    return int(quota) / int(period)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def prepare_openmp(environ: dict | None = None) -> None:

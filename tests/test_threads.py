@@ -133,3 +133,37 @@ def test_only_podsrls_own_choice_is_fitted_to_the_load(env, overrides, fitted, m
     for _ in range(STEPS_TO_CHANGE):
         threads.fit_threads_to_load()
     assert set_to == ([2, 1] if fitted else [2])  # the start-up choice, then 1 thread beside the other work
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_the_cgroups_cpu_quota_bounds_the_usable_cores(tmp_path, monkeypatch):
+    """A container's CPU limit (cgroup v2 cpu.max, v1 cfs quota), the tightest of the process's cgroup and its
+    parents, caps the threads: 8 cores in the affinity mask under a 1.5-CPU limit give 1 thread, not 8."""
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    write(proc / "self" / "cgroup", "0::/kubepods/pod1/c1\n")
+    write(root / "kubepods" / "cpu.max", "max 100000\n")
+    write(root / "kubepods" / "pod1" / "cpu.max", "150000 100000\n")
+    write(root / "kubepods" / "pod1" / "c1" / "cpu.max", "max 100000\n")
+    assert threads.cpu_quota(str(proc), str(root)) == 1.5
+    write(proc / "self" / "cgroup", "0::/\n")  # inside the container's cgroup namespace: its cgroup is the root
+    write(root / "cpu.max", "400000 100000\n")
+    assert threads.cpu_quota(str(proc), str(root)) == 4.0
+    write(root / "cpu.max", "max 100000\n")
+    assert threads.cpu_quota(str(proc), str(root)) is None
+    v1 = tmp_path / "v1"  # cgroup v1: the cpu controller's own hierarchy
+    write(proc / "self" / "cgroup", "4:memory:/x\n3:cpu,cpuacct:/docker/abc\n0::/\n")
+    write(v1 / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_quota_us", "300000\n")
+    write(v1 / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_period_us", "100000\n")
+    assert threads.cpu_quota(str(proc), str(v1)) == 3.0
+    write(v1 / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_quota_us", "-1\n")
+    assert threads.cpu_quota(str(proc), str(v1)) is None
+    assert threads.cpu_quota(str(tmp_path / "no_proc"), str(root)) is None
+
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(8)))
+    for quota, cores in ((None, 8), (1.5, 1), (0.5, 1), (4.0, 4), (16.0, 8)):
+        monkeypatch.setattr(threads, "cpu_quota", lambda q=quota: q)
+        assert threads.usable_cores() == cores
