@@ -75,6 +75,23 @@ def test_processes_a_step_leaves_running_are_ended_with_one_warning(tmp_path, la
     assert "ended over the run: ForkingEnvironment.step: 6" in log, log[-3000:]
 
 
+def test_a_daemon_a_step_detaches_does_not_outlive_podsrl_train(tmp_path, launcher):
+    """A double fork leaves a process that is nobody's child in the trainer (the sweeps cannot find it): as the run's
+    subreaper, `podsrl train`'s supervising parent adopts it and ends it once the trainer has ended, in one line."""
+    run, record = tmp_path / "run", tmp_path / "pids"
+    try:
+        result = launcher.run(forking_argv(run, "detach", 2, record), module="tests.faults.forking_envs")
+        assert result.code == 0, result.stderr[-3000:]
+        daemons = started(record)
+        assert len(daemons) == 2
+        assert not running(daemons), f"detached daemons outlived the run: {running(daemons)}"
+    finally:
+        end_started(record)
+    said = "2 processes the run started outlived the training process"
+    assert [line for line in result.stderr.splitlines() if said in line][0].startswith("podsrl: warning: ")
+    assert said in (run / "run.log").read_text().splitlines()[-1]
+
+
 def test_os_exit_0_in_a_step_is_a_failure_not_a_finished_run(tmp_path, launcher):
     run, record = tmp_path / "run", tmp_path / "pids"
     result = launcher.run(forking_argv(run, "os_exit", 1, record), module="tests.faults.forking_envs")
