@@ -9,11 +9,12 @@ process still running in those trees, reaps the ones that are the trainer's own 
 label. A sweep runs when a batch of episodes is over (a process an environment shares across batches is started
 outside the calls, e.g. in its Task's constructor) and at the end of the run.
 
-Why not a subreaper (prctl PR_SET_CHILD_SUBREAPER): it would make the trainer the parent of every orphan in its
-tree, the engines' and libraries' included, which it would then have to reap, and the adopted orphans land on the
-main thread, where no call can be named for them. The cost of this choice: a process that detaches itself (a double
-fork) is no longer anyone's child here and is not found. Without the per-thread lists (a kernel without
-CONFIG_PROC_CHILDREN, or not Linux) nothing is found and nothing is ended.
+Why the trainer is not a subreaper (prctl PR_SET_CHILD_SUBREAPER): it would become the parent of every orphan in
+its tree, the engines' and libraries' included, which it would then have to reap, and the adopted orphans land on
+the main thread, where no call can be named for them. So a process that detaches itself (a double fork) is no
+longer anyone's child here and is not found by a sweep; under `podsrl train` the supervising parent is the run's
+subreaper and ends it when the trainer has ended (podsrl/run/supervisor.py). Without the per-thread lists (a
+kernel without CONFIG_PROC_CHILDREN, or not Linux) nothing is found and nothing is ended.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ def _tree(pids: list[int]) -> list[int]:
         for tid in tids:
             todo += _children(pid, tid)
     return found
+
+
+def running_descendants(pid: int) -> list[int]:
+    """The processes below `pid` (any thread's children, and theirs) that still run (not zombies)."""
+    return [p for p in _tree([pid])[1:] if (process_state(p) or "Z") not in "ZX"]
 
 
 def process_state(pid: int) -> str | None:

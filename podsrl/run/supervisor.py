@@ -15,6 +15,11 @@ trainer; one the terminal sends its whole foreground group (Ctrl-C) reaches the 
 on again, so one Ctrl-C is one stop and a second one still aborts. The trainer dies with the parent
 (PR_SET_PDEATHSIG), so a SIGKILL of the parent kills the run as it did before. Linux only; `main(argv)` called
 from Python (a library use, the tests) runs in its own process as before.
+
+The parent is also the run's subreaper (PR_SET_CHILD_SUBREAPER): a process in the trainer's tree whose parent ends
+(a daemon that user code detached by a double fork, a child that outlives the trainer) becomes the parent's child
+instead of init's. The parent reaps them as they end, and when the trainer has ended it ends what is still running
+after a grace second, with one warning line and their count: nothing the run started outlives `podsrl train`.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
+from podsrl.episodes.children import GRACE_S, running_descendants
 from podsrl.exit_codes import ExitCode
 
 log = logging.getLogger("podsrl")
@@ -33,6 +40,7 @@ log = logging.getLogger("podsrl")
 PASSED_ON = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 WATCHED = {*PASSED_ON, signal.SIGCHLD}
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 _report_fd: int | None = None  # the trainer's end of the pipe to its parent
 _parent_pid: int | None = None  # the trainer's: the pid of `podsrl train` as the user and the scheduler see it
 
@@ -56,6 +64,8 @@ def supervise(run_dir: Path) -> None:
     # blocked from before the fork: the parent takes them with sigtimedwait (with who sent them), the trainer
     # gets its usual handlers back
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, WATCHED)
+    # orphans of the trainer's tree come to this process (kept across its exec; the trainer does not inherit it)
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     pid = os.fork()
     if pid == 0:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -84,15 +94,18 @@ def report_exit(code: int) -> None:
 
 
 def _wait(pid: int, read: int, run_dir: Path) -> int:
-    while True:
+    status = None
+    while status is None:
         info = signal.sigtimedwait(WATCHED, 1.0)
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
+        status = _reap_ended().get(pid)
         # si_code <= 0: sent by a process (kill, sigqueue, tgkill); > 0: by the kernel, e.g. the terminal's Ctrl-C,
         # which the trainer, in the same foreground group, got too
-        if info is not None and info.si_signo in PASSED_ON and info.si_code <= 0:
+        if status is None and info is not None and info.si_signo in PASSED_ON and info.si_code <= 0:
             os.kill(pid, info.si_signo)
+    left = _end_left_behind()
+    if left:
+        _say(f"{left} process{'es' if left > 1 else ''} the run started outlived the training process (detached by "
+             "an environment, a tool or a reward function, or not ended by it): ended", run_dir, logging.WARNING)
     try:  # not blocking: a process the trainer forked may still hold the pipe's other end
         told = os.read(read, 64).decode().strip()
     except BlockingIOError:
@@ -108,6 +121,43 @@ def _wait(pid: int, read: int, run_dir: Path) -> int:
     return ExitCode.FAULT
 
 
+def _reap_ended() -> dict[int, int]:
+    """Reaps every child that has ended (the trainer, and orphans of its tree adopted as the run's subreaper):
+    pid -> wait status."""
+    ended = {}
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return ended
+        if pid == 0:
+            return ended
+        ended[pid] = status
+
+
+def _end_left_behind() -> int:
+    """After the trainer: what its tree left running (adopted here), given GRACE_S to end by itself (the trainer's
+    own children end on its death), then ended with SIGKILL and reaped. Returns how many had to be ended."""
+    deadline = time.monotonic() + GRACE_S
+    while (left := running_descendants(os.getpid())) and time.monotonic() < deadline:
+        _reap_ended()
+        time.sleep(0.02)
+    ended = set()
+    for _ in range(3):  # one may fork while the tree is read: read it again until nothing runs
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        ended.update(left)
+        time.sleep(0.02)
+        _reap_ended()
+        left = running_descendants(os.getpid())
+        if not left:
+            break
+    return len(ended)
+
+
 def _end_by(signum: int) -> None:
     """End this process by `signum`, as the trainer ended."""
     sys.stdout.flush()
@@ -120,18 +170,22 @@ def _end_by(signum: int) -> None:
 
 
 def _say_unfinished(pid: int, code: int, run_dir: Path) -> None:
+    _say(f"the training process (pid {pid}) ended with exit code {code} outside podsrl's own exit, before the run "
+         f"finished (no summary.json): code in an environment, a tool or a reward function ended it (os._exit, "
+         f"sys.exit, a C library's exit()); exit code {int(ExitCode.FAULT)}. What its last checkpoint holds is "
+         f"kept: `podsrl train --resume {run_dir}` continues from there", run_dir, logging.ERROR)
+
+
+def _say(message: str, run_dir: Path, level: int) -> None:
+    """One line on stderr and, once the trainer got as far as the run directory, in its run.log."""
     from podsrl.run.log import RunLog
 
-    message = (f"the training process (pid {pid}) ended with exit code {code} outside podsrl's own exit, before the "
-               f"run finished (no summary.json): code in an environment, a tool or a reward function ended it "
-               f"(os._exit, sys.exit, a C library's exit()); exit code {int(ExitCode.FAULT)}. What its last "
-               f"checkpoint holds is kept: `podsrl train --resume {run_dir}` continues from there")
-    print(f"podsrl: error: {message}", file=sys.stderr)
-    if (run_dir / "config.yaml").is_file():  # the trainer got as far as the run directory
+    print(f"podsrl: {logging.getLevelName(level).lower()}: {message}", file=sys.stderr)
+    if (run_dir / "config.yaml").is_file():
         run_log = RunLog(run_dir)
         log.propagate, propagate = False, log.propagate  # stderr has it already
         try:
-            log.error(message)
+            log.log(level, message)
         finally:
             log.propagate = propagate
             run_log.close()

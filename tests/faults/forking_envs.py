@@ -4,6 +4,7 @@ hanging_envs.py). Its episodes are the arithmetic task's with a calculator; the 
 `step` each do what `task.args.act` says, appending the pid of any process they start to `task.args.record`:
 - fork_exit: fork; the child calls sys.exit(0) (the common mistake: it meant the child to end there);
 - leave: start `sleep 300` and never wait for it;
+- detach: a daemon by a double fork (its own session, `sleep 300`, its parent gone: nobody's child in the trainer);
 - os_exit: end the whole process with os._exit(0)."""
 
 from __future__ import annotations
@@ -43,10 +44,30 @@ class ForkingTask(ArithmeticToolTask):
             pid = os.fork()
             if pid == 0:
                 sys.exit(0)
+        elif self.act == "detach":
+            pid = self.detach()
         else:
             pid = subprocess.Popen(["sleep", "300"]).pid
         with open(self.record, "a") as f:
             f.write(f"{pid}\n")
+
+    @staticmethod
+    def detach() -> int:
+        """The daemon's pid, told by the intermediate child before it exits."""
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:
+            os.setsid()
+            daemon = os.fork()
+            if daemon == 0:
+                os.execvp("sleep", ["sleep", "300"])
+            os.write(write, f"{daemon}".encode())
+            os._exit(0)
+        os.close(write)
+        pid = int(os.read(read, 32))
+        os.close(read)
+        os.waitpid(child, 0)
+        return pid
 
     def environment(self, tool_timeout_s: float) -> ForkingEnvironment:
         return ForkingEnvironment(self, tool_timeout_s)

@@ -43,19 +43,25 @@ def end_started(record: Path) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+def run_finished(tmp_path: Path, launcher, act: str, times: int, wait_s: float = 0.0):
+    """A finished `podsrl train` whose environment did `act` `times` times: its result and those of the processes
+    the acts started that still run after at most `wait_s` (then ended, so that a failed test leaves nothing)."""
+    record = tmp_path / "pids"
+    result = launcher.run(forking_argv(tmp_path / "run", act, times, record), module="tests.faults.forking_envs")
+    assert result.code == 0, result.stderr[-3000:]
+    pids = started(record)
+    assert len(pids) == times
+    deadline = time.monotonic() + wait_s
+    while running(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = running(pids)
+    end_started(record)
+    return result, left
+
+
 def test_a_forked_child_that_calls_sys_exit_ends(tmp_path, launcher):
-    run, record = tmp_path / "run", tmp_path / "pids"
-    try:
-        result = launcher.run(forking_argv(run, "fork_exit", 3, record), module="tests.faults.forking_envs")
-        assert result.code == 0, result.stderr[-3000:]
-        children = started(record)
-        assert len(children) == 3
-        deadline = time.monotonic() + 10
-        while running(children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not running(children), f"forked copies of the trainer still alive: {running(children)}"
-    finally:
-        end_started(record)
+    result, left = run_finished(tmp_path, launcher, "fork_exit", 3, wait_s=10)
+    assert not left, f"forked copies of the trainer still alive: {left}"
     assert "SystemExit" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
 
 
@@ -73,6 +79,16 @@ def test_processes_a_step_leaves_running_are_ended_with_one_warning(tmp_path, la
     warned = [line for line in log.splitlines() if "left" in line and "processes running" in line]
     assert len(warned) == 1 and "ForkingEnvironment.step left" in warned[0], log[-3000:]
     assert "ended over the run: ForkingEnvironment.step: 6" in log, log[-3000:]
+
+
+def test_a_daemon_a_step_detaches_does_not_outlive_podsrl_train(tmp_path, launcher):
+    """A double fork leaves a process that is nobody's child in the trainer (the sweeps cannot find it): as the run's
+    subreaper, `podsrl train`'s supervising parent adopts it and ends it once the trainer has ended, in one line."""
+    result, left = run_finished(tmp_path, launcher, "detach", 2)
+    assert not left, f"detached daemons outlived the run: {left}"
+    said = "2 processes the run started outlived the training process"
+    assert [line for line in result.stderr.splitlines() if said in line][0].startswith("podsrl: warning: ")
+    assert said in (tmp_path / "run" / "run.log").read_text().splitlines()[-1]
 
 
 def test_os_exit_0_in_a_step_is_a_failure_not_a_finished_run(tmp_path, launcher):
