@@ -18,6 +18,7 @@ from podsrl.engines.rows import (
     stop_ids,
 )
 from podsrl.engines.sampling import derive_seed
+from podsrl.planning.workload import EngineMemory
 
 
 @contextmanager
@@ -77,6 +78,12 @@ class HFEngine(RolloutEngine):
 
     name = "hf"
     no_async_reason = "it seeds sampling through the process-wide torch RNG that the learner shares"
+
+    @classmethod
+    def device_memory(cls, options: dict) -> EngineMemory:
+        """transformers' `generate`: one call over all of a rank's rows (no waves), a cache that grows a position
+        at a time (no blocks), the model's own projections (no fused copies)."""
+        return EngineMemory(cache_block=1, fused_weights=False, waves=False)
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, **options: Any) -> None:
         self.model = model

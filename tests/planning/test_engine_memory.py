@@ -5,7 +5,11 @@ cache (a whole forward a step over every row at once) and no fused weights."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
+import torch
 
 from podsrl.engines import engine_class
 from podsrl.planning.workload import CACHE_BLOCK, EngineMemory
@@ -14,6 +18,7 @@ from tests.engines.test_example_engine import REGISTER, run_with_the_example
 PLAN = REGISTER + r"""
 import contextlib, io
 from dataclasses import replace
+from pathlib import Path
 
 from podsrl.cli import main
 from podsrl.config import load_config
@@ -60,13 +65,44 @@ print("ok", rows)
 
 
 def test_the_registered_engines_declare_what_the_plan_assumed_of_them():
-    """The fast engine's description follows its cache_block option; the others keep the default, the fast
+    """The fast engine's description follows its cache_block option; ray and vllm keep the default, the fast
     engine's at its defaults, so their plans are the ones recorded in docs/gpu.md and the fixtures."""
     fast = engine_class("fast")
     assert fast.device_memory({}) == EngineMemory() == EngineMemory(True, CACHE_BLOCK, True, True)
     assert fast.device_memory({"cache_block": 16}).cache_block == 16
-    for name in ("hf", "ray", "vllm"):
+    for name in ("ray", "vllm"):
         assert engine_class(name).device_memory({}) == EngineMemory(), name
+
+
+def test_the_hf_engine_declares_what_generate_holds_and_the_plan_prices_it(monkeypatch):
+    """`rollout.engine: hf` is transformers' generate: one call over every row (no waves), a cache grown a position
+    at a time (no blocks) and the model's own projections (no fused copies). Its declaration says so, the engine
+    does so (one generate call over all rows), and the plan prices it: every row in flight,
+    cache positions not rounded, no fused weights."""
+    from podsrl.engines import SamplingParams
+    from podsrl.engines.hf import HFEngine
+    from podsrl.planning import memory as mp
+    from podsrl.planning.workload import Workload, load_model_config, model_shape
+    from tests.engines.test_engines import Tok, make_model, random_prompts
+
+    declared = HFEngine.device_memory({})
+    assert declared == EngineMemory(kv_cache=True, cache_block=1, fused_weights=False, waves=False)
+
+    model = make_model("llama", peak=3.0, eos_bias=2.0)
+    calls, generate = [], model.generate
+    monkeypatch.setattr(model, "generate", lambda *a, **kw: calls.append(len(kw["input_ids"])) or generate(*a, **kw))
+    HFEngine(model, Tok()).generate(random_prompts([4, 8, 6]), [3, 2, 4], SamplingParams(max_new_tokens=5),
+                                    torch.arange(9))
+    assert calls == [9]  # every row in one call
+
+    shape = model_shape(load_model_config(str(Path(__file__).parents[2] / "docs/models/qwen2.5-math-1.5b.json")))
+    work = Workload(prompts=64, n=8, m=8, prompt_length=250, completion_length=500, dtype="bfloat16",
+                    compute_dtype="bfloat16", device="cuda")
+    hf, fast = (mp.make_plan(shape, replace(work, engine=engine), 24 * 2**30) for engine in (declared, EngineMemory()))
+    assert hf.work.generation_rows == work.rank_rows == 512  # no waves: every row at once
+    assert fast.work.generation_rows < work.rank_rows  # the fast engine's waves fit the device
+    assert mp.kept_positions(hf.work) == 750 and mp.kept_positions(fast.work) == 768  # 750 rounded to 64
+    assert hf.update[False]["fused_weights"] == 0 < fast.update[False]["fused_weights"]
 
 
 @pytest.mark.slow  # a fresh interpreter importing torch and transformers
